@@ -1,0 +1,172 @@
+"""Launch configurations for the fused MoE GEMMs: tuned JSON first, then a heuristic.
+
+Lookup order for ``get_moe_config``:
+  1. ``MOELORA_MOE_CONFIG``: a JSON object (or a path to a JSON file holding one) that forces the config,
+     e.g. ``{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1}``.
+  2. Tuned files ``configs/E={E},N={I},device_name={device},dtype={dtype}.json`` beside this module (or in
+     ``MOELORA_MOE_CONFIG_DIR``), keyed by M; the entry for the nearest M is used. Set
+     ``MOELORA_NO_TUNED_CONFIGS=1`` to skip them (to compare against the heuristic, or while tuning).
+  3. The heuristic of ``default_moe_config`` (seed 000 §3, adjusted for the fused activation).
+
+A config entry holds BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages and may carry a ``"gemm2"``
+object overriding N/K/GROUP/warps/stages for the down projection (BLOCK_SIZE_M is shared, because the
+token alignment is computed once for both GEMMs). For GEMM1 BLOCK_SIZE_N counts columns of the activated
+output: the program reads gate and up tiles of that width each.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+_CONFIG_DIR = Path(__file__).parent / "configs"
+_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def from_dict(cls, raw: dict, base: GemmConfig | None = None) -> GemmConfig:
+        unknown = set(raw) - set(_KEYS) - {"gemm2"}
+        if unknown:
+            raise ValueError(f"unknown MoE config keys {sorted(unknown)}; expected a subset of {_KEYS}")
+        fields = {
+            "block_m": raw.get("BLOCK_SIZE_M"),
+            "block_n": raw.get("BLOCK_SIZE_N"),
+            "block_k": raw.get("BLOCK_SIZE_K"),
+            "group_m": raw.get("GROUP_SIZE_M"),
+            "num_warps": raw.get("num_warps"),
+            "num_stages": raw.get("num_stages"),
+        }
+        fields = {k: int(v) for k, v in fields.items() if v is not None}
+        if base is not None:
+            return replace(base, **fields)
+        missing = {"block_m", "block_n", "block_k"} - set(fields)
+        if missing:
+            raise ValueError("a MoE config needs BLOCK_SIZE_M, BLOCK_SIZE_N and BLOCK_SIZE_K")
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        return dict(zip(_KEYS, (self.block_m, self.block_n, self.block_k, self.group_m,
+                                self.num_warps, self.num_stages), strict=True))
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Configs of the two GEMMs of one fused MoE call; they share block_m (one alignment)."""
+
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    @property
+    def block_m(self) -> int:
+        return self.gemm1.block_m
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> MoEConfig:
+        gemm1 = GemmConfig.from_dict(raw)
+        gemm2 = GemmConfig.from_dict(raw.get("gemm2", {}), base=gemm1)
+        if gemm2.block_m != gemm1.block_m:
+            raise ValueError("gemm2 may not change BLOCK_SIZE_M: both GEMMs share one token alignment")
+        return cls(gemm1, gemm2)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def device_name(device: torch.device | None = None) -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(num_experts: int, intermediate: int, device: str, dtype: torch.dtype) -> str:
+    return f"E={num_experts},N={intermediate},device_name={device},dtype={dtype_name(dtype)}.json"
+
+
+@functools.lru_cache(maxsize=64)
+def _load_tuned(path: str) -> tuple[tuple[int, MoEConfig], ...]:
+    with open(path) as f:
+        raw = json.load(f)
+    return tuple(sorted((int(m), MoEConfig.from_dict(cfg)) for m, cfg in raw.items()))
+
+
+def _forced_config() -> MoEConfig | None:
+    forced = os.environ.get("MOELORA_MOE_CONFIG")
+    if not forced:
+        return None
+    text = Path(forced).read_text() if not forced.lstrip().startswith("{") else forced
+    return MoEConfig.from_dict(json.loads(text))
+
+
+def tuned_moe_config(
+    num_tokens: int, num_experts: int, intermediate: int, dtype: torch.dtype, device: str
+) -> MoEConfig | None:
+    """The tuned entry nearest to ``num_tokens`` for this shape and device, or None."""
+    if os.environ.get("MOELORA_NO_TUNED_CONFIGS") == "1":
+        return None
+    config_dir = Path(os.environ.get("MOELORA_MOE_CONFIG_DIR", _CONFIG_DIR))
+    path = config_dir / config_file_name(num_experts, intermediate, device, dtype)
+    if not path.is_file():
+        return None
+    entries = _load_tuned(str(path))
+    return min(entries, key=lambda entry: abs(entry[0] - num_tokens))[1]
+
+
+def default_moe_config(
+    num_tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int, dtype: torch.dtype
+) -> MoEConfig:
+    """Heuristic: decode-sized batches stream weights (small BLOCK_M, deep pipelines); larger batches
+    want square tensor-core tiles. Pairs per expert decides which regime we are in."""
+    pairs_per_expert = num_tokens * top_k / num_experts
+    if dtype == torch.float32:
+        # fp32 tiles take twice the shared memory: keep them small.
+        gemm1 = GemmConfig(16 if pairs_per_expert <= 16 else 32, 32, 32, 1, 4, 2)
+        return MoEConfig(gemm1, replace(gemm1, block_n=64))
+    if pairs_per_expert <= 4:
+        gemm1 = GemmConfig(16, 64, 128, 1, 4, 4)
+        gemm2 = GemmConfig(16, 64, 128, 1, 4, 4)
+    elif pairs_per_expert <= 32:
+        gemm1 = GemmConfig(32, 64, 64, 8, 4, 4)
+        gemm2 = GemmConfig(32, 128, 64, 8, 4, 4)
+    elif pairs_per_expert <= 96:
+        gemm1 = GemmConfig(64, 64, 64, 8, 4, 4)
+        gemm2 = GemmConfig(64, 128, 64, 8, 8, 4)
+    else:
+        gemm1 = GemmConfig(128, 64, 64, 8, 8, 4)
+        gemm2 = GemmConfig(128, 128, 64, 8, 8, 4)
+    return MoEConfig(gemm1, gemm2)
+
+
+def get_moe_config(
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> MoEConfig:
+    """Forced config, else tuned JSON for this device, else the heuristic (see the module docstring)."""
+    forced = _forced_config()
+    if forced is not None:
+        return forced
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    if on_gpu:
+        tuned = tuned_moe_config(num_tokens, num_experts, intermediate, dtype, device_name(device))
+        if tuned is not None:
+            return tuned
+    return default_moe_config(num_tokens, num_experts, hidden, intermediate, top_k, dtype)

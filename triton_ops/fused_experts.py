@@ -1,0 +1,171 @@
+"""The base fused MoE: alignment, GEMM1 with the gated activation in its epilogue, GEMM2, top-k combine.
+
+Semantics:  out[t] = rsf * sum_j w[t, j] * W2[e_j] @ (act(W13[e_j, :I] @ x[t]) * (W13[e_j, I:] @ x[t]))
+            with e_j = topk_ids[t, j]; with apply_router_weight_on_input, w scales x before GEMM1 instead.
+Launches:   moe_align_block_size (3) -> GEMM1+activation -> GEMM2 (routed weight, rsf) -> top-k sum
+            (the sum is skipped for top_k == 1 and for no_combine, where GEMM2 writes the output).
+
+No step reads a device value on the host, so a call with a fixed token count can be captured in a CUDA
+graph. Very large batches are processed in chunks of ``MOELORA_MOE_CHUNK_TOKENS`` tokens (default
+32768) to bound the intermediate buffers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from triton_ops.configs import MoEConfig, get_moe_config
+from triton_ops.fused_moe import _ACTIVATIONS, invoke_fused_moe_kernel
+from triton_ops.moe_align import moe_align_block_size
+from triton_ops.moe_sum import moe_sum_reduce
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _chunk_tokens() -> int:
+    return max(1, int(os.environ.get("MOELORA_MOE_CHUNK_TOKENS", 32768)))
+
+
+def check_moe_inputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    """Raises ValueError/TypeError that say what was expected for inconsistent MoE inputs."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be (num_tokens, hidden), got shape {tuple(x.shape)}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"w13 must be (E, 2*I, H) and w2 (E, H, I); got {tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    num_experts, two_i, hidden = w13.shape
+    if hidden != x.shape[1]:
+        raise ValueError(f"w13 is (E, 2I, H) = {tuple(w13.shape)} but x has hidden size {x.shape[1]}")
+    if two_i % 2:
+        raise ValueError(f"w13's second dim must be 2*I (gate rows then up rows), got {two_i}")
+    if tuple(w2.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(
+            f"w2 must be (E, H, I) = {(num_experts, hidden, two_i // 2)} to match w13 {tuple(w13.shape)}, "
+            f"got {tuple(w2.shape)}"
+        )
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"w13 and w2 must have x's dtype {x.dtype}, got {w13.dtype} and {w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be (num_tokens={x.shape[0]}, top_k), got {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights {tuple(topk_weights.shape)} must have topk_ids' shape {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
+    for name, tensor in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}: all must share a device")
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    inplace: bool = False,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    routed_scaling_factor: float = 1.0,
+    no_combine: bool = False,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """Runs the routed experts of one MoE layer (see the module docstring for the math).
+
+    Args:
+        x: (M, H) float16/bfloat16/float32 activations.
+        w13: (E, 2I, H), rows [0, I) gate and [I, 2I) up; w2: (E, H, I); same dtype as x.
+        topk_weights: (M, top_k) routing weights (float32; other float dtypes are upcast).
+        topk_ids: (M, top_k) int32/int64 expert ids in [0, E) (not checked on the device).
+        inplace: write the result into x and return x.
+        activation: "silu" or "gelu" (exact), applied to the gate half.
+        apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top_k == 1 models).
+        routed_scaling_factor: rsf, multiplies the combined output.
+        no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
+        config: force a launch config (default: ``triton_ops.configs.get_moe_config``).
+    """
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    if inplace and no_combine:
+        raise ValueError("inplace and no_combine cannot be combined: the outputs have different shapes")
+
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    intermediate = two_i // 2
+    top_k = topk_ids.shape[1]
+    if topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.float()
+
+    if no_combine:
+        out = torch.empty((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)
+    elif inplace:
+        out = x
+    else:
+        out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+
+    chunk = min(num_tokens, _chunk_tokens())
+    activated = torch.empty((chunk * top_k, intermediate), dtype=x.dtype, device=x.device)
+    pair_out = None
+    if top_k > 1 and not no_combine:
+        pair_out = torch.empty((chunk * top_k, hidden), dtype=x.dtype, device=x.device)
+
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        rows = end - start
+        cfg = config or get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device)
+        chunk_ids = topk_ids[start:end]
+        chunk_weights = topk_weights[start:end].reshape(-1)
+        if not chunk_weights.is_contiguous():
+            chunk_weights = chunk_weights.contiguous()
+        sorted_ids, expert_ids, num_post_padded = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
+        align = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post_padded)
+
+        chunk_activated = activated[: rows * top_k]
+        invoke_fused_moe_kernel(
+            x[start:end],
+            w13,
+            chunk_activated,
+            topk_weights=chunk_weights if apply_router_weight_on_input else None,
+            a_row_div=top_k,
+            config=cfg.gemm1,
+            activation=activation,
+            **align,
+        )
+
+        if no_combine:
+            target = out[start:end].view(rows * top_k, hidden)
+        elif top_k == 1:
+            target = out[start:end]
+        else:
+            target = pair_out[: rows * top_k]
+        invoke_fused_moe_kernel(
+            chunk_activated,
+            w2,
+            target,
+            topk_weights=None if apply_router_weight_on_input else chunk_weights,
+            a_row_div=1,
+            config=cfg.gemm2,
+            scale=routed_scaling_factor,
+            **align,
+        )
+        if pair_out is not None:
+            moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
+    return out

@@ -1,0 +1,208 @@
+"""Grouped GEMM over routed (token, expert) pairs: the two projections of a fused MoE layer.
+
+Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]:
+              ACTIVATION = none:  c[p, :]  = scale * w_p^m * (B[e] @ a[p // a_row_div])
+              ACTIVATION = silu:  c[p, :N] = act(g) * u,  g = s B[e, :N] a,  u = s B[e, N:2N] a
+            with w_p^m = topk_weights[p] when MUL_ROUTED_WEIGHT else 1, s = scale * w_p^m, and
+            a_row_div = top_k for GEMM1 (rows of x) and 1 for GEMM2 (rows of the intermediate).
+Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
+            consecutive programs reuse the same weight tiles from L2.
+
+Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
+with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
+on the host without a sync. Offsets into a, b and c are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_ops.configs import GemmConfig
+
+ACTIVATION_NONE = 0
+ACTIVATION_SILU = 1
+ACTIVATION_GELU = 2
+_ACTIVATIONS = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU}
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return act * up
+
+
+@triton.jit
+def _fused_moe_kernel(
+    # Pointers
+    a_ptr,  # (rows, K) fp16/bf16/fp32: x for GEMM1, the activated intermediate for GEMM2
+    b_ptr,  # (E, N or 2N, K) same dtype: w13 for GEMM1 (gate rows then up rows), w2 for GEMM2
+    c_ptr,  # (numel, N) same dtype, row per routed pair
+    topk_weights_ptr,  # (numel,) fp32, read when MUL_ROUTED_WEIGHT
+    sorted_ids_ptr,  # (max_padded,) int32, from moe_align_block_size
+    expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
+    num_post_padded_ptr,  # (1,) int32
+    # Sizes
+    N,
+    K,
+    numel,
+    max_padded,
+    a_row_div,
+    scale,
+    # Strides
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    # Meta-parameters
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    group_id = pid // pids_per_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
+    pid_n = (pid % pids_per_group) // group_size_m
+
+    num_post_padded = tl.load(num_post_padded_ptr)
+    if pid_m * BLOCK_M >= num_post_padded:
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = pair < numel
+    a_row = (pair // a_row_div).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
+    b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACTIVATION != 0:
+        up_ptrs = b_base + (offs_n + N).to(tl.int64)[None, :] * stride_bn
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
+        else:
+            k_valid = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        if FP32_IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if ACTIVATION != 0:
+            if EVEN_K:
+                b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
+            else:
+                b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            if FP32_IEEE:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+            up_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
+    if MUL_ROUTED_WEIGHT:
+        row_scale *= tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+    acc *= row_scale[:, None]
+    if ACTIVATION != 0:
+        acc_up *= row_scale[:, None]
+        acc = _gated_activation(acc, acc_up, ACTIVATION)
+
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+def invoke_fused_moe_kernel(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    topk_weights: torch.Tensor | None,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor,
+    a_row_div: int,
+    config: GemmConfig,
+    activation: str | None = None,
+    scale: float = 1.0,
+) -> None:
+    """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
+    gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync."""
+    numel = c.shape[0]
+    out_n = c.shape[1]
+    gated = activation is not None
+    if gated and activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    expected_b_rows = 2 * out_n if gated else out_n
+    if b.shape[1] != expected_b_rows or b.shape[2] != a.shape[1]:
+        raise ValueError(
+            f"weights of shape {tuple(b.shape)} do not match activations {tuple(a.shape)} and output "
+            f"{tuple(c.shape)}: expected (E, {expected_b_rows}, {a.shape[1]})"
+        )
+    if topk_weights is not None and topk_weights.dtype != torch.float32:
+        raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    max_padded = sorted_ids.shape[0]
+    grid = (triton.cdiv(max_padded, config.block_m) * triton.cdiv(out_n, config.block_n),)
+    K = a.shape[1]
+    _fused_moe_kernel[grid](
+        a_ptr=a,
+        b_ptr=b,
+        c_ptr=c,
+        topk_weights_ptr=topk_weights if topk_weights is not None else c,
+        sorted_ids_ptr=sorted_ids,
+        expert_ids_ptr=expert_ids,
+        num_post_padded_ptr=num_post_padded,
+        N=out_n,
+        K=K,
+        numel=numel,
+        max_padded=max_padded,
+        a_row_div=a_row_div,
+        scale=float(scale),
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_be=b.stride(0),
+        stride_bn=b.stride(1),
+        stride_bk=b.stride(2),
+        stride_cm=c.stride(0),
+        stride_cn=c.stride(1),
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        ACTIVATION=_ACTIVATIONS[activation] if gated else ACTIVATION_NONE,
+        FP32_IEEE=a.dtype == torch.float32,
+        EVEN_K=K % config.block_k == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

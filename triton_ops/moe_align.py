@@ -1,0 +1,223 @@
+"""Sort routed (token, k) pairs by expert and pad every expert's run to the GEMM block size.
+
+Semantics:  for e = 0 .. E-1 in order, ``sorted_ids`` lists the flat pair indices p = t*top_k + j with
+            topk_ids[t, j] == e in ascending order, then the sentinel ``numel`` up to the next multiple
+            of ``block_size``; experts with no pair take no block.
+            expert_ids[b] = expert of block b (b < num_post_padded / block_size), -1 past the end.
+            num_post_padded[0] = sum_e roundup(count_e, block_size).
+Grid:       count   (num_chunks,)   per-chunk expert histogram and each pair's rank inside its chunk
+            offsets (1,)            chunk prefix per expert, padded expert starts, block->expert map
+            scatter (num_chunks,)   sorted_ids[expert_start[e] + chunk_offset[c, e] + rank] = p
+
+Everything is sized from ``numel`` and ``num_experts`` on the host, so nothing syncs with the GPU and
+the three launches can be captured in a CUDA graph. The order inside an expert is deterministic
+(ascending pair index), so two runs on the same routing produce bit-identical GEMM inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Pairs handled by one program of the count/scatter kernels; the in-chunk rank uses a
+# CHUNK x CHUNK comparison, so this also bounds registers.
+_CHUNK = 128
+
+
+@triton.jit
+def _count_kernel(
+    # Pointers
+    topk_ids_ptr,  # (numel,) int32/int64, flat routed expert ids
+    chunk_counts_ptr,  # (num_chunks, E) int32, out: pairs of each expert in each chunk
+    pair_rank_ptr,  # (numel,) int32, out: rank of the pair among its chunk's pairs of the same expert
+    # Sizes
+    numel,
+    num_experts,
+    # Meta-parameters
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < numel
+    # Out-of-range lanes get expert -1 so they match no real expert.
+    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+
+    lane = tl.arange(0, CHUNK)
+    same_before = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    tl.store(pair_rank_ptr + offs, rank, mask=valid)
+
+    row = chunk_counts_ptr + chunk.to(tl.int64) * num_experts
+    for e0 in range(0, num_experts, BLOCK_E):
+        experts = e0 + tl.arange(0, BLOCK_E)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
+        tl.store(row + experts, tl.sum(hits, axis=0), mask=experts < num_experts)
+
+
+@triton.jit
+def _offsets_kernel(
+    # Pointers
+    chunk_counts_ptr,  # (num_chunks, E) int32, in: counts; out: exclusive prefix over chunks
+    expert_start_ptr,  # (E,) int32, out: first sorted position of each expert
+    expert_ids_ptr,  # (max_blocks,) int32, out: expert of each block, -1 past the end
+    sorted_ids_ptr,  # (max_padded,) int32, out here: only the padding tail of each expert
+    num_post_padded_ptr,  # (1,) int32, out
+    # Sizes
+    numel,
+    num_experts,
+    num_chunks,
+    max_blocks,
+    # Meta-parameters
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    experts = tl.arange(0, BLOCK_E)
+    expert_mask = experts < num_experts
+
+    # Per expert, turn chunk counts into exclusive prefixes (where each chunk's pairs start).
+    totals = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        ptrs = chunk_counts_ptr + chunks.to(tl.int64)[:, None] * num_experts + experts[None, :]
+        mask = (chunks[:, None] < num_chunks) & expert_mask[None, :]
+        counts = tl.load(ptrs, mask=mask, other=0)
+        inclusive = tl.cumsum(counts, axis=0)
+        tl.store(ptrs, inclusive - counts + totals[None, :], mask=mask)
+        totals += tl.sum(counts, axis=0)
+
+    padded = tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(expert_start_ptr + experts, starts, mask=expert_mask)
+    total_padded = tl.sum(padded, axis=0)
+    tl.store(num_post_padded_ptr, total_padded)
+
+    # Sentinel in the padding tail of every expert's run (fewer than BLOCK_SIZE slots each).
+    tail = tl.arange(0, BLOCK_SIZE)
+    tail_mask = expert_mask[:, None] & (tail[None, :] < (padded - totals)[:, None])
+    tail_ptrs = sorted_ids_ptr + (starts + totals)[:, None] + tail[None, :]
+    tl.store(tail_ptrs, tl.zeros((BLOCK_E, BLOCK_SIZE), dtype=tl.int32) + numel, mask=tail_mask)
+
+    # Block b belongs to the last expert whose first block is <= b; blocks past the end get -1.
+    first_block = tl.where(expert_mask & (padded > 0), starts // BLOCK_SIZE, max_blocks + 1)
+    num_blocks_used = total_padded // BLOCK_SIZE
+    for b0 in range(0, max_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.max(tl.where(first_block[None, :] <= blocks[:, None], experts[None, :], -1), axis=1)
+        owner = tl.where(blocks < num_blocks_used, owner, -1)
+        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+
+
+@triton.jit
+def _scatter_kernel(
+    # Pointers
+    topk_ids_ptr,  # (numel,) int32/int64
+    pair_rank_ptr,  # (numel,) int32
+    chunk_counts_ptr,  # (num_chunks, E) int32, exclusive prefix over chunks
+    expert_start_ptr,  # (E,) int32
+    sorted_ids_ptr,  # (max_padded,) int32, out
+    # Sizes
+    numel,
+    num_experts,
+    # Meta-parameters
+    CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < numel
+    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    rank = tl.load(pair_rank_ptr + offs, mask=valid, other=0)
+    chunk_offset = tl.load(chunk_counts_ptr + chunk.to(tl.int64) * num_experts + ids, mask=valid, other=0)
+    start = tl.load(expert_start_ptr + ids, mask=valid, other=0)
+    tl.store(sorted_ids_ptr + start + chunk_offset + rank, offs.to(tl.int32), mask=valid)
+
+
+def max_padded_size(numel: int, num_experts: int, block_size: int) -> int:
+    """Upper bound on ``num_post_padded``: every expert may waste up to block_size - 1 slots."""
+    return numel + num_experts * (block_size - 1)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group routed pairs by expert, padded per expert to ``block_size`` (see the module docstring).
+
+    Args:
+        topk_ids: (M, top_k) int32 or int64, values in [0, num_experts). Values are not checked on
+            the device (that would sync); out-of-range ids give undefined results.
+        block_size: the GEMM's BLOCK_SIZE_M, a power of two.
+        num_experts: E.
+
+    Returns:
+        sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),) int32 and
+        num_post_padded (1,) int32, all on topk_ids' device; max_padded = numel + E*(block_size-1).
+    """
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D (num_tokens, top_k), got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+
+    flat_ids = topk_ids.reshape(-1)
+    if not flat_ids.is_contiguous():
+        flat_ids = flat_ids.contiguous()
+    numel = flat_ids.numel()
+    device = topk_ids.device
+    max_padded = max_padded_size(numel, num_experts, block_size)
+    max_blocks = triton.cdiv(max_padded, block_size)
+    num_chunks = max(1, triton.cdiv(numel, _CHUNK))
+
+    # Positions past num_post_padded must hold the sentinel too, so start from it.
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
+    num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+    pair_rank = torch.empty((max(numel, 1),), dtype=torch.int32, device=device)
+    expert_start = torch.empty((num_experts,), dtype=torch.int32, device=device)
+
+    block_e = triton.next_power_of_2(num_experts)
+    _count_kernel[(num_chunks,)](
+        topk_ids_ptr=flat_ids,
+        chunk_counts_ptr=chunk_counts,
+        pair_rank_ptr=pair_rank,
+        numel=numel,
+        num_experts=num_experts,
+        CHUNK=_CHUNK,
+        BLOCK_E=min(block_e, 64),
+        num_warps=4,
+    )
+    _offsets_kernel[(1,)](
+        chunk_counts_ptr=chunk_counts,
+        expert_start_ptr=expert_start,
+        expert_ids_ptr=expert_ids,
+        sorted_ids_ptr=sorted_ids,
+        num_post_padded_ptr=num_post_padded,
+        numel=numel,
+        num_experts=num_experts,
+        num_chunks=num_chunks,
+        max_blocks=max_blocks,
+        BLOCK_SIZE=block_size,
+        BLOCK_E=block_e,
+        BLOCK_C=max(1, min(triton.next_power_of_2(num_chunks), max(1, 8192 // block_e))),
+        BLOCK_B=max(16, min(256, 8192 // block_e)),
+        num_warps=8 if block_e >= 256 else 4,
+    )
+    if numel > 0:
+        _scatter_kernel[(num_chunks,)](
+            topk_ids_ptr=flat_ids,
+            pair_rank_ptr=pair_rank,
+            chunk_counts_ptr=chunk_counts,
+            expert_start_ptr=expert_start,
+            sorted_ids_ptr=sorted_ids,
+            numel=numel,
+            num_experts=num_experts,
+            CHUNK=_CHUNK,
+            num_warps=4,
+        )
+    return sorted_ids, expert_ids, num_post_padded
