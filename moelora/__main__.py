@@ -1,0 +1,5 @@
+import sys
+
+from moelora.cli import main
+
+sys.exit(main())
