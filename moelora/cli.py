@@ -40,7 +40,8 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     print(f"| {'E':>3} | {'top_k':>5} | {'H':>4} | {'I':>4} | {'M':>4} | {'max |Δ|':>9} | {'rel':>8} | "
           f"{'ms':>8} | ok |")
     print("|" + "|".join("-" * w for w in (5, 7, 6, 6, 6, 11, 10, 10, 4)) + "|")
-    for num_experts, top_k, hidden, inter, tokens in ((8, 2, 64, 48, 6), (16, 4, 96, 80, 13), (6, 1, 48, 40, 3)):
+    shapes = ((8, 2, 64, 48, 6), (16, 4, 96, 80, 13), (6, 1, 48, 40, 3))  # (E, top_k, H, I, M)
+    for num_experts, top_k, hidden, inter, tokens in shapes:
         x = torch.randn(tokens, hidden, generator=gen)
         w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
         w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5

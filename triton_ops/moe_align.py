@@ -5,7 +5,8 @@ Semantics:  for e = 0 .. E-1 in order, ``sorted_ids`` lists the flat pair indice
             of ``block_size``; experts with no pair take no block.
             expert_ids[b] = expert of block b (b < num_post_padded / block_size), -1 past the end.
             num_post_padded[0] = sum_e roundup(count_e, block_size).
-Grid:       count   (num_chunks,)   per-chunk expert histogram and each pair's rank inside its chunk
+Grid:       numel <= 128: one program does everything (decode: one launch). Otherwise:
+            count   (num_chunks,)   per-chunk expert histogram and each pair's rank inside its chunk
             offsets (1,)            chunk prefix per expert, padded expert starts, block->expert map
             scatter (num_chunks,)   sorted_ids[expert_start[e] + chunk_offset[c, e] + rank] = p
 
@@ -57,6 +58,47 @@ def _count_kernel(
 
 
 @triton.jit
+def _expert_layout(
+    totals,  # (BLOCK_E,) int32 pairs per expert
+    expert_start_ptr,
+    expert_ids_ptr,
+    sorted_ids_ptr,
+    num_post_padded_ptr,
+    numel,
+    num_experts,
+    max_blocks,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Padded expert starts, the sentinel in each expert's padding tail, and the block -> expert map.
+    Returns the starts (BLOCK_E,)."""
+    experts = tl.arange(0, BLOCK_E)
+    expert_mask = experts < num_experts
+    padded = tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(expert_start_ptr + experts, starts, mask=expert_mask)
+    total_padded = tl.sum(padded, axis=0)
+    tl.store(num_post_padded_ptr, total_padded)
+
+    # Sentinel in the padding tail of every expert's run (fewer than BLOCK_SIZE slots each).
+    tail = tl.arange(0, BLOCK_SIZE)
+    tail_mask = expert_mask[:, None] & (tail[None, :] < (padded - totals)[:, None])
+    tail_ptrs = sorted_ids_ptr + (starts + totals)[:, None] + tail[None, :]
+    tl.store(tail_ptrs, tl.zeros((BLOCK_E, BLOCK_SIZE), dtype=tl.int32) + numel, mask=tail_mask)
+
+    # Block b belongs to the last expert whose first block is <= b; blocks past the end get -1.
+    first_block = tl.where(expert_mask & (padded > 0), starts // BLOCK_SIZE, max_blocks + 1)
+    num_blocks_used = total_padded // BLOCK_SIZE
+    for b0 in range(0, max_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.max(tl.where(first_block[None, :] <= blocks[:, None], experts[None, :], -1), axis=1)
+        owner = tl.where(blocks < num_blocks_used, owner, -1)
+        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+    return starts
+
+
+@triton.jit
 def _offsets_kernel(
     # Pointers
     chunk_counts_ptr,  # (num_chunks, E) int32, in: counts; out: exclusive prefix over chunks
@@ -89,26 +131,19 @@ def _offsets_kernel(
         tl.store(ptrs, inclusive - counts + totals[None, :], mask=mask)
         totals += tl.sum(counts, axis=0)
 
-    padded = tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE
-    starts = tl.cumsum(padded, axis=0) - padded
-    tl.store(expert_start_ptr + experts, starts, mask=expert_mask)
-    total_padded = tl.sum(padded, axis=0)
-    tl.store(num_post_padded_ptr, total_padded)
-
-    # Sentinel in the padding tail of every expert's run (fewer than BLOCK_SIZE slots each).
-    tail = tl.arange(0, BLOCK_SIZE)
-    tail_mask = expert_mask[:, None] & (tail[None, :] < (padded - totals)[:, None])
-    tail_ptrs = sorted_ids_ptr + (starts + totals)[:, None] + tail[None, :]
-    tl.store(tail_ptrs, tl.zeros((BLOCK_E, BLOCK_SIZE), dtype=tl.int32) + numel, mask=tail_mask)
-
-    # Block b belongs to the last expert whose first block is <= b; blocks past the end get -1.
-    first_block = tl.where(expert_mask & (padded > 0), starts // BLOCK_SIZE, max_blocks + 1)
-    num_blocks_used = total_padded // BLOCK_SIZE
-    for b0 in range(0, max_blocks, BLOCK_B):
-        blocks = b0 + tl.arange(0, BLOCK_B)
-        owner = tl.max(tl.where(first_block[None, :] <= blocks[:, None], experts[None, :], -1), axis=1)
-        owner = tl.where(blocks < num_blocks_used, owner, -1)
-        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+    _expert_layout(
+        totals,
+        expert_start_ptr,
+        expert_ids_ptr,
+        sorted_ids_ptr,
+        num_post_padded_ptr,
+        numel,
+        num_experts,
+        max_blocks,
+        BLOCK_SIZE=BLOCK_SIZE,
+        BLOCK_E=BLOCK_E,
+        BLOCK_B=BLOCK_B,
+    )
 
 
 @triton.jit
@@ -135,9 +170,62 @@ def _scatter_kernel(
     tl.store(sorted_ids_ptr + start + chunk_offset + rank, offs.to(tl.int32), mask=valid)
 
 
+@triton.jit
+def _align_single_kernel(
+    # Pointers
+    topk_ids_ptr,  # (numel,) int32/int64, numel <= CHUNK
+    expert_start_ptr,  # (E,) int32, scratch
+    expert_ids_ptr,  # (max_blocks,) int32, out
+    sorted_ids_ptr,  # (max_padded,) int32, out
+    num_post_padded_ptr,  # (1,) int32, out
+    # Sizes
+    numel,
+    num_experts,
+    max_padded,
+    max_blocks,
+    # Meta-parameters
+    CHUNK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Decode-sized batches: the whole alignment in one program, one launch."""
+    offs = tl.arange(0, CHUNK)
+    valid = offs < numel
+    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    same_before = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
+    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    experts = tl.arange(0, BLOCK_E)
+    hits = ids[:, None] == experts[None, :]
+    totals = tl.sum(hits.to(tl.int32), axis=0)
+    starts = _expert_layout(
+        totals,
+        expert_start_ptr,
+        expert_ids_ptr,
+        sorted_ids_ptr,
+        num_post_padded_ptr,
+        numel,
+        num_experts,
+        max_blocks,
+        BLOCK_SIZE=BLOCK_SIZE,
+        BLOCK_E=BLOCK_E,
+        BLOCK_B=BLOCK_B,
+    )
+    pair_start = tl.sum(tl.where(hits, starts[None, :], 0), axis=1)
+    tl.store(sorted_ids_ptr + pair_start + rank, offs, mask=valid)
+    # Past the padded end: sentinel (disjoint from every position written above).
+    total_padded = tl.sum(tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE, axis=0)
+    for p0 in range(0, max_padded, CHUNK):
+        pos = p0 + offs
+        tl.store(sorted_ids_ptr + pos, tl.zeros((CHUNK,), dtype=tl.int32) + numel,
+                 mask=(pos >= total_padded) & (pos < max_padded))
+
+
 def max_padded_size(numel: int, num_experts: int, block_size: int) -> int:
-    """Upper bound on ``num_post_padded``: every expert may waste up to block_size - 1 slots."""
-    return numel + num_experts * (block_size - 1)
+    """Upper bound on ``num_post_padded``: every expert that gets a pair (at most min(E, numel) of them)
+    wastes at most block_size - 1 slots. Keeping it tight matters at decode: the GEMM grids are sized
+    from it, and every block past the real end is a program that starts only to exit."""
+    return numel + min(num_experts, numel) * (block_size - 1)
 
 
 def moe_align_block_size(
@@ -153,7 +241,8 @@ def moe_align_block_size(
 
     Returns:
         sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),) int32 and
-        num_post_padded (1,) int32, all on topk_ids' device; max_padded = numel + E*(block_size-1).
+        num_post_padded (1,) int32, all on topk_ids' device;
+        max_padded = numel + min(E, numel) * (block_size - 1).
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D (num_tokens, top_k), got shape {tuple(topk_ids.shape)}")
@@ -173,15 +262,36 @@ def moe_align_block_size(
     max_blocks = triton.cdiv(max_padded, block_size)
     num_chunks = max(1, triton.cdiv(numel, _CHUNK))
 
-    # Positions past num_post_padded must hold the sentinel too, so start from it.
-    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
     expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
     num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
-    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
-    pair_rank = torch.empty((max(numel, 1),), dtype=torch.int32, device=device)
     expert_start = torch.empty((num_experts,), dtype=torch.int32, device=device)
-
     block_e = triton.next_power_of_2(num_experts)
+    block_b = max(16, min(256, 8192 // block_e))
+
+    if numel <= _CHUNK:
+        sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
+        _align_single_kernel[(1,)](
+            topk_ids_ptr=flat_ids,
+            expert_start_ptr=expert_start,
+            expert_ids_ptr=expert_ids,
+            sorted_ids_ptr=sorted_ids,
+            num_post_padded_ptr=num_post_padded,
+            numel=numel,
+            num_experts=num_experts,
+            max_padded=max_padded,
+            max_blocks=max_blocks,
+            CHUNK=max(16, triton.next_power_of_2(numel)),
+            BLOCK_SIZE=block_size,
+            BLOCK_E=block_e,
+            BLOCK_B=block_b,
+            num_warps=8 if block_e >= 256 else 4,
+        )
+        return sorted_ids, expert_ids, num_post_padded
+
+    # Positions past num_post_padded must hold the sentinel too, so start from it.
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+    pair_rank = torch.empty((numel,), dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](
         topk_ids_ptr=flat_ids,
         chunk_counts_ptr=chunk_counts,
@@ -205,19 +315,18 @@ def moe_align_block_size(
         BLOCK_SIZE=block_size,
         BLOCK_E=block_e,
         BLOCK_C=max(1, min(triton.next_power_of_2(num_chunks), max(1, 8192 // block_e))),
-        BLOCK_B=max(16, min(256, 8192 // block_e)),
+        BLOCK_B=block_b,
         num_warps=8 if block_e >= 256 else 4,
     )
-    if numel > 0:
-        _scatter_kernel[(num_chunks,)](
-            topk_ids_ptr=flat_ids,
-            pair_rank_ptr=pair_rank,
-            chunk_counts_ptr=chunk_counts,
-            expert_start_ptr=expert_start,
-            sorted_ids_ptr=sorted_ids,
-            numel=numel,
-            num_experts=num_experts,
-            CHUNK=_CHUNK,
-            num_warps=4,
-        )
+    _scatter_kernel[(num_chunks,)](
+        topk_ids_ptr=flat_ids,
+        pair_rank_ptr=pair_rank,
+        chunk_counts_ptr=chunk_counts,
+        expert_start_ptr=expert_start,
+        sorted_ids_ptr=sorted_ids,
+        numel=numel,
+        num_experts=num_experts,
+        CHUNK=_CHUNK,
+        num_warps=4,
+    )
     return sorted_ids, expert_ids, num_post_padded

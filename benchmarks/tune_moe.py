@@ -1,0 +1,170 @@
+"""Tune the fused MoE GEMM launch configs on the current GPU and write them as JSON.
+
+    python benchmarks/tune_moe.py --models deepseek-v2-lite qwen3-30b-a3b --M 1 16 64 256 1024 4096
+
+For each model shape and token count M, the two GEMMs are tuned apart (they share BLOCK_SIZE_M, since
+one alignment feeds both): every candidate BLOCK_SIZE_M is aligned once, then each GEMM's candidates
+are timed with ``triton.testing.do_bench`` (median). The best pair (summed time) is written to
+``triton_ops/configs/E=..,N=..,device_name=..,dtype=...json`` (or ``--out-dir``), keyed by M, and the
+heuristic's time is printed beside it. Run with MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic
+shown is always ``default_moe_config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from triton_ops.configs import (  # noqa: E402
+    GemmConfig,
+    MoEConfig,
+    config_file_name,
+    default_moe_config,
+    device_name,
+)
+from triton_ops.fused_moe import invoke_fused_moe_kernel  # noqa: E402
+from triton_ops.moe_align import moe_align_block_size  # noqa: E402
+
+MODELS = {
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v3": (256, 8, 7168, 2048),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "deepseek-v2": (160, 6, 5120, 1536),
+}
+
+
+def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int) -> list[GemmConfig]:
+    pairs_per_expert = num_tokens * top_k / num_experts
+    out = []
+    if pairs_per_expert <= 8:
+        block_ms, block_ns, block_ks, warps, stages = [16], [32, 64, 128], [64, 128, 256], [4], [3, 4, 5]
+    elif pairs_per_expert <= 48:
+        block_ms, block_ns, block_ks, warps, stages = [16, 32], [64, 128], [64, 128], [4, 8], [3, 4]
+    else:
+        block_ms, block_ns, block_ks, warps, stages = [64, 128], [64, 128], [64, 128], [4, 8], [3, 4]
+        if gemm == 2:
+            block_ns = [64, 128, 256]
+    for bm, bn, bk, w, s in itertools.product(block_ms, block_ns, block_ks, warps, stages):
+        # Fused gate+up doubles the B tile and the accumulators of GEMM1.
+        smem = s * (bm * bk + (2 if gemm == 1 else 1) * bk * bn) * 2
+        if smem > 200 * 1024:
+            continue
+        if bm * bn * (2 if gemm == 1 else 1) >= 128 * 256 and w < 8:
+            continue
+        out.append(GemmConfig(bm, bn, bk, 1 if pairs_per_expert <= 8 else 8, w, s))
+    return out
+
+
+def bench_gemm(fn) -> float:
+    try:
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1000
+    except Exception as err:  # out of resources on this device: not a candidate
+        print(f"    skipped: {type(err).__name__}", file=sys.stderr)
+        return float("inf")
+
+
+def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator):
+    """Best MoEConfig for M tokens, with its time and the heuristic's time (µs, both GEMMs)."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    dtype = w13.dtype
+    x = torch.randn(m, hidden, device="cuda", dtype=dtype, generator=gen)
+    logits = torch.randn(m, num_experts, device="cuda", generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).reshape(-1).contiguous()
+    ids = ids.to(torch.int32)
+    act = torch.empty(m * top_k, inter, device="cuda", dtype=dtype)
+    pair_out = torch.empty(m * top_k, hidden, device="cuda", dtype=dtype)
+
+    def time_gemm1(cfg: GemmConfig, align: dict) -> float:
+        return bench_gemm(lambda: invoke_fused_moe_kernel(
+            x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg, activation="silu", **align))
+
+    def time_gemm2(cfg: GemmConfig, align: dict) -> float:
+        return bench_gemm(lambda: invoke_fused_moe_kernel(
+            act, w2, pair_out, topk_weights=weights, a_row_div=1, config=cfg, **align))
+
+    def align_for(block_m: int) -> dict:
+        s, e, n = moe_align_block_size(ids, block_m, num_experts)
+        return dict(sorted_ids=s, expert_ids=e, num_post_padded=n)
+
+    default = default_moe_config(m, num_experts, hidden, inter, top_k, dtype)
+    default_align = align_for(default.block_m)
+    default_us = time_gemm1(default.gemm1, default_align) + time_gemm2(default.gemm2, default_align)
+    best_us, best = default_us, default
+    by_block_m: dict[int, tuple[list, list]] = {}
+    for gemm in (1, 2):
+        for cfg in candidates(m, top_k, num_experts, gemm):
+            by_block_m.setdefault(cfg.block_m, ([], []))[gemm - 1].append(cfg)
+    for block_m, (c1s, c2s) in by_block_m.items():
+        align = align_for(block_m)
+        t1, c1 = min(((time_gemm1(c, align), c) for c in c1s), key=lambda r: r[0])
+        t2, c2 = min(((time_gemm2(c, align), c) for c in c2s), key=lambda r: r[0])
+        if t1 + t2 < best_us:
+            best_us, best = t1 + t2, MoEConfig(c1, c2)
+    return best, best_us, default_us
+
+
+def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: Path) -> tuple[str, dict]:
+    num_experts, top_k, hidden, inter = MODELS[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=dtype, generator=gen) / inter**0.5
+    results = {}
+    for m in token_counts:
+        tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen)
+        entry = tuned.gemm1.to_dict()
+        entry["gemm2"] = {k: v for k, v in tuned.gemm2.to_dict().items() if k != "BLOCK_SIZE_M"}
+        results[str(m)] = entry
+        print(f"{name:18s} M={m:5d}  heuristic {default_us:9.1f} us  tuned {tuned_us:9.1f} us  "
+              f"({default_us / tuned_us:.2f}x)  {entry}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / config_file_name(num_experts, inter, device_name(), dtype)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path.name, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--M", nargs="+", type=int, default=[1, 16, 64, 256, 1024, 4096])
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    default_dir = Path(__file__).resolve().parents[1] / "triton_ops" / "configs"
+    parser.add_argument("--out-dir", type=Path, default=default_dir)
+    parser.add_argument("--bundle", type=Path, help="also write every tuned file into one JSON (plain name, "
+                        "easy to copy off a machine); unpack it with --install")
+    parser.add_argument("--install", type=Path, help="unpack a --bundle file into --out-dir and exit")
+    args = parser.parse_args()
+    if args.install:
+        for file_name, entries in json.loads(args.install.read_text()).items():
+            (args.out_dir / file_name).write_text(json.dumps(entries, indent=1) + "\n")
+            print(f"installed {args.out_dir / file_name}")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_moe.py needs a CUDA GPU")
+    os.environ["MOELORA_NO_TUNED_CONFIGS"] = "1"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    bundle = {}
+    for name in args.models:
+        file_name, entries = tune_shape(name, args.M, dtype, args.out_dir)
+        bundle[file_name] = entries
+        if args.bundle:
+            args.bundle.write_text(json.dumps(bundle, indent=1) + "\n")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Tests for ``triton_ops.moe_align_block_size``.
+
+Contract under test: for experts e = 0..E-1 in order, ``sorted_ids`` lists the flat pair indices
+p = t*k + j with ``topk_ids[t, j] == e`` in ascending order, padded with the sentinel ``numel`` up to the
+next multiple of ``block_size``; experts with no pairs take no blocks. ``num_post_padded[0]`` is the sum
+of the padded counts, ``expert_ids[b]`` is the expert of block b (-1 beyond the last used block), and
+every entry of ``sorted_ids`` at or after ``num_post_padded`` is the sentinel. All outputs are int32, on
+the device of ``topk_ids``, sized to the upper bound ``numel + E*(block_size-1)`` (no host sync).
+
+The CPU tests carry ``pytest.mark.interpreter`` one by one rather than through a module-level
+``pytestmark``: conftest skips ``interpreter`` tests on a CUDA machine without TRITON_INTERPRET=1 and
+``gpu`` tests under the interpreter, so a ``gpu`` test inside an all-``interpreter`` module would never run.
+"""
+
+import pytest
+import torch
+
+from triton_ops import moe_align_block_size
+
+interpreter = pytest.mark.interpreter
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reference_align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """Plain torch version of the contract: stable argsort of the flat expert ids, padded per expert."""
+    flat = topk_ids.reshape(-1).to("cpu", torch.int64)
+    numel = flat.numel()
+    max_padded = numel + min(num_experts, numel) * (block_size - 1)
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32)
+    expert_ids = torch.full((_cdiv(max_padded, block_size),), -1, dtype=torch.int32)
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    pos = src = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        padded = _cdiv(c, block_size) * block_size
+        sorted_ids[pos : pos + c] = order[src : src + c]
+        expert_ids[pos // block_size : (pos + padded) // block_size] = e
+        pos += padded
+        src += c
+    return sorted_ids, expert_ids, pos
+
+
+def check_align(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> None:
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, block_size, num_experts)
+    numel = topk_ids.numel()
+    max_padded = numel + min(num_experts, numel) * (block_size - 1)
+    num_blocks_max = _cdiv(max_padded, block_size)
+
+    for name, t in (
+        ("sorted_ids", sorted_ids),
+        ("expert_ids", expert_ids),
+        ("num_post_padded", num_post_padded),
+    ):
+        assert t.dtype == torch.int32, f"{name} dtype {t.dtype}, expected int32"
+        assert t.device == topk_ids.device, f"{name} on {t.device}, expected {topk_ids.device}"
+    assert tuple(sorted_ids.shape) == (max_padded,)
+    assert tuple(expert_ids.shape) == (num_blocks_max,)
+    assert tuple(num_post_padded.shape) == (1,)
+
+    ref_sorted, ref_experts, ref_npp = reference_align(topk_ids, block_size, num_experts)
+    s = sorted_ids.cpu()
+    ex = expert_ids.cpu()
+    npp = int(num_post_padded.cpu()[0])
+    flat = topk_ids.reshape(-1).to("cpu", torch.int64)
+
+    # Invariants first: their messages say more than a bare mismatch would.
+    counts = torch.bincount(flat, minlength=num_experts)
+    expected_npp = int(((counts + block_size - 1) // block_size * block_size).sum())
+    assert npp == expected_npp == ref_npp, f"num_post_padded {npp}, expected {expected_npp}"
+    assert npp % block_size == 0
+    assert (s[npp:] == numel).all(), "entries past num_post_padded must be the sentinel"
+    valid = s[:npp]
+    real = valid[valid != numel]
+    assert real.numel() == numel, f"{real.numel()} real entries, expected {numel} (one per pair)"
+    assert torch.equal(torch.sort(real.long()).values, torch.arange(numel)), "every pair exactly once"
+
+    num_blocks = npp // block_size
+    blocks = valid.view(num_blocks, block_size).long()
+    is_real = blocks != numel
+    assert is_real.any(dim=1).all(), "a block with no real entry: experts with no pairs take no blocks"
+    block_expert = ex[:num_blocks].long().unsqueeze(1).expand(num_blocks, block_size)
+    assert (flat[blocks[is_real]] == block_expert[is_real]).all(), "one expert per block"
+    assert (ex[num_blocks:] == -1).all(), "expert_ids past the last used block must be -1"
+
+    # Then the exact layout (ascending pair order inside each expert, experts in order).
+    assert torch.equal(s, ref_sorted), "sorted_ids differs from the stable-argsort reference"
+    assert torch.equal(ex, ref_experts), "expert_ids differs from the reference"
+
+
+def random_topk_ids(M, E, k, dtype=torch.int32, device="cpu", experts=None):
+    """k distinct experts per token, like a real top-k router; ``experts`` restricts the choice."""
+    pool = torch.arange(E) if experts is None else torch.as_tensor(experts)
+    idx = torch.rand(M, pool.numel()).topk(k, dim=1).indices
+    return pool[idx].to(device=device, dtype=dtype)
+
+
+# Full sweep: block sizes of the GEMM configs; E=1 (degenerate), 6 (E not a power of two, k=E possible),
+# 64 (DeepSeek-V2-Lite), 256 (more experts than pairs for small M, so most experts are empty);
+# M=1 (decode), 7 and 33 (not multiples of anything), 300 (several blocks per expert).
+SWEEP = [
+    (bs, E, M, k)
+    for bs in (16, 32, 64)
+    for E in (1, 6, 64, 256)
+    for M in (1, 7, 33, 300)
+    for k in (1, 2, 6, 8)
+    if k <= E
+]
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("bs,E,M,k", SWEEP, ids=[f"bs{bs}-E{E}-M{M}-k{k}" for bs, E, M, k in SWEEP])
+def test_align_sweep(bs, E, M, k, dtype):
+    check_align(random_topk_ids(M, E, k, dtype), bs, E)
+
+
+@interpreter
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_align_unpicked_experts(bs, dtype):
+    # Only four experts of 64 are ever chosen, including the first and the last: the other 60 must
+    # take no blocks and the used ones must still come in expert order.
+    ids = random_topk_ids(300, 64, 2, dtype, experts=[0, 17, 40, 63])
+    check_align(ids, bs, 64)
+
+
+@interpreter
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("E,e", [(1, 0), (6, 0), (6, 5), (256, 0), (256, 131), (256, 255)])
+@pytest.mark.parametrize("M", [1, 33, 300])
+def test_align_all_tokens_one_expert(bs, E, e, M):
+    # Every token on one expert (first, middle, last): one expert owns all blocks, the rest none.
+    ids = torch.full((M, 1), e, dtype=torch.int32)
+    check_align(ids, bs, E)
+
+
+@interpreter
+@pytest.mark.parametrize("bs", [16, 64])
+def test_align_all_tokens_same_k_experts(bs):
+    # Every token picks the same 6 experts of 64, in a different order per token: ascending pair order
+    # within an expert must not depend on the slot j.
+    chosen = torch.tensor([5, 9, 11, 40, 41, 63])
+    perm = torch.stack([chosen[torch.randperm(6)] for _ in range(33)])
+    check_align(perm.to(torch.int32), bs, 64)
+
+
+@interpreter
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_align_counts_exact_multiples(bs, dtype):
+    # Each used expert gets exactly 64 pairs (a multiple of every block size): no sentinel padding at
+    # all inside the used region, so num_post_padded == numel.
+    ids = torch.tensor([1, 4, 6]).repeat_interleave(64).reshape(-1, 1)[torch.randperm(192)]
+    check_align(ids.to(dtype), bs, 8)
+
+
+@interpreter
+@pytest.mark.parametrize("bs", [16, 64])
+def test_align_repeated_expert_in_row(bs):
+    # Not produced by a top-k router, but the contract covers it: the same expert twice in one row.
+    ids = torch.randint(0, 6, (33, 8), dtype=torch.int32)
+    ids[0] = 3
+    check_align(ids, bs, 6)
+
+
+@interpreter
+def test_align_outputs_fresh_per_call():
+    # A second call with different ids must not see leftovers of the first (e.g. a cached buffer).
+    check_align(random_topk_ids(300, 64, 8), 16, 64)
+    check_align(random_topk_ids(7, 64, 2), 16, 64)
+
+
+GPU_CASES = [
+    # (M, E, k, block_size, ids dtype, routing)
+    (4096, 256, 8, 16, torch.int32, "random"),
+    (4096, 256, 8, 64, torch.int64, "random"),
+    (4096, 256, 8, 32, torch.int32, "skewed"),
+    (4096 * 8, 256, 1, 64, torch.int32, "one"),
+    (4096, 64, 6, 16, torch.int32, "random"),
+    (1, 256, 8, 16, torch.int32, "random"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "M,E,k,bs,dtype,routing",
+    GPU_CASES,
+    ids=[f"M{c[0]}-E{c[1]}-k{c[2]}-bs{c[3]}-{str(c[4])[6:]}-{c[5]}" for c in GPU_CASES],
+)
+def test_align_gpu(M, E, k, bs, dtype, routing):
+    if routing == "random":
+        ids = random_topk_ids(M, E, k, dtype)
+    elif routing == "skewed":
+        # Half the experts get a big logit boost: very uneven counts, 128 experts nearly empty.
+        scores = torch.rand(M, E) + (torch.arange(E) % 2 == 0) * 4.0
+        ids = scores.topk(k, dim=1).indices.to(dtype)
+    else:
+        ids = torch.full((M, k), E - 1, dtype=dtype)
+    check_align(ids.cuda(), bs, E)
+
+
+@pytest.mark.gpu
+def test_align_gpu_no_host_sync():
+    # Outputs are sized to the upper bound, so the call must not synchronise with the host.
+    ids = random_topk_ids(4096, 256, 8, device="cuda")
+    moe_align_block_size(ids, 64, 256)  # warm-up: compilation may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_align_block_size(ids, 64, 256)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
