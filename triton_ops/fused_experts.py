@@ -13,13 +13,35 @@ graph. Very large batches are processed in chunks of ``MOELORA_MOE_CHUNK_TOKENS`
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from triton_ops.configs import MoEConfig, get_moe_config
-from triton_ops.fused_moe import _ACTIVATIONS, invoke_fused_moe_kernel
+from triton_ops.fused_moe import _ACTIVATIONS, LoRAOperands, invoke_fused_moe_kernel, lora_rank_block
 from triton_ops.moe_align import moe_align_block_size
+from triton_ops.moe_lora import moe_lora_a, moe_lora_down_combine, moe_lora_gate_up_b
 from triton_ops.moe_sum import moe_sum_reduce
+
+LORA_PATHS = ("fused", "staged")
+
+
+@dataclass(frozen=True)
+class MoELoRAInputs:
+    """One layer's adapter buffers (DESIGN §2) plus the batch's slot per token.
+
+    ``max_rank`` is the largest real rank among the slots this batch uses (known on the host): it sets
+    the rank tile, so a batch of rank-8 adapters in a max-rank-64 pool does rank-8 (tile 16) work.
+    """
+
+    token_slots: torch.Tensor  # (M,) int32, -1 = no adapter
+    gate_up_a: torch.Tensor  # (L, E, 2R, H)
+    gate_up_b: torch.Tensor  # (L, E, 2I, R)
+    down_a: torch.Tensor  # (L, E, R, I)
+    down_b: torch.Tensor  # (L, E, H, R)
+    slot_ranks: torch.Tensor  # (L,) int32
+    slot_scalings: torch.Tensor  # (L,) fp32
+    max_rank: int
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -84,6 +106,8 @@ def fused_experts(
     routed_scaling_factor: float = 1.0,
     no_combine: bool = False,
     config: MoEConfig | None = None,
+    lora: MoELoRAInputs | None = None,
+    lora_path: str = "fused",
 ) -> torch.Tensor:
     """Runs the routed experts of one MoE layer (see the module docstring for the math).
 
@@ -98,12 +122,19 @@ def fused_experts(
         routed_scaling_factor: rsf, multiplies the combined output.
         no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
         config: force a launch config (default: ``triton_ops.configs.get_moe_config``).
+        lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
+        lora_path: "fused" (shrink in the GEMM K-loops, expand in their epilogues: the base path's
+            launches) or "staged" (separate shrink / gate_up+act / down+combine kernels).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     if inplace and no_combine:
         raise ValueError("inplace and no_combine cannot be combined: the outputs have different shapes")
+    if lora is not None:
+        _check_lora_inputs(lora, x, w13, lora_path)
+        if lora_path == "staged" and no_combine:
+            raise ValueError("no_combine needs lora_path='fused': the staged down kernel sums the top-k")
 
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -126,6 +157,13 @@ def fused_experts(
     pair_out = None
     if top_k > 1 and not no_combine:
         pair_out = torch.empty((chunk * top_k, hidden), dtype=x.dtype, device=x.device)
+    staged = lora is not None and lora_path == "staged"
+    if lora is not None:
+        rank_block = lora_rank_block(lora.max_rank)
+    if staged:
+        gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=x.dtype, device=x.device)
+        shrunk_gate_up = torch.empty((chunk * top_k, 2 * rank_block), dtype=torch.float32, device=x.device)
+        shrunk_down = torch.empty((chunk * top_k, rank_block), dtype=torch.float32, device=x.device)
 
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
@@ -139,16 +177,37 @@ def fused_experts(
         align = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post_padded)
 
         chunk_activated = activated[: rows * top_k]
-        invoke_fused_moe_kernel(
-            x[start:end],
-            w13,
-            chunk_activated,
-            topk_weights=chunk_weights if apply_router_weight_on_input else None,
-            a_row_div=top_k,
-            config=cfg.gemm1,
-            activation=activation,
-            **align,
-        )
+        gemm1_lora = gemm2_lora = None
+        if lora is not None:
+            chunk_slots = lora.token_slots[start:end]
+            common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
+                          rank_block=rank_block, token_slots=chunk_slots)
+            gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
+            gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
+        gemm1_weights = chunk_weights if apply_router_weight_on_input else None
+        if staged:
+            pairs = rows * top_k
+            moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
+                       block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
+                       out=shrunk_gate_up[:pairs])
+            invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
+                                    a_row_div=top_k, config=cfg.gemm1, **align)
+            moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up[:pairs], lora.gate_up_b, chunk_slots,
+                               lora.slot_ranks, lora.slot_scalings, **align, block_m=cfg.block_m, top_k=top_k,
+                               rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
+                               out=chunk_activated)
+        else:
+            invoke_fused_moe_kernel(
+                x[start:end],
+                w13,
+                chunk_activated,
+                topk_weights=gemm1_weights,
+                a_row_div=top_k,
+                config=cfg.gemm1,
+                activation=activation,
+                lora=gemm1_lora,
+                **align,
+            )
 
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)
@@ -164,8 +223,50 @@ def fused_experts(
             a_row_div=1,
             config=cfg.gemm2,
             scale=routed_scaling_factor,
+            lora=None if staged else gemm2_lora,
             **align,
         )
         if pair_out is not None:
             moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
+        if staged:
+            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
+                       block_m=cfg.block_m, top_k=top_k, x_row_div=1, rank_block=rank_block, gated=False,
+                       out=shrunk_down[:pairs])
+            moe_lora_down_combine(shrunk_down[:pairs], lora.down_b, chunk_slots, chunk_ids.contiguous(),
+                                  None if apply_router_weight_on_input else chunk_weights.view(rows, top_k),
+                                  lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,
+                                  routed_scaling_factor=routed_scaling_factor)
     return out
+
+
+def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, lora_path: str) -> None:
+    if lora_path not in LORA_PATHS:
+        raise ValueError(f"lora_path must be one of {LORA_PATHS}, got {lora_path!r}")
+    num_experts, two_i, hidden = w13.shape
+    slots, experts, two_r, lora_hidden = lora.gate_up_a.shape
+    max_rank = two_r // 2
+    expected = {
+        "gate_up_a": (slots, num_experts, 2 * max_rank, hidden),
+        "gate_up_b": (slots, num_experts, two_i, max_rank),
+        "down_a": (slots, num_experts, max_rank, two_i // 2),
+        "down_b": (slots, num_experts, hidden, max_rank),
+    }
+    for name, shape in expected.items():
+        got = tuple(getattr(lora, name).shape)
+        if got != shape:
+            raise ValueError(
+                f"LoRA buffer {name} must be {shape} for this layer (w13 {tuple(w13.shape)}), got {got}"
+            )
+        if getattr(lora, name).dtype != x.dtype:
+            raise TypeError(
+                f"LoRA buffer {name} must have x's dtype {x.dtype}, got {getattr(lora, name).dtype}"
+            )
+        if getattr(lora, name).device != x.device:
+            raise ValueError(f"LoRA buffer {name} is on {getattr(lora, name).device}, x on {x.device}")
+    if lora.token_slots.shape != (x.shape[0],) or lora.token_slots.dtype != torch.int32:
+        raise ValueError(f"token_slots must be int32 ({x.shape[0]},), got {lora.token_slots.dtype} "
+                         f"{tuple(lora.token_slots.shape)}")
+    if lora.slot_ranks.shape != (slots,) or lora.slot_scalings.shape != (slots,):
+        raise ValueError(f"slot_ranks and slot_scalings must be ({slots},)")
+    if not 0 <= lora.max_rank <= max_rank:
+        raise ValueError(f"max_rank {lora.max_rank} is outside the buffers' rank range [0, {max_rank}]")

@@ -8,6 +8,13 @@ Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]
 Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
             consecutive programs reuse the same weight tiles from L2.
 
+With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delta, per DESIGN §1:
+            GEMM1: g += s_a B_gate[a,e] (A_gate[a,e] x),  u += s_a B_up[a,e] (A_up[a,e] x)  before act;
+            GEMM2: y += s_a B_down[a,e] (A_down[a,e] h)  before the routed weight and rsf,
+            with a = token_slots[p // slot_row_div] (-1: no delta). The shrink runs over the slots present
+            in the block before the base K-loop (rows of other slots are masked out of the loads), the
+            expand in the epilogue; same launches as the base path.
+
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
 on the host without a sync. Offsets into a, b and c are int64.
@@ -15,11 +22,14 @@ on the host without a sync. Offsets into a, b and c are int64.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from triton_ops.configs import GemmConfig
+from triton_ops.lora_tiles import lora_expand_tile, lora_shrink_tile
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -46,6 +56,11 @@ def _fused_moe_kernel(
     sorted_ids_ptr,  # (max_padded,) int32, from moe_align_block_size
     expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
     num_post_padded_ptr,  # (1,) int32
+    token_slots_ptr,  # (M,) int32 adapter slot per token, -1 = none          (HAS_LORA)
+    lora_a_ptr,  # (L, E, R or 2R, K) LoRA A: gate_up_a (gate rows, then up rows) or down_a
+    lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
+    slot_ranks_ptr,  # (L,) int32 real rank per slot
+    slot_scalings_ptr,  # (L,) fp32 scaling per slot
     # Sizes
     N,
     K,
@@ -53,6 +68,9 @@ def _fused_moe_kernel(
     max_padded,
     a_row_div,
     scale,
+    num_slots,
+    slot_row_div,
+    lora_up_offset,
     # Strides
     stride_am,
     stride_ak,
@@ -61,7 +79,17 @@ def _fused_moe_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_la_l,
+    stride_la_e,
+    stride_la_r,
+    stride_la_k,
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_n,
+    stride_lb_r,
     # Meta-parameters
+    HAS_LORA: tl.constexpr,
+    LORA_R: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -97,6 +125,20 @@ def _fused_moe_kernel(
     col_valid = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
+    if HAS_LORA:
+        row_slot = tl.load(token_slots_ptr + pair // slot_row_div, mask=row_valid, other=-1)
+        lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+        lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+        for slot in range(0, num_slots):
+            in_slot = row_valid & (row_slot == slot)
+            if tl.max(in_slot.to(tl.int32), axis=0) > 0:
+                la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+                lora_gate, lora_up = lora_shrink_tile(
+                    lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
+                    tl.load(slot_ranks_ptr + slot), K, stride_am, stride_ak, stride_la_r, stride_la_k,
+                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
+                )
+
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
     b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn
@@ -130,6 +172,23 @@ def _fused_moe_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if HAS_LORA:
+        for slot in range(0, num_slots):
+            in_slot = row_valid & (row_slot == slot)
+            if tl.max(in_slot.to(tl.int32), axis=0) > 0:
+                rank = tl.load(slot_ranks_ptr + slot)
+                scaling = tl.load(slot_scalings_ptr + slot)
+                lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+                acc = lora_expand_tile(
+                    acc, lora_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
+                    stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                )
+                if ACTIVATION != 0:
+                    acc_up = lora_expand_tile(
+                        acc_up, lora_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank,
+                        scaling, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                    )
+
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
     if MUL_ROUTED_WEIGHT:
         row_scale *= tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
@@ -140,6 +199,29 @@ def _fused_moe_kernel(
 
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+@dataclass(frozen=True)
+class LoRAOperands:
+    """The adapter side of one all-in-one GEMM: which slot each token uses and one projection's A/B.
+
+    ``lora_a`` is (L, E, R, K) or, for the gated GEMM1, gate_up_a (L, E, 2R, K) with the up rows after
+    the gate rows; ``lora_b`` is (L, E, N, R) or gate_up_b (L, E, 2N, R). ``rank_block`` is the tile
+    width for the rank (a power of two >= 16 covering the largest rank in the batch).
+    """
+
+    token_slots: torch.Tensor  # (M,) int32, -1 = no adapter
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    slot_ranks: torch.Tensor  # (L,) int32
+    slot_scalings: torch.Tensor  # (L,) fp32
+    top_k: int
+    rank_block: int
+
+
+def lora_rank_block(max_rank: int) -> int:
+    """Rank tile width: tl.dot needs >= 16, powers of two."""
+    return max(16, triton.next_power_of_2(max(1, max_rank)))
 
 
 def invoke_fused_moe_kernel(
@@ -155,6 +237,7 @@ def invoke_fused_moe_kernel(
     config: GemmConfig,
     activation: str | None = None,
     scale: float = 1.0,
+    lora: LoRAOperands | None = None,
 ) -> None:
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
     gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync."""
@@ -174,6 +257,15 @@ def invoke_fused_moe_kernel(
     max_padded = sorted_ids.shape[0]
     grid = (triton.cdiv(max_padded, config.block_m) * triton.cdiv(out_n, config.block_n),)
     K = a.shape[1]
+    if lora is not None:
+        max_rank = lora.lora_b.shape[3]
+        expected_a_rows = 2 * max_rank if gated else max_rank
+        if lora.lora_a.shape[2:] != (expected_a_rows, K) or lora.lora_b.shape[2] != b.shape[1]:
+            raise ValueError(
+                f"LoRA buffers A {tuple(lora.lora_a.shape)} / B {tuple(lora.lora_b.shape)} do not match the "
+                f"GEMM: expected A (L, E, {expected_a_rows}, {K}) and B (L, E, {b.shape[1]}, R)"
+            )
+        la, lb = lora.lora_a, lora.lora_b
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
@@ -182,12 +274,20 @@ def invoke_fused_moe_kernel(
         sorted_ids_ptr=sorted_ids,
         expert_ids_ptr=expert_ids,
         num_post_padded_ptr=num_post_padded,
+        token_slots_ptr=lora.token_slots if lora is not None else sorted_ids,
+        lora_a_ptr=la if lora is not None else b,
+        lora_b_ptr=lb if lora is not None else b,
+        slot_ranks_ptr=lora.slot_ranks if lora is not None else sorted_ids,
+        slot_scalings_ptr=lora.slot_scalings if lora is not None else c,
         N=out_n,
         K=K,
         numel=numel,
         max_padded=max_padded,
         a_row_div=a_row_div,
         scale=float(scale),
+        num_slots=lora.slot_ranks.shape[0] if lora is not None else 0,
+        slot_row_div=lora.top_k if lora is not None else 1,
+        lora_up_offset=max_rank * la.stride(2) if lora is not None and gated else 0,
         stride_am=a.stride(0),
         stride_ak=a.stride(1),
         stride_be=b.stride(0),
@@ -195,6 +295,16 @@ def invoke_fused_moe_kernel(
         stride_bk=b.stride(2),
         stride_cm=c.stride(0),
         stride_cn=c.stride(1),
+        stride_la_l=la.stride(0) if lora is not None else 0,
+        stride_la_e=la.stride(1) if lora is not None else 0,
+        stride_la_r=la.stride(2) if lora is not None else 0,
+        stride_la_k=la.stride(3) if lora is not None else 0,
+        stride_lb_l=lb.stride(0) if lora is not None else 0,
+        stride_lb_e=lb.stride(1) if lora is not None else 0,
+        stride_lb_n=lb.stride(2) if lora is not None else 0,
+        stride_lb_r=lb.stride(3) if lora is not None else 0,
+        HAS_LORA=lora is not None,
+        LORA_R=lora.rank_block if lora is not None else 16,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=_ACTIVATIONS[activation] if gated else ACTIVATION_NONE,
         FP32_IEEE=a.dtype == torch.float32,

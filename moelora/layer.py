@@ -1,0 +1,162 @@
+"""``FusedMoEWithLoRA``: one MoE layer that adds every token's own adapter delta (DESIGN §1).
+
+Paths (``path=``):
+  "fused"   all-in-one: the LoRA shrink runs inside the base GEMMs (the activation tile is already
+            loaded), the expands in their epilogues; the same launches as the base fused MoE.
+  "staged"  separate shrink, gate_up-expand+activation and down+combine kernels around the base GEMMs.
+  "torch"   the vectorised PyTorch path (what CPU tensors use when Triton is not interpreting).
+  "auto"    torch for CPU tensors outside the Triton interpreter, else by shape (``choose_lora_path``).
+A batch in which no token has an adapter (known on the host from ``prepare_batch``) runs the base path.
+Nothing in ``forward`` reads a device value on the host, so it can be captured in a CUDA graph for a
+fixed token count (replay with a new token->adapter mapping via ``pool.prepare_batch(..., out=batch)``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from moelora.batch_info import MoELoRABatchInfo
+from moelora.pool import MoELoRAMemoryPool
+from moelora.torch_path import moe_lora_forward_torch
+
+PATHS = ("auto", "fused", "staged", "torch")
+
+
+def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int) -> str:
+    """Triton path by shape. The fused path recomputes the shrink in every N tile of a block, which is
+    free while the GEMMs stream weights (decode) but costs tensor-core time once blocks are full."""
+    pairs_per_expert = num_tokens * top_k / num_experts
+    return "fused" if pairs_per_expert <= 64 else "staged"
+
+
+def _triton_can_run(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class FusedMoEWithLoRA(nn.Module):
+    """Routed experts of one MoE layer with per-token LoRA adapters from a ``MoELoRAMemoryPool``.
+
+    Args:
+        w13: (E, 2I, H) base gate (rows [0, I)) and up (rows [I, 2I)) weights; shared, not copied.
+        w2: (E, H, I) base down weights; shared, not copied.
+        pool: the adapter pool; ``layer_id`` (the model's own layer index) must be one of its layers.
+        routed_scaling_factor: rsf of DESIGN §1 (DeepSeek-V3: 2.5 unless the router already applied it).
+        activation: "silu" (default) or "gelu".
+        apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
+        path: "auto", "fused", "staged" or "torch" (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        pool: MoELoRAMemoryPool,
+        layer_id: int,
+        routed_scaling_factor: float = 1.0,
+        activation: str = "silu",
+        apply_router_weight_on_input: bool = False,
+        path: str = "auto",
+    ) -> None:
+        super().__init__()
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        expected = (pool.num_experts, 2 * pool.intermediate_size, pool.hidden_size)
+        if tuple(w13.shape) != expected:
+            raise ValueError(f"w13 must be (E, 2I, H) = {expected} to match the pool, got {tuple(w13.shape)}")
+        expected_w2 = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
+        if tuple(w2.shape) != expected_w2:
+            raise ValueError(f"w2 must be (E, H, I) = {expected_w2} to match the pool, got {tuple(w2.shape)}")
+        if w13.dtype != pool.dtype or w2.dtype != pool.dtype:
+            raise TypeError(f"w13/w2 must have the pool's dtype {pool.dtype}, got {w13.dtype}/{w2.dtype}")
+        if w13.device.type != torch.device(pool.device).type or w2.device.type != w13.device.type:
+            raise ValueError(f"w13/w2 are on {w13.device}/{w2.device} but the pool is on {pool.device}")
+        self.buffers_ = pool.layer(layer_id)
+        self.pool = pool
+        self.layer_id = layer_id
+        self.w13 = w13
+        self.w2 = w2
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.activation = activation
+        self.apply_router_weight_on_input = apply_router_weight_on_input
+        self.path = path
+
+    @classmethod
+    def from_base(
+        cls, base: nn.Module, *, pool: MoELoRAMemoryPool, layer_id: int, **kwargs
+    ) -> FusedMoEWithLoRA:
+        """Wrap a base fused-MoE module, sharing its weights: SGLang/vLLM style (``w13_weight``,
+        ``w2_weight``) or transformers 5 experts (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I))."""
+        for w13_name, w2_name in (("w13_weight", "w2_weight"), ("gate_up_proj", "down_proj"), ("w13", "w2")):
+            w13 = getattr(base, w13_name, None)
+            w2 = getattr(base, w2_name, None)
+            if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
+                kwargs.setdefault("routed_scaling_factor", getattr(base, "routed_scaling_factor", 1.0) or 1.0)
+                return cls(w13.data, w2.data, pool=pool, layer_id=layer_id, **kwargs)
+        raise TypeError(
+            f"{type(base).__name__} has no (w13_weight, w2_weight), (gate_up_proj, down_proj) or (w13, w2) "
+            "expert tensors to wrap"
+        )
+
+    def resolve_path(self, x: torch.Tensor, topk_ids: torch.Tensor, batch: MoELoRABatchInfo) -> str:
+        if self.path == "torch" or not _triton_can_run(x):
+            if self.path in ("fused", "staged"):
+                raise ValueError(f"path={self.path!r} needs CUDA tensors or TRITON_INTERPRET=1")
+            return "torch"
+        if self.path != "auto":
+            return self.path
+        return choose_lora_path(x.shape[0], topk_ids.shape[1], self.w13.shape[0], batch.max_rank)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        batch: MoELoRABatchInfo | None = None,
+    ) -> torch.Tensor:
+        """(M, H) = rsf * sum_k w_k * W2'(act(W_gate' x) * W_up' x) with each token's adapter (DESIGN §1)."""
+        if batch is not None and batch.num_tokens != x.shape[0]:
+            raise ValueError(
+                f"the batch info describes {batch.num_tokens} tokens but x has {x.shape[0]}: "
+                "prepare_batch must see the same sequence lengths as the forward"
+            )
+        has_lora = batch is not None and batch.has_lora
+        path = self.resolve_path(x, topk_ids, batch) if has_lora else None
+        if path == "torch" or (not has_lora and not _triton_can_run(x)):
+            return moe_lora_forward_torch(
+                x, self.w13, self.w2, topk_weights, topk_ids,
+                self.buffers_ if has_lora else None, batch if has_lora else None,
+                routed_scaling_factor=self.routed_scaling_factor, activation=self.activation,
+                apply_router_weight_on_input=self.apply_router_weight_on_input,
+            )
+        from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+
+        lora = None
+        if has_lora:
+            buffers = self.buffers_
+            lora = MoELoRAInputs(
+                token_slots=batch.token_slots,
+                gate_up_a=buffers.gate_up_a,
+                gate_up_b=buffers.gate_up_b,
+                down_a=buffers.down_a,
+                down_b=buffers.down_b,
+                slot_ranks=batch.slot_ranks,
+                slot_scalings=batch.slot_scalings,
+                max_rank=batch.max_rank,
+            )
+        return fused_experts(
+            x, self.w13, self.w2, topk_weights, topk_ids,
+            activation=self.activation,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+            routed_scaling_factor=self.routed_scaling_factor,
+            lora=lora,
+            lora_path=path or "fused",
+        )
+
+    def extra_repr(self) -> str:
+        num_experts, two_i, hidden = self.w13.shape
+        return (f"layer_id={self.layer_id}, experts={num_experts}, hidden={hidden}, "
+                f"intermediate={two_i // 2}, rsf={self.routed_scaling_factor}, path={self.path}")

@@ -1,0 +1,86 @@
+"""Tile helpers shared by the MoE LoRA kernels (the all-in-one GEMMs and the staged kernels).
+
+A block of routed pairs always belongs to one expert (``moe_align_block_size``) but its rows may belong
+to different adapter slots. The helpers therefore work one slot at a time: rows of other slots are
+masked out of the loads (they cost no bytes) and the caller loops over the slots present in the block,
+so a block whose rows have no adapter does no LoRA work at all, and rank rows beyond a slot's real
+rank are never loaded.
+
+Semantics:  shrink:  r[m, :rank_s] += x[m, :] @ A[s, e, :rank_s, :]^T      for rows m in slot s
+            expand:  acc[m, n]     += scaling_s * (r[m, :] @ B[s, e, n, :]^T)  for rows m in slot s
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, acc, FP32_IEEE: tl.constexpr):
+    if FP32_IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def lora_shrink_tile(
+    acc,  # (BLOCK_M, LORA_R) fp32 running result
+    acc_up,  # (BLOCK_M, LORA_R) fp32, second projection when GATED (gate and up share the x tile)
+    x_ptr,  # (rows, K) activations
+    x_row,  # (BLOCK_M,) int64 row of x for each pair of the block
+    rows_in_slot,  # (BLOCK_M,) int1
+    la_ptr,  # A[s, e] base: (R or 2R, K) rows of this slot and expert
+    up_offset,  # element offset of the up projection's A rows (R * stride_r) when GATED
+    rank,  # the slot's real rank
+    K,
+    stride_xm,
+    stride_xk,
+    stride_lr,
+    stride_lk,
+    GATED: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LORA_R: tl.constexpr,
+):
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, LORA_R)
+    rank_valid = offs_r < rank
+    x_ptrs = x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = la_ptr + offs_r[None, :] * stride_lr + offs_k[:, None] * stride_lk
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=rows_in_slot[:, None] & k_valid[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_valid[:, None] & rank_valid[None, :], other=0.0)
+        acc = _dot(x, a, acc, FP32_IEEE)
+        if GATED:
+            a_up = tl.load(a_ptrs + up_offset, mask=k_valid[:, None] & rank_valid[None, :], other=0.0)
+            acc_up = _dot(x, a_up, acc_up, FP32_IEEE)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_lk
+    return acc, acc_up
+
+
+@triton.jit
+def lora_expand_tile(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 output tile to add to
+    shrunk,  # (BLOCK_M, LORA_R) fp32 result of the shrink for these rows
+    rows_in_slot,  # (BLOCK_M,) int1
+    lb_ptr,  # B[s, e] base: (N, R) rows of this slot and expert
+    offs_n,  # (BLOCK_N,) output columns
+    col_valid,  # (BLOCK_N,) int1
+    rank,
+    scaling,
+    stride_ln,
+    stride_lr,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+):
+    offs_r = tl.arange(0, LORA_R)
+    b_ptrs = lb_ptr + offs_n.to(tl.int64)[None, :] * stride_ln + offs_r[:, None] * stride_lr
+    b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
+    # Rounded to the weights' dtype before the expand, as PEFT's lora_B(lora_A(x)) does.
+    r = tl.where(rows_in_slot[:, None], shrunk, 0.0).to(b.dtype)
+    delta = _dot(r, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_IEEE)
+    return acc + delta * scaling

@@ -1,0 +1,422 @@
+"""Staged MoE LoRA kernels (seed 002's interface with DESIGN §1's math).
+
+Staged path, around the base GEMMs of ``fused_moe.py``:
+  1. moe_lora_a          a1[p, :]  = A_gate_up[a_p, e_p] @ x[t_p]                      (shrink, grouped)
+  2. base GEMM1 (raw)    c1[p, :]  = W13[e_p] @ x[t_p]
+  3. moe_lora_gate_up_b  h[p, :]   = act(g) * u,  [g | u] = c1[p] + w^m_p s_a B_gate_up[a_p, e_p] a1[p]
+  4. base GEMM2 + sum    out[t]    = rsf * sum_k w_k W2[e_k] h[p_k]
+  5. moe_lora_down       out[t]   += rsf * sum_k w_k s_a B_down[a, e_k] (A_down[a, e_k] h[p_k])
+                         (a grouped shrink, then a gather-form expand that sums the top-k in registers:
+                         no atomics, one writer per output element)
+Shrinks and the gate_up expand run on the base alignment's blocks (one expert per block) and loop over
+the adapter slots present in each block; rows of other slots are masked out of every load, so tokens
+with slot -1 cost nothing and a slot's rank rows beyond its real rank are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation
+from triton_ops.lora_tiles import lora_expand_tile, lora_shrink_tile
+
+
+@triton.jit
+def _moe_lora_shrink_kernel(
+    # Pointers
+    x_ptr,  # (rows, K) activations: x (GEMM1 side) or h (down side)
+    lora_a_ptr,  # (L, E, R or 2R, K) gate_up_a or down_a
+    token_slots_ptr,  # (M,) int32, -1 = no adapter
+    slot_ranks_ptr,  # (L,) int32
+    sorted_ids_ptr,  # (max_padded,) int32
+    expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
+    num_post_padded_ptr,  # (1,) int32
+    out_ptr,  # (numel, LORA_R) or (numel, 2 * LORA_R) fp32: [gate | up] when GATED
+    # Sizes
+    K,
+    numel,
+    x_row_div,
+    top_k,
+    num_slots,
+    lora_up_offset,
+    # Strides
+    stride_xm,
+    stride_xk,
+    stride_la_l,
+    stride_la_e,
+    stride_la_r,
+    stride_la_k,
+    stride_om,
+    # Meta-parameters
+    GATED: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = pair < numel
+    row_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_valid, other=-1)
+    x_row = (pair // x_row_div).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    for slot in range(0, num_slots):
+        in_slot = row_valid & (row_slot == slot)
+        if tl.max(in_slot.to(tl.int32), axis=0) > 0:
+            la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+            acc, acc_up = lora_shrink_tile(
+                acc, acc_up, x_ptr, x_row, in_slot, la_ptr, lora_up_offset, tl.load(slot_ranks_ptr + slot),
+                K, stride_xm, stride_xk, stride_la_r, stride_la_k,
+                GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
+            )
+    offs_r = tl.arange(0, LORA_R)
+    has_slot = row_valid & (row_slot >= 0)
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_r[None, :]
+    tl.store(out_ptrs, acc, mask=has_slot[:, None])
+    if GATED:
+        tl.store(out_ptrs + LORA_R, acc_up, mask=has_slot[:, None])
+
+
+@triton.jit
+def _moe_lora_gate_up_b_kernel(
+    # Pointers
+    c1_ptr,  # (numel, 2N) raw GEMM1 output, gate columns then up columns
+    shrunk_ptr,  # (numel, 2 * LORA_R) fp32 from the shrink: [gate | up]
+    lora_b_ptr,  # (L, E, 2N, R) gate_up_b
+    token_slots_ptr,  # (M,) int32
+    slot_ranks_ptr,  # (L,) int32
+    slot_scalings_ptr,  # (L,) fp32
+    topk_weights_ptr,  # (numel,) fp32, read when MUL_ROUTED_WEIGHT (GEMM1 applied it to c1)
+    sorted_ids_ptr,  # (max_padded,) int32
+    expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
+    num_post_padded_ptr,  # (1,) int32
+    h_ptr,  # (numel, N) out: act(g) * u
+    # Sizes
+    N,
+    numel,
+    max_padded,
+    top_k,
+    num_slots,
+    # Strides
+    stride_c1m,
+    stride_sm,
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_n,
+    stride_lb_r,
+    stride_hm,
+    # Meta-parameters
+    ACTIVATION: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = pair < numel
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = offs_n < N
+    mask = row_valid[:, None] & col_valid[None, :]
+    c1_ptrs = c1_ptr + pair.to(tl.int64)[:, None] * stride_c1m + offs_n[None, :]
+    gate = tl.load(c1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(c1_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+
+    row_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_valid, other=-1)
+    offs_r = tl.arange(0, LORA_R)
+    s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    has_slot = row_valid & (row_slot >= 0)
+    shrunk_gate = tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
+    shrunk_up = tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
+    delta_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    delta_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for slot in range(0, num_slots):
+        in_slot = row_valid & (row_slot == slot)
+        if tl.max(in_slot.to(tl.int32), axis=0) > 0:
+            rank = tl.load(slot_ranks_ptr + slot)
+            scaling = tl.load(slot_scalings_ptr + slot)
+            lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+            delta_gate = lora_expand_tile(
+                delta_gate, shrunk_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
+                stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+            )
+            delta_up = lora_expand_tile(
+                delta_up, shrunk_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling,
+                stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+            )
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0)
+        delta_gate *= weight[:, None]
+        delta_up *= weight[:, None]
+    h = _gated_activation(gate + delta_gate, up + delta_up, ACTIVATION)
+    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moe_lora_down_combine_kernel(
+    # Pointers
+    shrunk_ptr,  # (numel, LORA_R) fp32: A_down h per pair
+    lora_b_ptr,  # (L, E, H, R) down_b
+    token_slots_ptr,  # (M,) int32
+    topk_ids_ptr,  # (M, top_k) int32/int64
+    topk_weights_ptr,  # (M, top_k) fp32
+    slot_ranks_ptr,  # (L,) int32
+    slot_scalings_ptr,  # (L,) fp32
+    out_ptr,  # (M, H) in/out: the base MoE output, the delta is added in place
+    # Sizes
+    M,
+    H,
+    top_k,
+    scale,
+    # Strides
+    stride_sm,
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_n,
+    stride_lb_r,
+    stride_om,
+    # Meta-parameters
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    LORA_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, LORA_R)
+    token_valid = offs_t < M
+    col_valid = offs_n < H
+    slot = tl.load(token_slots_ptr + offs_t, mask=token_valid, other=-1)
+    has_slot = token_valid & (slot >= 0)
+    if tl.max(has_slot.to(tl.int32), axis=0) == 0:
+        return
+    safe_slot = tl.where(has_slot, slot, 0)
+    rank = tl.load(slot_ranks_ptr + safe_slot, mask=has_slot, other=0)
+    scaling = tl.load(slot_scalings_ptr + safe_slot, mask=has_slot, other=0.0)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for j in range(0, top_k):
+        pair = offs_t.to(tl.int64) * top_k + j
+        expert = tl.load(topk_ids_ptr + pair, mask=has_slot, other=0).to(tl.int64)
+        shrunk_ptrs = shrunk_ptr + pair[:, None] * stride_sm + offs_r[None, :]
+        shrunk = tl.load(shrunk_ptrs, mask=has_slot[:, None], other=0.0)
+        b_ptrs = (
+            lora_b_ptr
+            + (safe_slot.to(tl.int64) * stride_lb_l + expert * stride_lb_e)[:, None, None]
+            + offs_n.to(tl.int64)[None, :, None] * stride_lb_n
+            + offs_r[None, None, :] * stride_lb_r
+        )
+        rank_valid = offs_r[None, None, :] < rank[:, None, None]
+        b_mask = has_slot[:, None, None] & col_valid[None, :, None] & rank_valid
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        # Rounded to the weights' dtype before the expand, as PEFT's lora_B(lora_A(h)) does.
+        shrunk = shrunk.to(b.dtype).to(tl.float32)
+        delta = tl.sum(shrunk[:, None, :] * b.to(tl.float32), axis=2)
+        row_scale = scaling
+        if MUL_ROUTED_WEIGHT:
+            row_scale = row_scale * tl.load(topk_weights_ptr + pair, mask=has_slot, other=0.0)
+        acc += delta * row_scale[:, None]
+    out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = has_slot[:, None] & col_valid[None, :]
+    base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_lora_a(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    *,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor,
+    block_m: int,
+    top_k: int,
+    x_row_div: int,
+    rank_block: int,
+    gated: bool,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """LoRA shrink over the base alignment: ``out[p] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
+
+    ``lora_a`` is gate_up_a (L, E, 2R, K) with ``gated`` (out is (numel, 2*rank_block): gate then up)
+    or down_a (L, E, R, K) (out is (numel, rank_block)). Rows of tokens without adapter are not written.
+    Grid: (max_padded / block_m,).
+    """
+    numel = out.shape[0]
+    max_rank = lora_a.shape[2] // (2 if gated else 1)
+    if lora_a.shape[3] != x.shape[1]:
+        raise ValueError(f"lora_a {tuple(lora_a.shape)} does not match activations {tuple(x.shape)}")
+    if out.dtype != torch.float32 or out.shape[1] != (2 if gated else 1) * rank_block:
+        width = (2 if gated else 1) * rank_block
+        raise ValueError(f"out must be fp32 (numel, {width}), got {out.dtype} {tuple(out.shape)}")
+    if numel == 0:
+        return out
+    grid = (triton.cdiv(sorted_ids.shape[0], block_m),)
+    _moe_lora_shrink_kernel[grid](
+        x_ptr=x,
+        lora_a_ptr=lora_a,
+        token_slots_ptr=token_slots,
+        slot_ranks_ptr=slot_ranks,
+        sorted_ids_ptr=sorted_ids,
+        expert_ids_ptr=expert_ids,
+        num_post_padded_ptr=num_post_padded,
+        out_ptr=out,
+        K=x.shape[1],
+        numel=numel,
+        x_row_div=x_row_div,
+        top_k=top_k,
+        num_slots=slot_ranks.shape[0],
+        lora_up_offset=max_rank * lora_a.stride(2) if gated else 0,
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        stride_la_l=lora_a.stride(0),
+        stride_la_e=lora_a.stride(1),
+        stride_la_r=lora_a.stride(2),
+        stride_la_k=lora_a.stride(3),
+        stride_om=out.stride(0),
+        GATED=gated,
+        FP32_IEEE=x.dtype == torch.float32,
+        LORA_R=rank_block,
+        BLOCK_M=block_m,
+        BLOCK_K=64 if x.dtype == torch.float32 else 128,
+    )
+    return out
+
+
+def moe_lora_gate_up_b(
+    c1: torch.Tensor,
+    shrunk: torch.Tensor,
+    gate_up_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    *,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor,
+    block_m: int,
+    top_k: int,
+    rank_block: int,
+    activation: str,
+    topk_weights: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out[p] = act(g) * u`` with ``[g | u] = c1[p] + w s B_gate_up[slot, e_p] shrunk[p]``.
+
+    Replaces ``silu_and_mul`` on the staged path; ``topk_weights`` (numel,) is given when GEMM1 applied
+    the routing weight (apply_router_weight_on_input), so the delta gets it too.
+    Grid: (max_padded / block_m * cdiv(N, BLOCK_N),).
+    """
+    numel, two_n = c1.shape
+    n = two_n // 2
+    if out.shape != (numel, n) or gate_up_b.shape[2] != two_n:
+        raise ValueError(f"c1 {tuple(c1.shape)}, gate_up_b {tuple(gate_up_b.shape)} and out "
+                         f"{tuple(out.shape)} disagree: expected out (numel, N), gate_up_b (L, E, 2N, R)")
+    if numel == 0:
+        return out
+    block_n = 64
+    grid = (triton.cdiv(sorted_ids.shape[0], block_m) * triton.cdiv(n, block_n),)
+    _moe_lora_gate_up_b_kernel[grid](
+        c1_ptr=c1,
+        shrunk_ptr=shrunk,
+        lora_b_ptr=gate_up_b,
+        token_slots_ptr=token_slots,
+        slot_ranks_ptr=slot_ranks,
+        slot_scalings_ptr=slot_scalings,
+        topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
+        sorted_ids_ptr=sorted_ids,
+        expert_ids_ptr=expert_ids,
+        num_post_padded_ptr=num_post_padded,
+        h_ptr=out,
+        N=n,
+        numel=numel,
+        max_padded=sorted_ids.shape[0],
+        top_k=top_k,
+        num_slots=slot_ranks.shape[0],
+        stride_c1m=c1.stride(0),
+        stride_sm=shrunk.stride(0),
+        stride_lb_l=gate_up_b.stride(0),
+        stride_lb_e=gate_up_b.stride(1),
+        stride_lb_n=gate_up_b.stride(2),
+        stride_lb_r=gate_up_b.stride(3),
+        stride_hm=out.stride(0),
+        ACTIVATION=_ACTIVATIONS[activation],
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        FP32_IEEE=c1.dtype == torch.float32,
+        LORA_R=rank_block,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
+    return out
+
+
+def moe_lora_down_combine(
+    shrunk: torch.Tensor,
+    down_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    rank_block: int,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """In place: ``out[t] += rsf * sum_k w_k s B_down[slot_t, e_k] shrunk[t*top_k + k]``.
+
+    Gather form (each token row uses its own adapter and experts), the top-k summed in registers.
+    ``topk_weights`` None means the weight was applied on the input.
+    Grid: (cdiv(M, BLOCK_T), cdiv(H, BLOCK_N)).
+    """
+    tokens, hidden = out.shape
+    top_k = topk_ids.shape[1]
+    if down_b.shape[2] != hidden or shrunk.shape != (tokens * top_k, rank_block):
+        raise ValueError(f"down_b {tuple(down_b.shape)} / shrunk {tuple(shrunk.shape)} do not match out "
+                         f"{tuple(out.shape)} with top_k={top_k} and rank block {rank_block}")
+    if tokens == 0:
+        return out
+    block_t = 16
+    block_n = max(16, min(64, 16384 // (block_t * rank_block)))
+    _moe_lora_down_combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_n))](
+        shrunk_ptr=shrunk,
+        lora_b_ptr=down_b,
+        token_slots_ptr=token_slots,
+        topk_ids_ptr=topk_ids,
+        topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
+        slot_ranks_ptr=slot_ranks,
+        slot_scalings_ptr=slot_scalings,
+        out_ptr=out,
+        M=tokens,
+        H=hidden,
+        top_k=top_k,
+        scale=float(routed_scaling_factor),
+        stride_sm=shrunk.stride(0),
+        stride_lb_l=down_b.stride(0),
+        stride_lb_e=down_b.stride(1),
+        stride_lb_n=down_b.stride(2),
+        stride_lb_r=down_b.stride(3),
+        stride_om=out.stride(0),
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        LORA_R=rank_block,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+    )
+    return out
