@@ -26,10 +26,11 @@ PATHS = ("auto", "fused", "staged", "torch")
 
 
 def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int) -> str:
-    """Triton path by shape. The fused path recomputes the shrink in every N tile of a block, which is
-    free while the GEMMs stream weights (decode) but costs tensor-core time once blocks are full."""
+    """Triton path by shape, from benchmarks/results/bench_lora_*.md: the all-in-one path wins while
+    blocks hold about one pair per expert (decode: it adds no launches); once blocks fill, it recomputes
+    the shrink in every N tile and the staged kernels win."""
     pairs_per_expert = num_tokens * top_k / num_experts
-    return "fused" if pairs_per_expert <= 64 else "staged"
+    return "fused" if pairs_per_expert <= 2 else "staged"
 
 
 def _triton_can_run(x: torch.Tensor) -> bool:

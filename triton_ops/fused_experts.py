@@ -13,7 +13,7 @@ graph. Very large batches are processed in chunks of ``MOELORA_MOE_CHUNK_TOKENS`
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -169,6 +169,8 @@ def fused_experts(
         end = min(start + chunk, num_tokens)
         rows = end - start
         cfg = config or get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device)
+        if lora is not None and not staged:
+            cfg = _with_lora_tiles(cfg)
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
         if not chunk_weights.is_contiguous():
@@ -237,6 +239,15 @@ def fused_experts(
                                   lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,
                                   routed_scaling_factor=routed_scaling_factor)
     return out
+
+
+def _with_lora_tiles(cfg: MoEConfig) -> MoEConfig:
+    """The all-in-one GEMMs also stage LoRA A tiles (BLOCK_K x rank, twice for gate/up) in shared
+    memory: cap BLOCK_K and the pipeline depth so a config tuned for the base GEMM still fits."""
+    def capped(gemm):
+        return replace(gemm, block_k=min(gemm.block_k, 128), num_stages=min(gemm.num_stages, 3))
+
+    return MoEConfig(capped(cfg.gemm1), capped(cfg.gemm2))
 
 
 def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, lora_path: str) -> None:

@@ -1,0 +1,54 @@
+"""Per-step batch description for the MoE LoRA layers (DESIGN.md §2).
+
+A :class:`MoELoRABatchInfo` is built once per forward step by
+:meth:`moelora.pool.MoELoRAMemoryPool.prepare_batch` and shared, unchanged, by every MoE layer of the
+model in that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MoELoRABatchInfo"]
+
+
+@dataclass
+class MoELoRABatchInfo:
+    """Which adapter each token of a batch uses, plus the pool's per-slot rank and scaling tables.
+
+    Built once per step (by ``MoELoRAMemoryPool.prepare_batch``) and shared by all MoE layers: the
+    slot index of a token is the same in every layer, and each layer reads its own weights from its
+    own :class:`moelora.pool.LoRALayerBuffers` at that slot.
+
+    Nothing here needs a GPU->CPU sync. The device tensors are filled by one host->device copy of
+    host-built data; every plain Python field (``has_lora``, ``max_rank``, ``slots_used``, ...) was
+    computed on the host from the adapter names and sequence lengths, so a layer may branch on it
+    without reading the device. For CUDA-graph replay with a new adapter mapping, ``prepare_batch(...,
+    out=info)`` rewrites ``token_slots`` in place (same tensor, same address) and refreshes the host
+    fields.
+
+    Attributes:
+        token_slots: ``(M,)`` int32 on the pool's device; the pool slot of each token, ``-1`` = no
+            adapter (the token gets exactly the base MoE output).
+        slot_ranks: ``(L,)`` int32, the pool's own tensor (shared, not a copy): real rank of each slot
+            (0 for an empty slot). Buffers are zero-padded beyond it.
+        slot_scalings: ``(L,)`` float32, the pool's own tensor: the LoRA scaling ``s`` of each slot.
+        num_tokens: ``M``.
+        has_lora: whether any token uses an adapter.
+        max_rank: the largest real rank among the slots this batch uses, 0 if none.
+        slots_used: sorted distinct slots used by at least one token.
+        adapter_names: one entry per sequence, ``None`` = no adapter.
+        seq_lens: tokens per sequence (the ``token_slots`` entries of sequence ``i`` are contiguous).
+    """
+
+    token_slots: torch.Tensor
+    slot_ranks: torch.Tensor
+    slot_scalings: torch.Tensor
+    num_tokens: int
+    has_lora: bool
+    max_rank: int
+    slots_used: tuple[int, ...]
+    adapter_names: tuple[str | None, ...]
+    seq_lens: tuple[int, ...]

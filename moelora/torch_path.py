@@ -1,0 +1,206 @@
+"""Vectorised PyTorch MoE + multi-LoRA forward on the pool layout (the path used for CPU tensors).
+
+Same math as :func:`moelora.reference.reference_moe` (DESIGN.md §1), but without Python loops over
+tokens: one iteration per expert that has (token, k) pairs, with the base GEMMs of all its pairs done
+as one matmul and the LoRA of all its pairs done at once.
+
+Inside an expert, the ``u`` distinct slots its pairs use are gathered from the pool buffers
+(``u <= L``). The shrink multiplies every pair by the A of all ``u`` slots in one GEMM and keeps the
+pair's own block; the expand places each pair's rank vector in its slot's block of a zero
+``(n, u·R)`` matrix and multiplies by the ``u`` B's laid side by side, so each pair only ever sees its
+own adapter. Ranks below ``R`` are zero-padded in the pool, so using all ``R`` rank columns is exact.
+Pairs of tokens with slot ``-1`` are not touched at all: such a token gets exactly the base output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moelora.batch_info import MoELoRABatchInfo
+from moelora.pool import LoRALayerBuffers
+
+__all__ = ["moe_lora_forward_torch"]
+
+_ACTIVATIONS = ("silu", "gelu")
+
+
+def _activation(name: str, g: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(g)
+    return F.gelu(g, approximate="none")
+
+
+def _check_buffers(buffers: LoRALayerBuffers, num_experts: int, hidden: int, inter: int) -> int:
+    """Checks the buffer shapes against the base weights; returns R (max rank)."""
+    if buffers.gate_up_a.dim() != 4:
+        raise ValueError(f"gate_up_a must be (L, E, 2R, H), got {tuple(buffers.gate_up_a.shape)}")
+    n_slots, _, two_r, _ = buffers.gate_up_a.shape
+    r = two_r // 2
+    expected = {
+        "gate_up_a": (buffers.gate_up_a, (n_slots, num_experts, 2 * r, hidden)),
+        "gate_up_b": (buffers.gate_up_b, (n_slots, num_experts, 2 * inter, r)),
+        "down_a": (buffers.down_a, (n_slots, num_experts, r, inter)),
+        "down_b": (buffers.down_b, (n_slots, num_experts, hidden, r)),
+    }
+    for name, (buf, shape) in expected.items():
+        if tuple(buf.shape) != shape:
+            raise ValueError(
+                f"LoRA buffer {name} must be {shape} for these base weights, got {tuple(buf.shape)}"
+            )
+    return r
+
+
+def _shrink(v: torch.Tensor, a: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Per pair ``A[slot] @ v``: ``v (n, K)``, ``a (u, R', K)`` -> ``(n, R')``, one GEMM over all u slots."""
+    u, rr, k = a.shape
+    allv = (v @ a.reshape(u * rr, k).T).view(-1, u, rr)
+    return allv[torch.arange(v.shape[0], device=v.device), local]
+
+
+def _expand(t: torch.Tensor, b: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Per pair ``B[slot] @ t``: ``t (n, R)``, ``b (u, N, R)`` -> ``(n, N)``, one GEMM.
+
+    ``t`` is placed in its slot's block of a zero ``(n, u, R)`` array, so the other slots' B columns
+    are multiplied by exact zeros.
+    """
+    u, nout, r = b.shape
+    n = t.shape[0]
+    padded = t.new_zeros(n, u, r)
+    padded[torch.arange(n, device=t.device), local] = t
+    return padded.view(n, u * r) @ b.permute(1, 0, 2).reshape(nout, u * r).T
+
+
+def moe_lora_forward_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    buffers: LoRALayerBuffers | None,
+    batch: MoELoRABatchInfo | None,
+    *,
+    routed_scaling_factor: float = 1.0,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """MoE layer output with per-token LoRA adapters from the pool, ``(M, H)`` in ``x.dtype``.
+
+    For token ``t`` with slot ``a = batch.token_slots[t]`` (``-1`` = none) and its (expert ``e``,
+    weight ``w``) pairs (DESIGN.md §1)::
+
+        xin = w · x_t if apply_router_weight_on_input else x_t
+        gu  = w13[e] xin + s_a · [B_gate(A_gate xin); B_up(A_up xin)]     (before the activation)
+        h   = act(gu[:I]) ⊙ gu[I:]
+        y   = w2[e] h + s_a · B_down(A_down h)                             (on the activated h)
+        out_t = rsf · Σ_k (w · y  or  y with the weight on the input)
+
+    ``A/B`` come from ``buffers`` (one layer's :class:`LoRALayerBuffers`) at slot ``a``, ``s_a`` from
+    ``batch.slot_scalings``. ``buffers=None``, ``batch=None`` or a batch without adapters gives the
+    base MoE. A negative expert id contributes nothing. Computed in float32 (float64 if ``x``,
+    ``w13`` or ``w2`` is float64) on ``x``'s device.
+
+    Shapes: ``x (M, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H, I)``, ``topk_weights/topk_ids (M, k)``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be (M, H), got {tuple(x.shape)}")
+    m, hidden = x.shape
+    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be (E, 2I, {hidden}), got {tuple(w13.shape)}")
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"w2 must be ({num_experts}, {hidden}, {inter}), got {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids/topk_weights must both be (M={m}, k), got {tuple(topk_ids.shape)} "
+            f"and {tuple(topk_weights.shape)}"
+        )
+    activation = activation.lower()
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+
+    if batch is not None and (batch.num_tokens != m or batch.token_slots.numel() != m):
+        raise ValueError(f"batch describes {batch.num_tokens} tokens but x has {m}")
+    use_lora = buffers is not None and batch is not None and batch.has_lora
+    if buffers is not None:
+        _check_buffers(buffers, num_experts, hidden, inter)
+
+    dev = x.device
+    cdtype = torch.float64 if torch.float64 in (x.dtype, w13.dtype, w2.dtype) else torch.float32
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(m, hidden, dtype=cdtype, device=dev)
+    if m == 0 or top_k == 0:
+        return out.to(x.dtype)
+
+    xf = x.to(cdtype)
+    flat_ids = topk_ids.reshape(-1).to(device=dev, dtype=torch.long)
+    flat_w = topk_weights.reshape(-1).to(device=dev, dtype=cdtype)
+    flat_tok = torch.arange(m, device=dev).repeat_interleave(top_k)
+    if int(flat_ids.max()) >= num_experts:
+        raise ValueError(f"topk_ids holds an expert id >= E={num_experts}")
+    valid = flat_ids >= 0
+    # Pairs sorted by expert (stable); filtered-out pairs (negative id) sort last and are never used.
+    order = torch.argsort(flat_ids.masked_fill(~valid, num_experts), stable=True)
+    counts = torch.bincount(flat_ids[valid], minlength=num_experts).tolist()
+
+    pair_slots = scalings = None
+    if use_lora:
+        assert buffers is not None and batch is not None
+        n_slots = buffers.gate_up_a.shape[0]
+        token_slots = batch.token_slots.to(device=dev, dtype=torch.long)
+        if int(token_slots.min()) < -1 or int(token_slots.max()) >= n_slots:
+            raise ValueError(f"batch.token_slots holds a slot outside [-1, {n_slots})")
+        pair_slots = token_slots[flat_tok]
+        scalings = batch.slot_scalings.to(device=dev, dtype=cdtype)
+
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        start += n
+        tok = flat_tok[pairs]
+        w = flat_w[pairs]
+        xin = xf[tok]
+        if apply_router_weight_on_input:
+            xin = xin * w[:, None]
+
+        gu = xin @ w13[e].to(device=dev, dtype=cdtype).T  # (n, 2I), all pairs of expert e at once
+
+        sel = None
+        if pair_slots is not None:
+            slots = pair_slots[pairs]
+            sel = (slots >= 0).nonzero().squeeze(1)
+            if sel.numel() == 0:
+                sel = None
+        if sel is not None:
+            assert buffers is not None and scalings is not None
+            s_sel = slots[sel]
+            uniq, local = torch.unique(s_sel, return_inverse=True)
+            bidx = uniq.to(buffers.gate_up_a.device)
+            gua = buffers.gate_up_a[bidx, e].to(device=dev, dtype=cdtype)  # (u, 2R, H)
+            gub = buffers.gate_up_b[bidx, e].to(device=dev, dtype=cdtype)  # (u, 2I, R)
+            big_r = gua.shape[1] // 2
+            scale = scalings[s_sel][:, None]
+
+            a1 = _shrink(xin[sel], gua, local)  # (n', 2R): [A_gate x ; A_up x]
+            d_gate = _expand(a1[:, :big_r], gub[:, :inter], local)
+            d_up = _expand(a1[:, big_r:], gub[:, inter:], local)
+            gu[sel] = gu[sel] + torch.cat([d_gate, d_up], dim=1) * scale  # before the activation
+
+        h = _activation(activation, gu[:, :inter]) * gu[:, inter:]
+        y = h @ w2[e].to(device=dev, dtype=cdtype).T  # (n, H)
+
+        if sel is not None:
+            assert buffers is not None
+            da = buffers.down_a[bidx, e].to(device=dev, dtype=cdtype)  # (u, R, I)
+            db = buffers.down_b[bidx, e].to(device=dev, dtype=cdtype)  # (u, H, R)
+            y[sel] = y[sel] + _expand(_shrink(h[sel], da, local), db, local) * scale  # on the activated h
+
+        if not apply_router_weight_on_input:
+            y = y * w[:, None]
+        out.index_add_(0, tok, y)
+
+    if routed_scaling_factor != 1.0:
+        out = out * routed_scaling_factor
+    return out.to(x.dtype)
