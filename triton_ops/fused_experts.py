@@ -161,7 +161,9 @@ def fused_experts(
     if lora is not None:
         rank_block = lora_rank_block(lora.max_rank)
     if staged:
-        gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=x.dtype, device=x.device)
+        # fp32 and computed with the gated tiles, so rows without an adapter see exactly the activation
+        # input of the base path's fused epilogue and come out bit for bit equal to it (DESIGN §1).
+        gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=torch.float32, device=x.device)
         shrunk_gate_up = torch.empty((chunk * top_k, 2 * rank_block), dtype=torch.float32, device=x.device)
         shrunk_down = torch.empty((chunk * top_k, rank_block), dtype=torch.float32, device=x.device)
 
@@ -193,7 +195,7 @@ def fused_experts(
                        block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
                        out=shrunk_gate_up[:pairs])
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
-                                    a_row_div=top_k, config=cfg.gemm1, **align)
+                                    a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
             moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up[:pairs], lora.gate_up_b, chunk_slots,
                                lora.slot_ranks, lora.slot_scalings, **align, block_m=cfg.block_m, top_k=top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,

@@ -3,6 +3,8 @@
 Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]:
               ACTIVATION = none:  c[p, :]  = scale * w_p^m * (B[e] @ a[p // a_row_div])
               ACTIVATION = silu:  c[p, :N] = act(g) * u,  g = s B[e, :N] a,  u = s B[e, N:2N] a
+              ACTIVATION = gated_raw: c[p, :N] = g, c[p, N:2N] = u (the staged LoRA path: same tiles and
+                                  dots as the gated epilogue, so rows without an adapter match it bit for bit)
             with w_p^m = topk_weights[p] when MUL_ROUTED_WEIGHT else 1, s = scale * w_p^m, and
             a_row_div = top_k for GEMM1 (rows of x) and 1 for GEMM2 (rows of the intermediate).
 Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
@@ -34,6 +36,7 @@ from triton_ops.lora_tiles import lora_expand_tile, lora_shrink_tile
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
 ACTIVATION_GELU = 2
+ACTIVATION_GATED_RAW = 3
 _ACTIVATIONS = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU}
 
 
@@ -195,7 +198,12 @@ def _fused_moe_kernel(
     acc *= row_scale[:, None]
     if ACTIVATION != 0:
         acc_up *= row_scale[:, None]
-        acc = _gated_activation(acc, acc_up, ACTIVATION)
+        if ACTIVATION == 3:
+            up_cols = (offs_n + N).to(tl.int64)
+            up_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + up_cols[None, :] * stride_cn
+            tl.store(up_ptrs, acc_up.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+        else:
+            acc = _gated_activation(acc, acc_up, ACTIVATION)
 
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
@@ -242,9 +250,10 @@ def invoke_fused_moe_kernel(
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
     gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync."""
     numel = c.shape[0]
-    out_n = c.shape[1]
     gated = activation is not None
-    if gated and activation not in _ACTIVATIONS:
+    gated_raw = activation == "gated_raw"
+    out_n = c.shape[1] // 2 if gated_raw else c.shape[1]
+    if gated and not gated_raw and activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     expected_b_rows = 2 * out_n if gated else out_n
     if b.shape[1] != expected_b_rows or b.shape[2] != a.shape[1]:
@@ -257,6 +266,9 @@ def invoke_fused_moe_kernel(
     max_padded = sorted_ids.shape[0]
     grid = (triton.cdiv(max_padded, config.block_m) * triton.cdiv(out_n, config.block_n),)
     K = a.shape[1]
+    activation_code = ACTIVATION_NONE
+    if gated:
+        activation_code = ACTIVATION_GATED_RAW if gated_raw else _ACTIVATIONS[activation]
     if lora is not None:
         max_rank = lora.lora_b.shape[3]
         expected_a_rows = 2 * max_rank if gated else max_rank
@@ -306,7 +318,7 @@ def invoke_fused_moe_kernel(
         HAS_LORA=lora is not None,
         LORA_R=lora.rank_block if lora is not None else 16,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
-        ACTIVATION=_ACTIVATIONS[activation] if gated else ACTIVATION_NONE,
+        ACTIVATION=activation_code,
         FP32_IEEE=a.dtype == torch.float32,
         EVEN_K=K % config.block_k == 0,
         BLOCK_M=config.block_m,
