@@ -4,10 +4,10 @@
     python benchmarks/bench_lora.py --models deepseek-v2-lite --M 1 64 --ranks 16
 
 Base = ``fused_experts`` without adapters; base+LoRA = the same call with every token on one of
-``n_adapters`` adapters (uniform), for the "fused" (all-in-one) and "staged" paths and "auto" (what the
-layer picks). Adapter buffers are a max_loras=8 pool of max_rank = the adapter rank, filled with random
-weights. Each call is captured in a CUDA graph and timed with ``triton.testing.do_bench`` (median; L2
-flushed before every replay). Writes JSON and a markdown table to benchmarks/results/.
+``n_adapters`` adapters (uniform), for the "fused" (all-in-one), "split" and "staged" paths and "auto"
+(what the layer picks). Adapter buffers are a max_loras=8 pool of max_rank = the adapter rank, filled
+with random weights. Each call is captured in a CUDA graph and timed with ``triton.testing.do_bench``
+(median; L2 flushed before every replay). Writes JSON and a markdown table to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def bench_model(name: str, token_counts: list[int], ranks: list[int], adapter_co
                 row = dict(model=name, E=num_experts, top_k=top_k, H=hidden, I=inter, M=m, rank=rank,
                            n_adapters=n_adapters, dtype=str(dtype).removeprefix("torch."), base_us=base_us,
                            auto_path=auto)
-                for path in ("fused", "staged"):
+                for path in ("fused", "split", "staged"):
                     us = graph_time_us(lambda p=path, lr=lora: fused_experts(
                         x, w13, w2, weights, ids, lora=lr, lora_path=p))
                     row[f"{path}_us"] = us
@@ -100,6 +100,7 @@ def bench_model(name: str, token_counts: list[int], ranks: list[int], adapter_co
                 records.append(row)
                 print(f"{name:17s} M={m:5d} r={rank:3d} n={n_adapters}  base {base_us:8.1f} us  "
                       f"fused {row['fused_us']:8.1f} ({row['fused_overhead']:+7.1%})  "
+                      f"split {row['split_us']:8.1f} ({row['split_overhead']:+7.1%})  "
                       f"staged {row['staged_us']:8.1f} ({row['staged_overhead']:+7.1%})  auto={auto}",
                       flush=True)
                 del lora
@@ -111,13 +112,13 @@ def markdown(records: list[dict], device: str) -> str:
     lines = [f"# MoE LoRA overhead on {device} ({dt.date.today()})", "",
              "t(base+LoRA)/t(base) - 1; CUDA graphs, do_bench median, bf16, adapters uniform over tokens.",
              "",
-             "| model | M | rank | adapters | base µs | fused µs | fused ovh | staged µs | staged ovh "
-             "| auto |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| model | M | rank | adapters | base µs | fused ovh | split ovh | staged ovh | auto (ovh) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
         lines.append(f"| {r['model']} | {r['M']} | {r['rank']} | {r['n_adapters']} | {r['base_us']:.1f} | "
-                     f"{r['fused_us']:.1f} | {r['fused_overhead']:+.1%} | {r['staged_us']:.1f} | "
-                     f"{r['staged_overhead']:+.1%} | {r['auto_path']} {r['auto_overhead']:+.1%} |")
+                     f"{r['fused_overhead']:+.1%} | {r['split_overhead']:+.1%} | "
+                     f"{r['staged_overhead']:+.1%} | "
+                     f"{r['auto_path']} ({r['auto_overhead']:+.1%}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -3,6 +3,8 @@
 Paths (``path=``):
   "fused"   all-in-one: the LoRA shrink runs inside the base GEMMs (the activation tile is already
             loaded), the expands in their epilogues; the same launches as the base fused MoE.
+  "split"   each shrink once per routed pair (``moe_lora_a``), the expands in the base GEMMs'
+            epilogues: two launches more than the base path, no shrink recomputed per N tile.
   "staged"  separate shrink, gate_up-expand+activation and down+combine kernels around the base GEMMs.
   "torch"   the vectorised PyTorch path (what CPU tensors use when Triton is not interpreting).
   "auto"    torch for CPU tensors outside the Triton interpreter, else by shape (``choose_lora_path``).
@@ -22,15 +24,15 @@ from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
 
-PATHS = ("auto", "fused", "staged", "torch")
+PATHS = ("auto", "fused", "split", "staged", "torch")
 
 
 def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int) -> str:
     """Triton path by shape, from benchmarks/results/bench_lora_*.md: the all-in-one path wins while
-    blocks hold about one pair per expert (decode: it adds no launches); once blocks fill, it recomputes
-    the shrink in every N tile and the staged kernels win."""
+    blocks hold few pairs per expert (decode: it adds no launches); once blocks fill, recomputing the
+    shrink in every N tile costs more than the two launches of the split path."""
     pairs_per_expert = num_tokens * top_k / num_experts
-    return "fused" if pairs_per_expert <= 2 else "staged"
+    return "fused" if pairs_per_expert <= 2 else "split"
 
 
 def _triton_can_run(x: torch.Tensor) -> bool:
@@ -47,7 +49,7 @@ class FusedMoEWithLoRA(nn.Module):
         routed_scaling_factor: rsf of DESIGN §1 (DeepSeek-V3: 2.5 unless the router already applied it).
         activation: "silu" (default) or "gelu".
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
-        path: "auto", "fused", "staged" or "torch" (see the module docstring).
+        path: "auto", "fused", "split", "staged" or "torch" (see the module docstring).
     """
 
     def __init__(
@@ -104,7 +106,7 @@ class FusedMoEWithLoRA(nn.Module):
 
     def resolve_path(self, x: torch.Tensor, topk_ids: torch.Tensor, batch: MoELoRABatchInfo) -> str:
         if self.path == "torch" or not _triton_can_run(x):
-            if self.path in ("fused", "staged"):
+            if self.path in ("fused", "split", "staged"):
                 raise ValueError(f"path={self.path!r} needs CUDA tensors or TRITON_INTERPRET=1")
             return "torch"
         if self.path != "auto":

@@ -23,7 +23,7 @@ from triton_ops.moe_align import moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a, moe_lora_down_combine, moe_lora_gate_up_b
 from triton_ops.moe_sum import moe_sum_reduce
 
-LORA_PATHS = ("fused", "staged")
+LORA_PATHS = ("fused", "split", "staged")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,9 @@ def fused_experts(
         config: force a launch config (default: ``triton_ops.configs.get_moe_config``).
         lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
         lora_path: "fused" (shrink in the GEMM K-loops, expand in their epilogues: the base path's
-            launches) or "staged" (separate shrink / gate_up+act / down+combine kernels).
+            launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
+            epilogues: two more launches, no recomputation across N tiles) or "staged" (separate shrink /
+            gate_up+act / down+combine kernels, seed 002's interface).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation not in _ACTIVATIONS:
@@ -158,20 +160,22 @@ def fused_experts(
     if top_k > 1 and not no_combine:
         pair_out = torch.empty((chunk * top_k, hidden), dtype=x.dtype, device=x.device)
     staged = lora is not None and lora_path == "staged"
+    split = lora is not None and lora_path == "split"
     if lora is not None:
         rank_block = lora_rank_block(lora.max_rank)
+    if split or staged:
+        shrunk_gate_up = torch.empty((chunk * top_k, 2 * rank_block), dtype=torch.float32, device=x.device)
+        shrunk_down = torch.empty((chunk * top_k, rank_block), dtype=torch.float32, device=x.device)
     if staged:
         # fp32 and computed with the gated tiles, so rows without an adapter see exactly the activation
         # input of the base path's fused epilogue and come out bit for bit equal to it (DESIGN §1).
         gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=torch.float32, device=x.device)
-        shrunk_gate_up = torch.empty((chunk * top_k, 2 * rank_block), dtype=torch.float32, device=x.device)
-        shrunk_down = torch.empty((chunk * top_k, rank_block), dtype=torch.float32, device=x.device)
 
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         rows = end - start
         cfg = config or get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device)
-        if lora is not None and not staged:
+        if lora is not None and lora_path == "fused":
             cfg = _with_lora_tiles(cfg)
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
@@ -189,8 +193,13 @@ def fused_experts(
             gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
+        pairs = rows * top_k
+        if split:
+            moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
+                       block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
+                       out=shrunk_gate_up[:pairs])
+            gemm1_lora = replace(gemm1_lora, shrunk=shrunk_gate_up[:pairs])
         if staged:
-            pairs = rows * top_k
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
                        out=shrunk_gate_up[:pairs])
@@ -213,6 +222,11 @@ def fused_experts(
                 **align,
             )
 
+        if split:
+            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
+                       block_m=cfg.block_m, top_k=top_k, x_row_div=1, rank_block=rank_block, gated=False,
+                       out=shrunk_down[:pairs])
+            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down[:pairs])
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)
         elif top_k == 1:

@@ -14,8 +14,9 @@ With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delt
             GEMM1: g += s_a B_gate[a,e] (A_gate[a,e] x),  u += s_a B_up[a,e] (A_up[a,e] x)  before act;
             GEMM2: y += s_a B_down[a,e] (A_down[a,e] h)  before the routed weight and rsf,
             with a = token_slots[p // slot_row_div] (-1: no delta). The shrink runs over the slots present
-            in the block before the base K-loop (rows of other slots are masked out of the loads), the
-            expand in the epilogue; same launches as the base path.
+            in the block inside the base K-loop (the block's main slot) or before it (other slots; rows of
+            other slots are masked out of those loads), or is precomputed by ``moe_lora_a`` (``shrunk``);
+            the expand runs in the epilogue.
 
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.configs import GemmConfig
-from triton_ops.lora_tiles import lora_expand_tile, lora_shrink_tile
+from triton_ops.lora_tiles import _dot, lora_expand_tile, lora_shrink_tile
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -64,6 +65,7 @@ def _fused_moe_kernel(
     lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
+    shrunk_ptr,  # (numel, 2 * LORA_R or LORA_R) fp32 precomputed shrink            (LORA_SHRINK == 1)
     # Sizes
     N,
     K,
@@ -90,8 +92,10 @@ def _fused_moe_kernel(
     stride_lb_e,
     stride_lb_n,
     stride_lb_r,
+    stride_sm,
     # Meta-parameters
     HAS_LORA: tl.constexpr,
+    LORA_SHRINK: tl.constexpr,
     LORA_R: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -130,17 +134,38 @@ def _fused_moe_kernel(
 
     if HAS_LORA:
         row_slot = tl.load(token_slots_ptr + pair // slot_row_div, mask=row_valid, other=-1)
-        lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-        lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-        for slot in range(0, num_slots):
-            in_slot = row_valid & (row_slot == slot)
-            if tl.max(in_slot.to(tl.int32), axis=0) > 0:
-                la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
-                lora_gate, lora_up = lora_shrink_tile(
-                    lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
-                    tl.load(slot_ranks_ptr + slot), K, stride_am, stride_ak, stride_la_r, stride_la_k,
-                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
-                )
+        has_slot = row_valid & (row_slot >= 0)
+        offs_r = tl.arange(0, LORA_R)
+        if LORA_SHRINK == 1:
+            # Precomputed by moe_lora_a (the "split" path): rows without an adapter were not written.
+            s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+            lora_gate = tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
+            lora_up = lora_gate
+            if ACTIVATION != 0:
+                lora_up = tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
+        else:
+            # The shrink of the block's main slot rides in the base K-loop (same x tile, same
+            # iterations); any other slot in the block gets its own pass over K first.
+            main_slot = tl.max(tl.where(has_slot, row_slot, -1), axis=0)
+            in_main = has_slot & (row_slot == main_slot)
+            main_safe = tl.maximum(main_slot, 0)
+            main_rank = tl.where(main_slot >= 0, tl.load(slot_ranks_ptr + main_safe), 0)
+            main_rank_valid = offs_r < main_rank
+            la_ptrs = (lora_a_ptr + tl.cast(main_safe, tl.int64) * stride_la_l + expert * stride_la_e
+                       + offs_r[None, :] * stride_la_r + offs_k[:, None] * stride_la_k)
+            main_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+            main_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+            lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+            lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+            for slot in range(0, num_slots):
+                in_slot = row_valid & (row_slot == slot)
+                if (tl.max(in_slot.to(tl.int32), axis=0) > 0) & (slot != main_slot):
+                    la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+                    lora_gate, lora_up = lora_shrink_tile(
+                        lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
+                        tl.load(slot_ranks_ptr + slot), K, stride_am, stride_ak, stride_la_r, stride_la_k,
+                        GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
+                    )
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
@@ -172,10 +197,25 @@ def _fused_moe_kernel(
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
             up_ptrs += BLOCK_K * stride_bk
+        if HAS_LORA:
+            if LORA_SHRINK == 0:
+                if EVEN_K:
+                    la_mask = main_rank_valid[None, :]
+                else:
+                    la_mask = k_valid[:, None] & main_rank_valid[None, :]
+                la = tl.load(la_ptrs, mask=la_mask, other=0.0)
+                main_gate = _dot(a, la, main_gate, FP32_IEEE)
+                if ACTIVATION != 0:
+                    la_up = tl.load(la_ptrs + lora_up_offset, mask=la_mask, other=0.0)
+                    main_up = _dot(a, la_up, main_up, FP32_IEEE)
+                la_ptrs += BLOCK_K * stride_la_k
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
     if HAS_LORA:
+        if LORA_SHRINK == 0:
+            lora_gate = tl.where(in_main[:, None], main_gate, lora_gate)
+            lora_up = tl.where(in_main[:, None], main_up, lora_up)
         for slot in range(0, num_slots):
             in_slot = row_valid & (row_slot == slot)
             if tl.max(in_slot.to(tl.int32), axis=0) > 0:
@@ -225,6 +265,7 @@ class LoRAOperands:
     slot_scalings: torch.Tensor  # (L,) fp32
     top_k: int
     rank_block: int
+    shrunk: torch.Tensor | None = None  # (numel, 2*rank_block or rank_block) fp32: precomputed shrink
 
 
 def lora_rank_block(max_rank: int) -> int:
@@ -291,6 +332,7 @@ def invoke_fused_moe_kernel(
         lora_b_ptr=lb if lora is not None else b,
         slot_ranks_ptr=lora.slot_ranks if lora is not None else sorted_ids,
         slot_scalings_ptr=lora.slot_scalings if lora is not None else c,
+        shrunk_ptr=lora.shrunk if lora is not None and lora.shrunk is not None else c,
         N=out_n,
         K=K,
         numel=numel,
@@ -315,7 +357,9 @@ def invoke_fused_moe_kernel(
         stride_lb_e=lb.stride(1) if lora is not None else 0,
         stride_lb_n=lb.stride(2) if lora is not None else 0,
         stride_lb_r=lb.stride(3) if lora is not None else 0,
+        stride_sm=lora.shrunk.stride(0) if lora is not None and lora.shrunk is not None else 0,
         HAS_LORA=lora is not None,
+        LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
         LORA_R=lora.rank_block if lora is not None else 16,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
