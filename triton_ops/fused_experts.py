@@ -20,7 +20,7 @@ import torch
 from triton_ops.configs import MoEConfig, get_moe_config
 from triton_ops.fused_moe import _ACTIVATIONS, LoRAOperands, invoke_fused_moe_kernel, lora_rank_block
 from triton_ops.moe_align import moe_align_block_size
-from triton_ops.moe_lora import moe_lora_a, moe_lora_down_combine, moe_lora_gate_up_b
+from triton_ops.moe_lora import moe_lora_a, moe_lora_down_combine, moe_lora_gate_up_b, shrink_k_splits
 from triton_ops.moe_sum import moe_sum_reduce
 
 LORA_PATHS = ("fused", "split", "staged")
@@ -163,9 +163,6 @@ def fused_experts(
     split = lora is not None and lora_path == "split"
     if lora is not None:
         rank_block = lora_rank_block(lora.max_rank)
-    if split or staged:
-        shrunk_gate_up = torch.empty((chunk * top_k, 2 * rank_block), dtype=torch.float32, device=x.device)
-        shrunk_down = torch.empty((chunk * top_k, rank_block), dtype=torch.float32, device=x.device)
     if staged:
         # fp32 and computed with the gated tiles, so rows without an adapter see exactly the activation
         # input of the base path's fused epilogue and come out bit for bit equal to it (DESIGN §1).
@@ -175,8 +172,8 @@ def fused_experts(
         end = min(start + chunk, num_tokens)
         rows = end - start
         cfg = config or get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device)
-        if lora is not None and lora_path == "fused":
-            cfg = _with_lora_tiles(cfg)
+        if lora is not None and lora_path in ("fused", "split"):
+            cfg = _with_lora_tiles(cfg, inline_shrink=lora_path == "fused")
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
         if not chunk_weights.is_contiguous():
@@ -194,18 +191,28 @@ def fused_experts(
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         pairs = rows * top_k
+        if split or staged:
+            max_padded = sorted_ids.shape[0]
+            shrunk_gate_up = torch.empty(
+                (shrink_k_splits(max_padded, cfg.block_m, hidden), pairs, 2 * rank_block),
+                dtype=torch.float32, device=x.device,
+            )
+            shrunk_down = torch.empty(
+                (shrink_k_splits(max_padded, cfg.block_m, intermediate), pairs, rank_block),
+                dtype=torch.float32, device=x.device,
+            )
         if split:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
-                       out=shrunk_gate_up[:pairs])
-            gemm1_lora = replace(gemm1_lora, shrunk=shrunk_gate_up[:pairs])
+                       out=shrunk_gate_up)
+            gemm1_lora = replace(gemm1_lora, shrunk=shrunk_gate_up)
         if staged:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
-                       out=shrunk_gate_up[:pairs])
+                       out=shrunk_gate_up)
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
-            moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up[:pairs], lora.gate_up_b, chunk_slots,
+            moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, chunk_slots,
                                lora.slot_ranks, lora.slot_scalings, **align, block_m=cfg.block_m, top_k=top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
                                out=chunk_activated)
@@ -225,8 +232,8 @@ def fused_experts(
         if split:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        block_m=cfg.block_m, top_k=top_k, x_row_div=1, rank_block=rank_block, gated=False,
-                       out=shrunk_down[:pairs])
-            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down[:pairs])
+                       out=shrunk_down)
+            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)
         elif top_k == 1:
@@ -249,19 +256,23 @@ def fused_experts(
         if staged:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        block_m=cfg.block_m, top_k=top_k, x_row_div=1, rank_block=rank_block, gated=False,
-                       out=shrunk_down[:pairs])
-            moe_lora_down_combine(shrunk_down[:pairs], lora.down_b, chunk_slots, chunk_ids.contiguous(),
+                       out=shrunk_down)
+            moe_lora_down_combine(shrunk_down, lora.down_b, chunk_slots, chunk_ids.contiguous(),
                                   None if apply_router_weight_on_input else chunk_weights.view(rows, top_k),
                                   lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,
                                   routed_scaling_factor=routed_scaling_factor)
     return out
 
 
-def _with_lora_tiles(cfg: MoEConfig) -> MoEConfig:
-    """The all-in-one GEMMs also stage LoRA A tiles (BLOCK_K x rank, twice for gate/up) in shared
-    memory: cap BLOCK_K and the pipeline depth so a config tuned for the base GEMM still fits."""
+def _with_lora_tiles(cfg: MoEConfig, inline_shrink: bool = True) -> MoEConfig:
+    """Fit a config tuned for the base GEMMs to their LoRA variants: the epilogue expand needs registers
+    beside the accumulators (BLOCK_N <= 128), and the inline shrink also stages LoRA A tiles (BLOCK_K x
+    rank, twice for gate/up) in shared memory (BLOCK_K <= 128, at most 3 stages)."""
     def capped(gemm):
-        return replace(gemm, block_k=min(gemm.block_k, 128), num_stages=min(gemm.num_stages, 3))
+        gemm = replace(gemm, block_n=min(gemm.block_n, 128))
+        if inline_shrink:
+            gemm = replace(gemm, block_k=min(gemm.block_k, 128), num_stages=min(gemm.num_stages, 3))
+        return gemm
 
     return MoEConfig(capped(cfg.gemm1), capped(cfg.gemm2))
 

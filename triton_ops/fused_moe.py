@@ -65,7 +65,7 @@ def _fused_moe_kernel(
     lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
-    shrunk_ptr,  # (numel, 2 * LORA_R or LORA_R) fp32 precomputed shrink            (LORA_SHRINK == 1)
+    shrunk_ptr,  # (splits, numel, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
     # Sizes
     N,
     K,
@@ -76,6 +76,7 @@ def _fused_moe_kernel(
     num_slots,
     slot_row_div,
     lora_up_offset,
+    num_shrink_splits,
     # Strides
     stride_am,
     stride_ak,
@@ -92,6 +93,7 @@ def _fused_moe_kernel(
     stride_lb_e,
     stride_lb_n,
     stride_lb_r,
+    stride_ss,
     stride_sm,
     # Meta-parameters
     HAS_LORA: tl.constexpr,
@@ -136,14 +138,7 @@ def _fused_moe_kernel(
         row_slot = tl.load(token_slots_ptr + pair // slot_row_div, mask=row_valid, other=-1)
         has_slot = row_valid & (row_slot >= 0)
         offs_r = tl.arange(0, LORA_R)
-        if LORA_SHRINK == 1:
-            # Precomputed by moe_lora_a (the "split" path): rows without an adapter were not written.
-            s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
-            lora_gate = tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
-            lora_up = lora_gate
-            if ACTIVATION != 0:
-                lora_up = tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
-        else:
+        if LORA_SHRINK == 0:
             # The shrink of the block's main slot rides in the base K-loop (same x tile, same
             # iterations); any other slot in the block gets its own pass over K first.
             main_slot = tl.max(tl.where(has_slot, row_slot, -1), axis=0)
@@ -163,7 +158,7 @@ def _fused_moe_kernel(
                     la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
                     lora_gate, lora_up = lora_shrink_tile(
                         lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
-                        tl.load(slot_ranks_ptr + slot), K, stride_am, stride_ak, stride_la_r, stride_la_k,
+                        tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, stride_la_r, stride_la_k,
                         GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
                     )
 
@@ -216,6 +211,17 @@ def _fused_moe_kernel(
         if LORA_SHRINK == 0:
             lora_gate = tl.where(in_main[:, None], main_gate, lora_gate)
             lora_up = tl.where(in_main[:, None], main_up, lora_up)
+        else:
+            # Precomputed by moe_lora_a (the "split" path) as split-K partials, summed here; loaded only
+            # now so they hold no registers during the K-loop. Rows without an adapter were not written.
+            lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+            lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+            s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+            for _split in range(0, num_shrink_splits):
+                lora_gate += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
+                if ACTIVATION != 0:
+                    lora_up += tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
+                s_ptrs += stride_ss
         for slot in range(0, num_slots):
             in_slot = row_valid & (row_slot == slot)
             if tl.max(in_slot.to(tl.int32), axis=0) > 0:
@@ -265,7 +271,7 @@ class LoRAOperands:
     slot_scalings: torch.Tensor  # (L,) fp32
     top_k: int
     rank_block: int
-    shrunk: torch.Tensor | None = None  # (numel, 2*rank_block or rank_block) fp32: precomputed shrink
+    shrunk: torch.Tensor | None = None  # (splits, numel, 2*rank_block or rank_block) fp32 partials
 
 
 def lora_rank_block(max_rank: int) -> int:
@@ -342,6 +348,7 @@ def invoke_fused_moe_kernel(
         num_slots=lora.slot_ranks.shape[0] if lora is not None else 0,
         slot_row_div=lora.top_k if lora is not None else 1,
         lora_up_offset=max_rank * la.stride(2) if lora is not None and gated else 0,
+        num_shrink_splits=lora.shrunk.shape[0] if lora is not None and lora.shrunk is not None else 0,
         stride_am=a.stride(0),
         stride_ak=a.stride(1),
         stride_be=b.stride(0),
@@ -357,7 +364,8 @@ def invoke_fused_moe_kernel(
         stride_lb_e=lb.stride(1) if lora is not None else 0,
         stride_lb_n=lb.stride(2) if lora is not None else 0,
         stride_lb_r=lb.stride(3) if lora is not None else 0,
-        stride_sm=lora.shrunk.stride(0) if lora is not None and lora.shrunk is not None else 0,
+        stride_ss=lora.shrunk.stride(0) if lora is not None and lora.shrunk is not None else 0,
+        stride_sm=lora.shrunk.stride(1) if lora is not None and lora.shrunk is not None else 0,
         HAS_LORA=lora is not None,
         LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
         LORA_R=lora.rank_block if lora is not None else 16,

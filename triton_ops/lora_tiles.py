@@ -34,7 +34,8 @@ def lora_shrink_tile(
     la_ptr,  # A[s, e] base: (R or 2R, K) rows of this slot and expert
     up_offset,  # element offset of the up projection's A rows (R * stride_r) when GATED
     rank,  # the slot's real rank
-    K,
+    k_start,  # this program's slice of K (split-K shrinks write one partial per slice)
+    k_end,
     stride_xm,
     stride_xk,
     stride_lr,
@@ -47,10 +48,10 @@ def lora_shrink_tile(
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, LORA_R)
     rank_valid = offs_r < rank
-    x_ptrs = x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_ptrs = la_ptr + offs_r[None, :] * stride_lr + offs_k[:, None] * stride_lk
-    for k0 in range(0, K, BLOCK_K):
-        k_valid = offs_k < K - k0
+    x_ptrs = x_ptr + x_row[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    a_ptrs = la_ptr + offs_r[None, :] * stride_lr + (k_start + offs_k)[:, None] * stride_lk
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_valid = offs_k < k_end - k0
         x = tl.load(x_ptrs, mask=rows_in_slot[:, None] & k_valid[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=k_valid[:, None] & rank_valid[None, :], other=0.0)
         acc = _dot(x, a, acc, FP32_IEEE)

@@ -31,11 +31,12 @@ def _moe_lora_shrink_kernel(
     token_slots_ptr,  # (M,) int32, -1 = no adapter
     slot_ranks_ptr,  # (L,) int32
     sorted_ids_ptr,  # (max_padded,) int32
-    expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
+    expert_ids_ptr,  # (max_padded / ALIGN_M,) int32
     num_post_padded_ptr,  # (1,) int32
-    out_ptr,  # (numel, LORA_R) or (numel, 2 * LORA_R) fp32: [gate | up] when GATED
+    out_ptr,  # (splits, numel, LORA_R or 2 * LORA_R) fp32 partial sums: [gate | up] when GATED
     # Sizes
     K,
+    k_per_split,
     numel,
     x_row_div,
     top_k,
@@ -48,23 +49,32 @@ def _moe_lora_shrink_kernel(
     stride_la_e,
     stride_la_r,
     stride_la_k,
+    stride_os,
     stride_om,
     # Meta-parameters
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
+    ALIGN_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """One BLOCK_M slice of an alignment block (one expert) times one K slice."""
     pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // ALIGN_M).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     row_valid = pair < numel
     row_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_valid, other=-1)
+    has_slot = row_valid & (row_slot >= 0)
+    if tl.max(has_slot.to(tl.int32), axis=0) == 0:
+        return
     x_row = (pair // x_row_div).to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
     for slot in range(0, num_slots):
@@ -73,12 +83,11 @@ def _moe_lora_shrink_kernel(
             la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
             acc, acc_up = lora_shrink_tile(
                 acc, acc_up, x_ptr, x_row, in_slot, la_ptr, lora_up_offset, tl.load(slot_ranks_ptr + slot),
-                K, stride_xm, stride_xk, stride_la_r, stride_la_k,
+                k_start, k_end, stride_xm, stride_xk, stride_la_r, stride_la_k,
                 GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
             )
     offs_r = tl.arange(0, LORA_R)
-    has_slot = row_valid & (row_slot >= 0)
-    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_r[None, :]
+    out_ptrs = out_ptr + pid_k * stride_os + pair.to(tl.int64)[:, None] * stride_om + offs_r[None, :]
     tl.store(out_ptrs, acc, mask=has_slot[:, None])
     if GATED:
         tl.store(out_ptrs + LORA_R, acc_up, mask=has_slot[:, None])
@@ -88,7 +97,7 @@ def _moe_lora_shrink_kernel(
 def _moe_lora_gate_up_b_kernel(
     # Pointers
     c1_ptr,  # (numel, 2N) raw GEMM1 output, gate columns then up columns
-    shrunk_ptr,  # (numel, 2 * LORA_R) fp32 from the shrink: [gate | up]
+    shrunk_ptr,  # (splits, numel, 2 * LORA_R) fp32 partial shrinks: [gate | up]
     lora_b_ptr,  # (L, E, 2N, R) gate_up_b
     token_slots_ptr,  # (M,) int32
     slot_ranks_ptr,  # (L,) int32
@@ -104,8 +113,10 @@ def _moe_lora_gate_up_b_kernel(
     max_padded,
     top_k,
     num_slots,
+    num_splits,
     # Strides
     stride_c1m,
+    stride_ss,
     stride_sm,
     stride_lb_l,
     stride_lb_e,
@@ -141,8 +152,12 @@ def _moe_lora_gate_up_b_kernel(
     offs_r = tl.arange(0, LORA_R)
     s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     has_slot = row_valid & (row_slot >= 0)
-    shrunk_gate = tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
-    shrunk_up = tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
+    shrunk_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    shrunk_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    for _split in range(0, num_splits):
+        shrunk_gate += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
+        shrunk_up += tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
+        s_ptrs += stride_ss
     delta_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     delta_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for slot in range(0, num_slots):
@@ -171,7 +186,7 @@ def _moe_lora_gate_up_b_kernel(
 @triton.jit
 def _moe_lora_down_combine_kernel(
     # Pointers
-    shrunk_ptr,  # (numel, LORA_R) fp32: A_down h per pair
+    shrunk_ptr,  # (splits, numel, LORA_R) fp32 partials of A_down h per pair
     lora_b_ptr,  # (L, E, H, R) down_b
     token_slots_ptr,  # (M,) int32
     topk_ids_ptr,  # (M, top_k) int32/int64
@@ -184,7 +199,9 @@ def _moe_lora_down_combine_kernel(
     H,
     top_k,
     scale,
+    num_splits,
     # Strides
+    stride_ss,
     stride_sm,
     stride_lb_l,
     stride_lb_e,
@@ -214,7 +231,9 @@ def _moe_lora_down_combine_kernel(
         pair = offs_t.to(tl.int64) * top_k + j
         expert = tl.load(topk_ids_ptr + pair, mask=has_slot, other=0).to(tl.int64)
         shrunk_ptrs = shrunk_ptr + pair[:, None] * stride_sm + offs_r[None, :]
-        shrunk = tl.load(shrunk_ptrs, mask=has_slot[:, None], other=0.0)
+        shrunk = tl.zeros((BLOCK_T, LORA_R), dtype=tl.float32)
+        for split in range(0, num_splits):
+            shrunk += tl.load(shrunk_ptrs + split * stride_ss, mask=has_slot[:, None], other=0.0)
         b_ptrs = (
             lora_b_ptr
             + (safe_slot.to(tl.int64) * stride_lb_l + expert * stride_lb_e)[:, None, None]
@@ -237,6 +256,20 @@ def _moe_lora_down_combine_kernel(
     tl.store(out_ptrs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def shrink_block_m(block_m: int) -> int:
+    """Rows per shrink program: a slice of an alignment block (more programs, fewer registers)."""
+    return min(block_m, 32)
+
+
+def shrink_k_splits(
+    max_padded: int, block_m: int, k: int, block_k: int = 64, target_programs: int = 264
+) -> int:
+    """Split K until the grid has about two programs per SM: at decode the few alignment blocks would
+    otherwise each walk all of K alone (latency-bound); at prefill the blocks already fill the GPU."""
+    row_programs = triton.cdiv(max(max_padded, 1), shrink_block_m(block_m))
+    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, row_programs)))
+
+
 def moe_lora_a(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -253,22 +286,26 @@ def moe_lora_a(
     gated: bool,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """LoRA shrink over the base alignment: ``out[p] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
+    """LoRA shrink over the base alignment: ``sum_s out[s, p] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
 
-    ``lora_a`` is gate_up_a (L, E, 2R, K) with ``gated`` (out is (numel, 2*rank_block): gate then up)
-    or down_a (L, E, R, K) (out is (numel, rank_block)). Rows of tokens without adapter are not written.
-    Grid: (max_padded / block_m,).
+    ``lora_a`` is gate_up_a (L, E, 2R, K) with ``gated`` (out is (splits, numel, 2*rank_block): gate then
+    up) or down_a (L, E, R, K) (out is (splits, numel, rank_block)). Each of the ``splits`` slices of K
+    writes its own partial (consumers sum them: deterministic, no atomics); rows of tokens without an
+    adapter are not written. Grid: (cdiv(max_padded, shrink_block_m), splits).
     """
-    numel = out.shape[0]
+    splits, numel, width = out.shape
     max_rank = lora_a.shape[2] // (2 if gated else 1)
     if lora_a.shape[3] != x.shape[1]:
         raise ValueError(f"lora_a {tuple(lora_a.shape)} does not match activations {tuple(x.shape)}")
-    if out.dtype != torch.float32 or out.shape[1] != (2 if gated else 1) * rank_block:
-        width = (2 if gated else 1) * rank_block
-        raise ValueError(f"out must be fp32 (numel, {width}), got {out.dtype} {tuple(out.shape)}")
+    if out.dtype != torch.float32 or width != (2 if gated else 1) * rank_block:
+        expected = (2 if gated else 1) * rank_block
+        raise ValueError(f"out must be fp32 (splits, numel, {expected}), got {out.dtype} {tuple(out.shape)}")
     if numel == 0:
         return out
-    grid = (triton.cdiv(sorted_ids.shape[0], block_m),)
+    block_k = 32 if x.dtype == torch.float32 else 64
+    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], block_k), splits) * block_k
+    sub_m = shrink_block_m(block_m)
+    grid = (triton.cdiv(sorted_ids.shape[0], sub_m), splits)
     _moe_lora_shrink_kernel[grid](
         x_ptr=x,
         lora_a_ptr=lora_a,
@@ -279,6 +316,7 @@ def moe_lora_a(
         num_post_padded_ptr=num_post_padded,
         out_ptr=out,
         K=x.shape[1],
+        k_per_split=k_per_split,
         numel=numel,
         x_row_div=x_row_div,
         top_k=top_k,
@@ -290,12 +328,14 @@ def moe_lora_a(
         stride_la_e=lora_a.stride(1),
         stride_la_r=lora_a.stride(2),
         stride_la_k=lora_a.stride(3),
-        stride_om=out.stride(0),
+        stride_os=out.stride(0),
+        stride_om=out.stride(1),
         GATED=gated,
         FP32_IEEE=x.dtype == torch.float32,
         LORA_R=rank_block,
-        BLOCK_M=block_m,
-        BLOCK_K=64 if x.dtype == torch.float32 else 128,
+        ALIGN_M=block_m,
+        BLOCK_M=sub_m,
+        BLOCK_K=block_k,
     )
     return out
 
@@ -318,7 +358,7 @@ def moe_lora_gate_up_b(
     topk_weights: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``out[p] = act(g) * u`` with ``[g | u] = c1[p] + w s B_gate_up[slot, e_p] shrunk[p]``.
+    """``out[p] = act(g) * u`` with ``[g | u] = c1[p] + w s B_gate_up[slot, e_p] sum_s shrunk[s, p]``.
 
     Replaces ``silu_and_mul`` on the staged path; ``topk_weights`` (numel,) is given when GEMM1 applied
     the routing weight (apply_router_weight_on_input), so the delta gets it too.
@@ -326,7 +366,7 @@ def moe_lora_gate_up_b(
     """
     numel, two_n = c1.shape
     n = two_n // 2
-    if out.shape != (numel, n) or gate_up_b.shape[2] != two_n:
+    if out.shape != (numel, n) or gate_up_b.shape[2] != two_n or shrunk.shape[1:] != (numel, 2 * rank_block):
         raise ValueError(f"c1 {tuple(c1.shape)}, gate_up_b {tuple(gate_up_b.shape)} and out "
                          f"{tuple(out.shape)} disagree: expected out (numel, N), gate_up_b (L, E, 2N, R)")
     if numel == 0:
@@ -350,8 +390,10 @@ def moe_lora_gate_up_b(
         max_padded=sorted_ids.shape[0],
         top_k=top_k,
         num_slots=slot_ranks.shape[0],
+        num_splits=shrunk.shape[0],
         stride_c1m=c1.stride(0),
-        stride_sm=shrunk.stride(0),
+        stride_ss=shrunk.stride(0),
+        stride_sm=shrunk.stride(1),
         stride_lb_l=gate_up_b.stride(0),
         stride_lb_e=gate_up_b.stride(1),
         stride_lb_n=gate_up_b.stride(2),
@@ -380,7 +422,7 @@ def moe_lora_down_combine(
     rank_block: int,
     routed_scaling_factor: float = 1.0,
 ) -> torch.Tensor:
-    """In place: ``out[t] += rsf * sum_k w_k s B_down[slot_t, e_k] shrunk[t*top_k + k]``.
+    """In place: ``out[t] += rsf * sum_k w_k s B_down[slot_t, e_k] sum_s shrunk[s, t*top_k + k]``.
 
     Gather form (each token row uses its own adapter and experts), the top-k summed in registers.
     ``topk_weights`` None means the weight was applied on the input.
@@ -388,7 +430,7 @@ def moe_lora_down_combine(
     """
     tokens, hidden = out.shape
     top_k = topk_ids.shape[1]
-    if down_b.shape[2] != hidden or shrunk.shape != (tokens * top_k, rank_block):
+    if down_b.shape[2] != hidden or shrunk.shape[1:] != (tokens * top_k, rank_block):
         raise ValueError(f"down_b {tuple(down_b.shape)} / shrunk {tuple(shrunk.shape)} do not match out "
                          f"{tuple(out.shape)} with top_k={top_k} and rank block {rank_block}")
     if tokens == 0:
@@ -408,7 +450,9 @@ def moe_lora_down_combine(
         H=hidden,
         top_k=top_k,
         scale=float(routed_scaling_factor),
-        stride_sm=shrunk.stride(0),
+        num_splits=shrunk.shape[0],
+        stride_ss=shrunk.stride(0),
+        stride_sm=shrunk.stride(1),
         stride_lb_l=down_b.stride(0),
         stride_lb_e=down_b.stride(1),
         stride_lb_n=down_b.stride(2),

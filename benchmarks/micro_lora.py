@@ -1,0 +1,187 @@
+"""Per-kernel times of one MoE LoRA layer call, to see where the LoRA overhead goes.
+
+    python benchmarks/micro_lora.py --model qwen3-30b-a3b --M 1 --rank 16
+
+Times each launch alone with ``triton.testing.do_bench`` (median): alignment, GEMM1 and GEMM2 without
+LoRA, with the inline shrink ("fused") and with a precomputed shrink ("split"), and the shrink kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_lora import MODELS, make_lora  # noqa: E402
+from triton_ops.configs import get_moe_config  # noqa: E402
+from triton_ops.fused_experts import _with_lora_tiles  # noqa: E402
+from triton_ops.fused_moe import LoRAOperands, invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
+from triton_ops.moe_align import moe_align_block_size  # noqa: E402
+from triton_ops.moe_lora import moe_lora_a, shrink_k_splits  # noqa: E402
+
+
+def us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median") * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-30b-a3b", choices=list(MODELS))
+    parser.add_argument("--M", type=int, nargs="+", default=[1])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters", type=int, default=1)
+    args = parser.parse_args()
+    num_experts, top_k, hidden, inter = MODELS[args.model]
+    dtype = torch.bfloat16
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=dtype) / inter**0.5
+    for m in args.M:
+        x = torch.randn(m, hidden, device="cuda", dtype=dtype)
+        weights, ids = torch.topk(torch.softmax(torch.randn(m, num_experts, device="cuda"), -1), top_k, -1)
+        ids = ids.to(torch.int32)
+        weights = weights.reshape(-1).contiguous()
+        lora = make_lora(num_experts, hidden, inter, args.rank, args.adapters, m, dtype)
+        cfg = get_moe_config(m, num_experts, hidden, inter, top_k, dtype, x.device)
+        lcfg = _with_lora_tiles(cfg)
+        scfg = _with_lora_tiles(cfg, inline_shrink=False)
+        s, e, n = moe_align_block_size(ids, cfg.block_m, num_experts)
+        align = dict(sorted_ids=s, expert_ids=e, num_post_padded=n)
+        rb = lora_rank_block(args.rank)
+        act = torch.empty(m * top_k, inter, device="cuda", dtype=dtype)
+        out = torch.empty(m * top_k, hidden, device="cuda", dtype=dtype)
+        max_padded = s.shape[0]
+        splits_gu = shrink_k_splits(max_padded, cfg.block_m, hidden)
+        splits_d = shrink_k_splits(max_padded, cfg.block_m, inter)
+        sgu = torch.empty(splits_gu, m * top_k, 2 * rb, device="cuda", dtype=torch.float32)
+        sd = torch.empty(splits_d, m * top_k, rb, device="cuda", dtype=torch.float32)
+        common = dict(
+            token_slots=lora.token_slots,
+            slot_ranks=lora.slot_ranks,
+            slot_scalings=lora.slot_scalings,
+            top_k=top_k,
+            rank_block=rb,
+        )
+        l1 = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
+        l2 = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
+        rows = {
+            "align": us(lambda: moe_align_block_size(ids, cfg.block_m, num_experts)),
+            "gemm1 base": us(
+                lambda: invoke_fused_moe_kernel(
+                    x,
+                    w13,
+                    act,
+                    topk_weights=None,
+                    a_row_div=top_k,
+                    config=cfg.gemm1,
+                    activation="silu",
+                    **align,
+                )
+            ),
+            "gemm1 base (lora cfg)": us(
+                lambda: invoke_fused_moe_kernel(
+                    x,
+                    w13,
+                    act,
+                    topk_weights=None,
+                    a_row_div=top_k,
+                    config=lcfg.gemm1,
+                    activation="silu",
+                    **align,
+                )
+            ),
+            "gemm1 fused": us(
+                lambda: invoke_fused_moe_kernel(
+                    x,
+                    w13,
+                    act,
+                    topk_weights=None,
+                    a_row_div=top_k,
+                    config=lcfg.gemm1,
+                    activation="silu",
+                    lora=l1,
+                    **align,
+                )
+            ),
+            "shrink gate_up": us(
+                lambda: moe_lora_a(
+                    x,
+                    lora.gate_up_a,
+                    lora.token_slots,
+                    lora.slot_ranks,
+                    **align,
+                    block_m=cfg.block_m,
+                    top_k=top_k,
+                    x_row_div=top_k,
+                    rank_block=rb,
+                    gated=True,
+                    out=sgu,
+                )
+            ),
+            "gemm1 split": us(
+                lambda: invoke_fused_moe_kernel(
+                    x,
+                    w13,
+                    act,
+                    topk_weights=None,
+                    a_row_div=top_k,
+                    config=scfg.gemm1,
+                    activation="silu",
+                    lora=replace(l1, shrunk=sgu),
+                    **align,
+                )
+            ),
+            "gemm2 base": us(
+                lambda: invoke_fused_moe_kernel(
+                    act, w2, out, topk_weights=weights, a_row_div=1, config=cfg.gemm2, **align
+                )
+            ),
+            "gemm2 fused": us(
+                lambda: invoke_fused_moe_kernel(
+                    act, w2, out, topk_weights=weights, a_row_div=1, config=lcfg.gemm2, lora=l2, **align
+                )
+            ),
+            "shrink down": us(
+                lambda: moe_lora_a(
+                    act,
+                    lora.down_a,
+                    lora.token_slots,
+                    lora.slot_ranks,
+                    **align,
+                    block_m=cfg.block_m,
+                    top_k=top_k,
+                    x_row_div=1,
+                    rank_block=rb,
+                    gated=False,
+                    out=sd,
+                )
+            ),
+            "gemm2 split": us(
+                lambda: invoke_fused_moe_kernel(
+                    act,
+                    w2,
+                    out,
+                    topk_weights=weights,
+                    a_row_div=1,
+                    config=scfg.gemm2,
+                    lora=replace(l2, shrunk=sd),
+                    **align,
+                )
+            ),
+        }
+        print(
+            f"{args.model} M={m} rank={args.rank} adapters={args.adapters} "
+            f"shrink splits {splits_gu}/{splits_d}"
+            f" cfg={cfg}"
+        )
+        for name, t in rows.items():
+            print(f"  {name:24s} {t:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
