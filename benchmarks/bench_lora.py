@@ -4,10 +4,12 @@
     python benchmarks/bench_lora.py --models deepseek-v2-lite --M 1 64 --ranks 16
 
 Base = ``fused_experts`` without adapters; base+LoRA = the same call with every token on one of
-``n_adapters`` adapters (uniform), for the "fused" (all-in-one), "split" and "staged" paths and "auto"
-(what the layer picks). Adapter buffers are a max_loras=8 pool of max_rank = the adapter rank, filled
-with random weights. Each call is captured in a CUDA graph and timed with ``triton.testing.do_bench``
-(median; L2 flushed before every replay). Writes JSON and a markdown table to benchmarks/results/.
+``n_adapters`` adapters (decode, M <= 64: a random adapter per token, each token its own sequence;
+prefill: n_adapters contiguous sequences of M / n_adapters tokens), for the "fused" (all-in-one),
+"split" and "staged" paths and "auto" (what the layer picks). Adapter buffers are a max_loras=8 pool
+of max_rank = the adapter rank, filled with random weights. Each call is captured in a CUDA graph and
+timed with ``triton.testing.do_bench`` (median; L2 flushed before every replay). Writes JSON and a
+markdown table to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ def make_lora(num_experts: int, hidden: int, inter: int, rank: int, n_adapters: 
     def rnd(*shape: int, fan_in: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) / fan_in**0.5
 
-    slots = torch.randint(0, n_adapters, (tokens,), device="cuda", generator=gen, dtype=torch.int32)
+    # One adapter per sequence, sequences contiguous (as prepare_batch lays them out): at decode every
+    # token is its own sequence and takes a random adapter; a prefill batch of M tokens holds
+    # n_adapters sequences of about M / n_adapters tokens each.
+    if tokens <= 64:
+        slots = torch.randint(0, n_adapters, (tokens,), device="cuda", generator=gen, dtype=torch.int32)
+    else:
+        slots = (torch.arange(tokens, device="cuda") * n_adapters // tokens).to(torch.int32)
     ranks = torch.zeros(max_loras, dtype=torch.int32, device="cuda")
     ranks[:n_adapters] = rank
     return MoELoRAInputs(
@@ -110,7 +118,8 @@ def bench_model(name: str, token_counts: list[int], ranks: list[int], adapter_co
 
 def markdown(records: list[dict], device: str) -> str:
     lines = [f"# MoE LoRA overhead on {device} ({dt.date.today()})", "",
-             "t(base+LoRA)/t(base) - 1; CUDA graphs, do_bench median, bf16, adapters uniform over tokens.",
+             "t(base+LoRA)/t(base) - 1; CUDA graphs, do_bench median, bf16; M <= 64: random adapter per "
+             "token, larger M: n_adapters contiguous sequences.",
              "",
              "| model | M | rank | adapters | base µs | fused ovh | split ovh | staged ovh | auto (ovh) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]

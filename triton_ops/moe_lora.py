@@ -262,12 +262,13 @@ def shrink_block_m(block_m: int) -> int:
 
 
 def shrink_k_splits(
-    max_padded: int, block_m: int, k: int, block_k: int = 64, target_programs: int = 264
+    max_padded: int, block_m: int, k: int, block_k: int = 64, target_programs: int = 264, max_splits: int = 8
 ) -> int:
     """Split K until the grid has about two programs per SM: at decode the few alignment blocks would
-    otherwise each walk all of K alone (latency-bound); at prefill the blocks already fill the GPU."""
+    otherwise each walk all of K alone (latency-bound); at prefill the blocks already fill the GPU.
+    At most ``max_splits``: every consumer program sums the partials, one dependent load each."""
     row_programs = triton.cdiv(max(max_padded, 1), shrink_block_m(block_m))
-    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, row_programs)))
+    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, row_programs), max_splits))
 
 
 def moe_lora_a(
