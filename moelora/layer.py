@@ -28,11 +28,10 @@ PATHS = ("auto", "fused", "split", "staged", "torch")
 
 
 def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int) -> str:
-    """Triton path by shape, from benchmarks/results/bench_lora_*.md: the all-in-one path wins while
-    blocks hold few pairs per expert (decode: it adds no launches); once blocks fill, recomputing the
-    shrink in every N tile costs more than the two launches of the split path."""
-    pairs_per_expert = num_tokens * top_k / num_experts
-    return "fused" if pairs_per_expert <= 2 else "split"
+    """Triton path by shape, from benchmarks/results/bench_lora_*.md (H200): "split" (shrink once per
+    pair, expands in the GEMM epilogues) wins nearly everywhere; the inline "fused" shrink only pays
+    when the block's shrink is short next to its base K-loop, which no measured shape reached."""
+    return "split"
 
 
 def _triton_can_run(x: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.configs import GemmConfig
-from triton_ops.lora_tiles import _dot, lora_expand_tile, lora_shrink_tile
+from triton_ops.lora_tiles import _dot, lora_expand_from_partials, lora_expand_tile, lora_shrink_tile
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -211,32 +211,42 @@ def _fused_moe_kernel(
         if LORA_SHRINK == 0:
             lora_gate = tl.where(in_main[:, None], main_gate, lora_gate)
             lora_up = tl.where(in_main[:, None], main_up, lora_up)
-        else:
-            # Precomputed by moe_lora_a (the "split" path) as split-K partials, summed here; loaded only
-            # now so they hold no registers during the K-loop. Rows without an adapter were not written.
-            lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-            lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-            s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
-            for _split in range(0, num_shrink_splits):
-                lora_gate += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
-                if ACTIVATION != 0:
-                    lora_up += tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
-                s_ptrs += stride_ss
-        for slot in range(0, num_slots):
-            in_slot = row_valid & (row_slot == slot)
-            if tl.max(in_slot.to(tl.int32), axis=0) > 0:
-                rank = tl.load(slot_ranks_ptr + slot)
-                scaling = tl.load(slot_scalings_ptr + slot)
-                lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
-                acc = lora_expand_tile(
-                    acc, lora_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
-                    stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                )
-                if ACTIVATION != 0:
-                    acc_up = lora_expand_tile(
-                        acc_up, lora_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank,
-                        scaling, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+            for slot in range(0, num_slots):
+                in_slot = row_valid & (row_slot == slot)
+                if tl.max(in_slot.to(tl.int32), axis=0) > 0:
+                    rank = tl.load(slot_ranks_ptr + slot)
+                    scaling = tl.load(slot_scalings_ptr + slot)
+                    lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+                    acc = lora_expand_tile(
+                        acc, lora_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
+                        stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
                     )
+                    if ACTIVATION != 0:
+                        acc_up = lora_expand_tile(
+                            acc_up, lora_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank,
+                            scaling, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                        )
+        else:
+            # Split path: the shrink was precomputed by moe_lora_a as split-K partials, read only here
+            # (no registers held through the K-loop) and a rank chunk at a time.
+            shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
+            for slot in range(0, num_slots):
+                in_slot = row_valid & (row_slot == slot)
+                if tl.max(in_slot.to(tl.int32), axis=0) > 0:
+                    rank = tl.load(slot_ranks_ptr + slot)
+                    scaling = tl.load(slot_scalings_ptr + slot)
+                    lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+                    acc = lora_expand_from_partials(
+                        acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
+                        rank, scaling, stride_lb_n, stride_lb_r,
+                        FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=16,
+                    )
+                    if ACTIVATION != 0:
+                        acc_up = lora_expand_from_partials(
+                            acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
+                            lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
+                            stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=16,
+                        )
 
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
     if MUL_ROUTED_WEIGHT:

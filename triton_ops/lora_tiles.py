@@ -85,3 +85,38 @@ def lora_expand_tile(
     r = tl.where(rows_in_slot[:, None], shrunk, 0.0).to(b.dtype)
     delta = _dot(r, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_IEEE)
     return acc + delta * scaling
+
+
+@triton.jit
+def lora_expand_from_partials(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 output tile to add to
+    shrunk_rows_ptr,  # (BLOCK_M,) pointers to each row's shrink partials (split 0, column 0)
+    col_offset,  # 0, or LORA_R for the up half of a gated shrink
+    num_splits,
+    stride_ss,
+    rows_in_slot,  # (BLOCK_M,) int1
+    lb_ptr,  # B[s, e] base: (N, R)
+    offs_n,
+    col_valid,
+    rank,
+    scaling,
+    stride_ln,
+    stride_lr,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+    CHUNK_R: tl.constexpr,
+):
+    """Expand from split-K shrink partials kept in memory, CHUNK_R rank columns at a time: few live
+    registers beside the accumulators, and chunks past the slot's real rank are skipped."""
+    for r0 in tl.static_range(0, LORA_R, CHUNK_R):
+        if r0 < rank:
+            offs_r = r0 + tl.arange(0, CHUNK_R)
+            part_ptrs = shrunk_rows_ptr[:, None] + col_offset + offs_r[None, :]
+            shrunk = tl.zeros((acc.shape[0], CHUNK_R), dtype=tl.float32)
+            for split in range(0, num_splits):
+                shrunk += tl.load(part_ptrs + split * stride_ss, mask=rows_in_slot[:, None], other=0.0)
+            b_ptrs = lb_ptr + offs_n.to(tl.int64)[None, :] * stride_ln + offs_r[:, None] * stride_lr
+            b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
+            delta = _dot(shrunk.to(b.dtype), b, tl.zeros(acc.shape, dtype=tl.float32), FP32_IEEE)
+            acc += delta * scaling
+    return acc
