@@ -99,6 +99,7 @@ def _fused_moe_kernel(
     HAS_LORA: tl.constexpr,
     LORA_SHRINK: tl.constexpr,
     LORA_R: tl.constexpr,
+    LORA_CHUNK_R: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -239,13 +240,13 @@ def _fused_moe_kernel(
                     acc = lora_expand_from_partials(
                         acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
                         rank, scaling, stride_lb_n, stride_lb_r,
-                        FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=16,
+                        FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
                     )
                     if ACTIVATION != 0:
                         acc_up = lora_expand_from_partials(
                             acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
                             lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
-                            stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=16,
+                            stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
                         )
 
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
@@ -379,6 +380,9 @@ def invoke_fused_moe_kernel(
         HAS_LORA=lora is not None,
         LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
         LORA_R=lora.rank_block if lora is not None else 16,
+        # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
+        LORA_CHUNK_R=min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
+        if lora is not None else 16,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         FP32_IEEE=a.dtype == torch.float32,
