@@ -94,7 +94,7 @@ def bench_model(name: str, token_counts: list[int], ranks: list[int], adapter_co
         for rank in ranks:
             for n_adapters in adapter_counts:
                 lora = make_lora(num_experts, hidden, inter, rank, n_adapters, m, dtype)
-                auto = choose_lora_path(m, top_k, num_experts, rank)
+                auto = choose_lora_path(m, top_k, num_experts, rank, hidden)
                 row = dict(model=name, E=num_experts, top_k=top_k, H=hidden, I=inter, M=m, rank=rank,
                            n_adapters=n_adapters, dtype=str(dtype).removeprefix("torch."), base_us=base_us,
                            auto_path=auto)

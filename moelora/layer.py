@@ -7,7 +7,8 @@ Paths (``path=``):
             epilogues: two launches more than the base path, no shrink recomputed per N tile.
   "staged"  separate shrink, gate_up-expand+activation and down+combine kernels around the base GEMMs.
   "torch"   the vectorised PyTorch path (what CPU tensors use when Triton is not interpreting).
-  "auto"    torch for CPU tensors outside the Triton interpreter, else by shape (``choose_lora_path``).
+  "auto"    torch for CPU tensors outside the Triton interpreter, else by shape (``choose_lora_path``):
+            split, or fused for decode-sized batches of small-hidden models at small rank.
 A batch in which no token has an adapter (known on the host from ``prepare_batch``) runs the base path.
 Nothing in ``forward`` reads a device value on the host, so it can be captured in a CUDA graph for a
 fixed token count (replay with a new token->adapter mapping via ``pool.prepare_batch(..., out=batch)``).
@@ -27,10 +28,14 @@ from moelora.torch_path import moe_lora_forward_torch
 PATHS = ("auto", "fused", "split", "staged", "torch")
 
 
-def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int) -> str:
-    """Triton path by shape, from benchmarks/results/bench_lora_*.md (H200): "split" (shrink once per
-    pair, expands in the GEMM epilogues) wins nearly everywhere; the inline "fused" shrink only pays
-    when the block's shrink is short next to its base K-loop, which no measured shape reached."""
+def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int, hidden: int) -> str:
+    """Triton path by shape, from benchmarks/results/bench_lora_NVIDIA_H200.md: "split" (shrink once per
+    pair, expands in the GEMM epilogues) is the fastest or within a few percent nearly everywhere. The
+    inline "fused" shrink wins only at decode with a short K and a small rank (DeepSeek-V2-Lite and
+    Qwen3 at M=1, rank 16: about 31% vs 39% overhead), where the split path's two extra launches dominate."""
+    pairs_per_expert = num_tokens * top_k / num_experts
+    if pairs_per_expert < 1 and hidden <= 2048 and max_rank <= 16:
+        return "fused"
     return "split"
 
 
@@ -110,7 +115,7 @@ class FusedMoEWithLoRA(nn.Module):
             return "torch"
         if self.path != "auto":
             return self.path
-        return choose_lora_path(x.shape[0], topk_ids.shape[1], self.w13.shape[0], batch.max_rank)
+        return choose_lora_path(x.shape[0], topk_ids.shape[1], self.w13.shape[0], batch.max_rank, x.shape[1])
 
     def forward(
         self,
