@@ -52,3 +52,13 @@ class MoELoRABatchInfo:
     slots_used: tuple[int, ...]
     adapter_names: tuple[str | None, ...]
     seq_lens: tuple[int, ...]
+
+    def release(self) -> None:
+        """Tells the pool this batch is done, so its adapters may be evicted again.
+
+        Optional: the pool also notices when the batch object is garbage collected. Call it when a
+        batch object outlives its use (e.g. kept in a list). Idempotent.
+        """
+        finalizer = self.__dict__.get("_pool_finalizer")
+        if finalizer is not None:
+            finalizer()

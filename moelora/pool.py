@@ -15,13 +15,25 @@ by ``its scaling / slot scaling`` so that one scaling per slot still gives PEFT'
 
 All buffers and the per-slot tables are allocated once, zeroed, at construction; loading and unloading
 only write into them in place (kernels and captured CUDA graphs hold these tensors).
+
+Lifecycle: adapters are loaded from PEFT directories (``load_adapter``, ``load_adapter_async``) or given
+as tensors (``add_adapter_weights``). When every slot is taken, the least recently used adapter that is
+neither pinned nor used by a live :class:`MoELoRABatchInfo` is evicted to the host tier (validated,
+rank-sized host copies of the last ``max_cpu_loras`` adapters, pinned on CUDA), from which a re-load or
+a ``prepare_batch`` naming it is served without reading the disk again. All public methods are
+thread-safe.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,15 +77,25 @@ class LoRALayerBuffers:
 
 
 @dataclass
-class _Module:
-    """One validated, host-staged LoRA module of an adapter (already in the pool dtype)."""
+@dataclass
+class _StagedAdapter:
+    """A validated adapter on the host, rank-sized: what a slot write copies, and the host tier keeps.
 
-    layer_id: int
-    expert: int
-    proj: str
-    a: torch.Tensor  # (r, in), CPU, pool dtype
-    b: torch.Tensor  # (out, r), CPU, pool dtype, already rescaled to the slot scaling
+    ``layers[lid]`` holds the stacks present of ``gate_a``/``up_a`` (E, r, H), ``gate_b``/``up_b``
+    (E, I, r), ``down_a`` (E, r, I), ``down_b`` (E, H, r), zero where an expert has no module, in the
+    pool dtype, with every B already rescaled to the slot scaling.
+    """
+
+    name: str
     rank: int
+    scaling: float
+    layers: dict[int, dict[str, torch.Tensor]]
+    source: str | None = None
+    report: object | None = None
+    nbytes: int = 0
+
+
+_LOADING = object()  # marks a slot reserved by an asynchronous load that is not visible yet
 
 
 def _is_int(v: object) -> bool:
@@ -102,6 +124,8 @@ class MoELoRAMemoryPool:
         max_rank: ``R``, the largest rank a slot can hold.
         dtype: buffer dtype: float32, float16 or bfloat16.
         device: where the buffers live.
+        max_cpu_loras: host tier size: validated host copies of this many recently loaded adapters
+            are kept (pinned on CUDA) so a re-load or a batch naming an evicted adapter skips the disk.
 
     Attributes:
         layers: layer id -> :class:`LoRALayerBuffers`.
@@ -122,6 +146,7 @@ class MoELoRAMemoryPool:
         max_rank: int = 64,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cuda",
+        max_cpu_loras: int = 0,
     ) -> None:
         self.num_experts = _check_positive_int("num_experts", num_experts)
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
@@ -164,12 +189,58 @@ class MoELoRAMemoryPool:
         self.adapter_slots: dict[str, int] = {}
         self.slot_adapters: list[str | None] = [None] * n_slots
 
+        if not _is_int(max_cpu_loras) or max_cpu_loras < 0:
+            raise ValueError(f"max_cpu_loras must be a non-negative int, got {max_cpu_loras!r}")
+        self.max_cpu_loras = int(max_cpu_loras)
+        self._lock = threading.RLock()
+        self._recent: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recent first
+        self._pinned: set[str] = set()
+        self._slot_users = [0] * n_slots  # live batches using each slot
+        self._host_tier: OrderedDict[str, _StagedAdapter] = OrderedDict()
+        self._staged: dict[str, _StagedAdapter] = {}  # resident adapters' host copies (reports, re-loads)
+        self._executor: ThreadPoolExecutor | None = None
+
     # ----------------------------------------------------------------------------------------------
     # Queries
     # ----------------------------------------------------------------------------------------------
 
     def __contains__(self, name: object) -> bool:
-        return name in self.adapter_slots
+        """True for an adapter in a GPU slot or in the host tier (a batch may name either)."""
+        with self._lock:
+            return name in self.adapter_slots or name in self._host_tier
+
+    def is_resident(self, name: str) -> bool:
+        """True when ``name`` is in a slot (no copy needed before a batch can use it)."""
+        with self._lock:
+            return name in self.adapter_slots
+
+    def host_adapters(self) -> list[str]:
+        """Adapters held in the host tier, least recently used first."""
+        with self._lock:
+            return list(self._host_tier)
+
+    def report(self, name: str) -> object | None:
+        """The load report of a resident or host-tier adapter (``None`` for ``add_adapter_weights``)."""
+        with self._lock:
+            staged = self._staged.get(name) or self._host_tier.get(name)
+            if staged is None:
+                raise ValueError(f"adapter {name!r} is not held; loaded adapters: {self.adapters()}")
+            return staged.report
+
+    def pin(self, name: str) -> None:
+        """Never evict ``name`` (until ``unpin``); it must be resident."""
+        with self._lock:
+            self.slot_of(name)
+            self._pinned.add(name)
+
+    def unpin(self, name: str) -> None:
+        with self._lock:
+            self._pinned.discard(name)
+
+    def users_of(self, name: str) -> int:
+        """Live batches currently using adapter ``name``'s slot."""
+        with self._lock:
+            return self._slot_users[self.slot_of(name)]
 
     def __repr__(self) -> str:
         return (
@@ -179,8 +250,8 @@ class MoELoRAMemoryPool:
         )
 
     def adapters(self) -> list[str]:
-        """Names of the loaded adapters, in slot order."""
-        return [n for n in self.slot_adapters if n is not None]
+        """Names of the adapters in GPU slots, in slot order."""
+        return [n for n in self.slot_adapters if isinstance(n, str)]
 
     def slot_of(self, name: str) -> int:
         """The slot holding adapter ``name``; ValueError naming the loaded adapters if none does."""
@@ -213,7 +284,7 @@ class MoELoRAMemoryPool:
     # ----------------------------------------------------------------------------------------------
 
     def add_adapter_weights(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> int:
-        """Puts one adapter, given as tensors, into the lowest free slot and returns that slot.
+        """Puts one adapter, given as tensors, into a slot and returns that slot.
 
         ``layers`` maps the model's layer id to that layer's :class:`ReferenceLoRA` (per-expert
         gate/up/down :class:`LoRAProjection`; a missing layer, expert or projection means no delta
@@ -227,57 +298,179 @@ class MoELoRAMemoryPool:
 
         Everything is checked on the host before any buffer is touched; on any problem an
         :class:`AdapterLoadError` naming the layer/expert/projection and the reason is raised and the
-        pool is left byte-for-byte unchanged. Every byte of the chosen slot is then rewritten, in all
-        four buffers of every layer, so nothing of a previous occupant survives.
+        pool is left byte-for-byte unchanged. The lowest free slot is used, else the least recently
+        used adapter that is neither pinned nor used by a live batch is evicted (to the host tier).
+        Every byte of the slot is rewritten, in all four buffers of every layer.
         """
         if not isinstance(name, str) or not name:
             raise AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
+        staged = self._stage(name, layers)
+        with self._lock:
+            return self._place(staged)
+
+    def load_adapter(self, name: str, path: str | Path) -> object:
+        """Loads the PEFT adapter directory ``path`` (adapter_config.json + adapter_model.safetensors)
+        as ``name`` and returns its load report (format, ranks, scalings, layers/experts, ignored keys,
+        pool bytes). The files are read and validated on the host before any slot is touched: on
+        :class:`AdapterLoadError` the pool is unchanged. An adapter of the same name and path in the
+        host tier is served from there, without reading the disk."""
+        staged = self._stage_from(name, path)
+        with self._lock:
+            self._place(staged)
+        return staged.report
+
+    def load_adapter_async(self, name: str, path: str | Path) -> Future:
+        """Like ``load_adapter``, in a background thread: reads and validates on the host, copies into a
+        reserved slot on a side CUDA stream while forwards keep running, and makes ``name`` visible to
+        ``prepare_batch`` only once its copy has completed. Returns a Future of the load report (its
+        exception is the AdapterLoadError, with the pool unchanged)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moelora-load")
+            return self._executor.submit(self._load_async_job, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Frees adapter ``name``'s slot (its rank and scaling become 0); a host-tier copy stays when
+        the host tier is enabled. Refused while a live batch uses the adapter (release the batch)."""
+        with self._lock:
+            if name not in self.adapter_slots and name in self._host_tier:
+                del self._host_tier[name]
+                return
+            slot = self.slot_of(name)
+            if self._slot_users[slot]:
+                raise ValueError(
+                    f"adapter {name!r} is used by {self._slot_users[slot]} live batch(es); "
+                    "release them (batch.release() or drop them) before unloading"
+                )
+            self._evict_slot(slot)
+
+    def _stage_from(self, name: str, path: str | Path) -> _StagedAdapter:
+        """Host-tier copy of the same adapter if there is one, else read + validate the files."""
+        if not isinstance(name, str) or not name:
+            raise AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
+        source = str(Path(path).resolve())
+        with self._lock:
+            cached = self._host_tier.get(name)
+            if cached is not None and cached.source == source:
+                self._host_tier.move_to_end(name)
+                return cached
+        from moelora.peft_loader import read_peft_adapter
+
+        layers, report = read_peft_adapter(
+            path, num_experts=self.num_experts, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, layer_ids=self.layer_ids, max_rank=self.max_rank,
+            dtype=self.dtype,
+        )
+        staged = self._stage(name, layers)
+        staged.source = source
+        staged.report = report
+        return staged
+
+    def _place(self, staged: _StagedAdapter, *, stream: torch.cuda.Stream | None = None) -> int:
+        """Takes a slot for ``staged`` (free, else LRU eviction) and writes it. Caller holds the lock."""
+        name = staged.name
         if name in self.adapter_slots:
             raise AdapterLoadError(
                 f"adapter {name!r} is already loaded (slot {self.adapter_slots[name]}); unload it first"
             )
-        free = self.free_slots
-        if not free:
-            raise AdapterLoadError(
-                f"cannot load adapter {name!r}: the pool is full, all {self.max_loras} slots hold adapters "
-                f"({self.adapters()}); unload one first"
-            )
-        modules, rank, scaling = self._stage(name, layers)
-        slot = free[0]
-
+        slot = self._take_slot(name)
         try:
-            self._write_slot(slot, modules)
-            self._set_slot_tables(slot, rank, scaling)
+            self._write_slot(slot, staged)
         except BaseException:
             # A device-side failure mid-write (e.g. out of memory): leave the slot empty and clean.
             for buf in self.layers.values():
                 for t in buf.tensors():
                     t[slot].zero_()
             self._set_slot_tables(slot, 0, 0.0)
+            self.slot_adapters[slot] = None
             raise
-        self.adapter_slots[name] = slot
-        self.slot_adapters[slot] = name
+        self._publish(slot, staged)
         return slot
 
-    def unload_adapter(self, name: str) -> None:
-        """Frees adapter ``name``'s slot (its rank and scaling become 0).
+    def _take_slot(self, name: str) -> int:
+        """A free slot, else the least recently used evictable one (emptied). Caller holds the lock."""
+        free = self.free_slots
+        if free:
+            return free[0]
+        for victim in self._recent:
+            slot = self.adapter_slots[victim]
+            if victim not in self._pinned and self._slot_users[slot] == 0:
+                self._evict_slot(slot)
+                return slot
+        raise AdapterLoadError(
+            f"cannot load adapter {name!r}: all {self.max_loras} slots hold adapters that are pinned or "
+            f"used by live batches ({self.adapters()}, pinned {sorted(self._pinned)}); release a batch, "
+            "unpin or unload one first"
+        )
 
-        The weights are not erased here (loading into a slot rewrites all of it). A batch prepared
-        before the unload still refers to the slot: prepare a new one.
-        """
-        slot = self.slot_of(name)
-        del self.adapter_slots[name]
+    def _evict_slot(self, slot: int) -> None:
+        """Empties ``slot``; its adapter goes to the host tier (if enabled). Caller holds the lock."""
+        name = self.slot_adapters[slot]
+        if isinstance(name, str):
+            del self.adapter_slots[name]
+            self._recent.pop(name, None)
+            self._pinned.discard(name)
+            staged = self._staged.pop(name, None)
+            if staged is not None and self.max_cpu_loras:
+                self._host_tier[name] = staged
+                self._host_tier.move_to_end(name)
+                while len(self._host_tier) > self.max_cpu_loras:
+                    self._host_tier.popitem(last=False)
         self.slot_adapters[slot] = None
         self._set_slot_tables(slot, 0, 0.0)
+
+    def _publish(self, slot: int, staged: _StagedAdapter) -> None:
+        """Makes a written slot visible to prepare_batch. Caller holds the lock."""
+        self.adapter_slots[staged.name] = slot
+        self.slot_adapters[slot] = staged.name
+        self.slot_rank_host[slot] = staged.rank
+        self.slot_scaling_host[slot] = staged.scaling
+        self._recent[staged.name] = None
+        self._recent.move_to_end(staged.name)
+        self._staged[staged.name] = staged
+        self._host_tier.pop(staged.name, None)
+
+    def _load_async_job(self, name: str, path: str | Path) -> object:
+        staged = self._stage_from(name, path)
+        on_cuda = self.device.type == "cuda"
+        with self._lock:
+            if name in self.adapter_slots:
+                raise AdapterLoadError(
+                    f"adapter {name!r} is already loaded (slot {self.adapter_slots[name]})"
+                )
+            slot = self._take_slot(name)
+            self.slot_adapters[slot] = _LOADING  # reserved: not free, not evictable, not visible
+        try:
+            if on_cuda:
+                stream = torch.cuda.Stream(device=self.device)
+                # Kernels already queued may still read this slot (a batch released before its work
+                # ran): the copy waits for them; forwards queued later never see the slot until publish.
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._write_slot(slot, staged, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+                done.synchronize()  # in this background thread only; keeps the pinned sources alive too
+            else:
+                self._write_slot(slot, staged)
+        except BaseException:
+            with self._lock:
+                self.slot_adapters[slot] = None
+                self._set_slot_tables(slot, 0, 0.0)
+            raise
+        with self._lock:
+            self._publish(slot, staged)
+        return staged.report
 
     def _set_slot_tables(self, slot: int, rank: int, scaling: float) -> None:
         self.slot_rank_host[slot] = int(rank)
         self.slot_scaling_host[slot] = float(scaling)
-        # In place: kernels and captured CUDA graphs hold these exact tensors.
-        self.slot_ranks.copy_(torch.tensor(self.slot_rank_host, dtype=torch.int32))
-        self.slot_scalings.copy_(torch.tensor(self.slot_scaling_host, dtype=torch.float32))
+        # In place, one element (a device fill, no host round trip): kernels and captured CUDA graphs
+        # hold these exact tensors.
+        self.slot_ranks[slot].fill_(int(rank))
+        self.slot_scalings[slot].fill_(float(scaling))
 
-    def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> tuple[list[_Module], int, float]:
+    def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> _StagedAdapter:
         """Validates the adapter and converts it on the host; raises AdapterLoadError, touches nothing."""
         if not isinstance(layers, Mapping):
             raise AdapterLoadError(
@@ -327,7 +520,10 @@ class MoELoRAMemoryPool:
         rank = max((m[3].a.shape[0] for m in live), default=0)
         scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
 
-        staged: list[_Module] = []
+        e_count, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
+                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
+        stacks: dict[int, dict[str, torch.Tensor]] = {}
         for lid, e, p, proj in live:
             where = f"adapter {name!r} layer {lid} expert {e} {p}"
             a = proj.a.detach().to(device="cpu", dtype=torch.float32)
@@ -342,8 +538,19 @@ class MoELoRAMemoryPool:
                     raise AdapterLoadError(
                         f"{where}: LoRA {what} overflows the pool dtype {_dtype_name(self.dtype)}{extra}"
                     )
-            staged.append(_Module(lid, e, p, a_c, b_c, int(a.shape[0])))
-        return staged, rank, scaling
+            layer = stacks.setdefault(lid, {})
+            r = int(a.shape[0])
+            for key, t in ((f"{p}_a", a_c), (f"{p}_b", b_c)):
+                if key not in layer:
+                    layer[key] = torch.zeros(shapes[key], dtype=self.dtype)
+                if key.endswith("_a"):
+                    layer[key][e, :r] = t
+                else:
+                    layer[key][e, :, :r] = t
+        if self.device.type == "cuda":
+            stacks = {lid: {k: t.pin_memory() for k, t in st.items()} for lid, st in stacks.items()}
+        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
+        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
 
     def _check_module(self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int) -> None:
         where = f"adapter {name!r} layer {lid} expert {e} {p}"
@@ -382,36 +589,27 @@ class MoELoRAMemoryPool:
                 bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
                 raise AdapterLoadError(f"{where}: LoRA {what} holds non-finite values ({bad})")
 
-    def _write_slot(self, slot: int, modules: list[_Module]) -> None:
-        """Rewrites all of ``slot`` in every layer: zeros, then the staged modules.
-
-        Each layer's slot is assembled on the host and sent with one copy per buffer, which both
-        zeroes the stale contents and writes the new ones.
-        """
-        big_r, inter = self.max_rank, self.intermediate_size
-        by_layer: dict[int, list[_Module]] = {}
-        for m in modules:
-            by_layer.setdefault(m.layer_id, []).append(m)
+    def _write_slot(self, slot: int, staged: _StagedAdapter, *, non_blocking: bool = False) -> None:
+        """Rewrites all of ``slot`` in every layer: a device-side zero fill, then the rank-sized stacks
+        (only the adapter's real rank crosses the bus), then the slot's rank and scaling."""
+        big_r, inter, r = self.max_rank, self.intermediate_size, staged.rank
         for lid, buf in self.layers.items():
-            mods = by_layer.get(lid)
-            if not mods:
-                for t in buf.tensors():
-                    t[slot].zero_()
+            for t in buf.tensors():
+                t[slot].zero_()
+            st = staged.layers.get(lid)
+            if not st or r == 0:
                 continue
-            gua, gub, da, db = (torch.zeros(t.shape[1:], dtype=self.dtype) for t in buf.tensors())
-            for m in mods:
-                r, e = m.rank, m.expert
-                if m.proj == "gate":
-                    gua[e, :r] = m.a
-                    gub[e, :inter, :r] = m.b
-                elif m.proj == "up":
-                    gua[e, big_r : big_r + r] = m.a
-                    gub[e, inter:, :r] = m.b
-                else:
-                    da[e, :r] = m.a
-                    db[e, :, :r] = m.b
-            for t, host in zip(buf.tensors(), (gua, gub, da, db), strict=True):
-                t[slot].copy_(host)
+            targets = {
+                "gate_a": buf.gate_up_a[slot, :, :r],
+                "up_a": buf.gate_up_a[slot, :, big_r : big_r + r],
+                "gate_b": buf.gate_up_b[slot, :, :inter, :r],
+                "up_b": buf.gate_up_b[slot, :, inter:, :r],
+                "down_a": buf.down_a[slot, :, :r],
+                "down_b": buf.down_b[slot, :, :, :r],
+            }
+            for key, host in st.items():
+                targets[key].copy_(host, non_blocking=non_blocking)
+        self._set_slot_tables(slot, r, staged.scaling)
 
     # ----------------------------------------------------------------------------------------------
     # Batches
@@ -450,9 +648,37 @@ class MoELoRAMemoryPool:
                 raise ValueError(f"seq_lens must be non-negative ints, got {bad!r}")
             lens = tuple(int(n) for n in lens)
 
-        unknown = [n for n in names if n is not None and n not in self.adapter_slots]
+        with self._lock:
+            return self._prepare_batch_locked(names, lens, out)
+
+    def _prepare_batch_locked(
+        self, names: tuple[str | None, ...], lens: tuple[int, ...], out: MoELoRABatchInfo | None
+    ) -> MoELoRABatchInfo:
+        held_anywhere = set(self.adapter_slots) | set(self._host_tier)
+        unknown = [n for n in names if n is not None and n not in held_anywhere]
         if unknown:
-            raise ValueError(f"unknown adapter(s) {unknown}; loaded adapters: {self.adapters()}")
+            raise ValueError(
+                f"unknown adapter(s) {sorted(set(unknown))}; loaded adapters: {self.adapters()}, "
+                f"host tier: {list(self._host_tier)}"
+            )
+        wanted = list(dict.fromkeys(n for n, k in zip(names, lens, strict=True) if n is not None and k > 0))
+        # Slots of this batch's resident adapters are held while missing ones are brought back from the
+        # host tier, so bringing one back can never evict another adapter of the same batch.
+        held: list[int] = []
+        try:
+            for n in wanted:
+                if n in self.adapter_slots:
+                    held.append(self.adapter_slots[n])
+                    self._slot_users[held[-1]] += 1
+            for n in wanted:
+                if n not in self.adapter_slots:
+                    held.append(self._place(self._host_tier[n]))
+                    self._slot_users[held[-1]] += 1
+        finally:
+            for slot in held:
+                self._slot_users[slot] -= 1
+        for n in wanted:
+            self._recent.move_to_end(n)
         seq_slots = [-1 if n is None else self.adapter_slots[n] for n in names]
 
         token_slots: list[int] = []
@@ -469,7 +695,7 @@ class MoELoRAMemoryPool:
 
         if out is None:
             device_slots = host.to(self.device, non_blocking=on_cuda)
-            return MoELoRABatchInfo(
+            batch = MoELoRABatchInfo(
                 token_slots=device_slots,
                 slot_ranks=self.slot_ranks,
                 slot_scalings=self.slot_scalings,
@@ -480,6 +706,8 @@ class MoELoRAMemoryPool:
                 adapter_names=names,
                 seq_lens=lens,
             )
+            self._hold(batch, used)
+            return batch
 
         if out.num_tokens != num_tokens or out.token_slots.numel() != num_tokens:
             raise ValueError(
@@ -489,6 +717,8 @@ class MoELoRAMemoryPool:
         if out.token_slots.device != self.slot_ranks.device:
             raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
         out.token_slots.copy_(host, non_blocking=on_cuda)
+        out.release()
+        self._hold(out, used)
         out.slot_ranks = self.slot_ranks
         out.slot_scalings = self.slot_scalings
         out.has_lora = bool(used)
@@ -497,3 +727,21 @@ class MoELoRAMemoryPool:
         out.adapter_names = names
         out.seq_lens = lens
         return out
+
+    def _hold(self, batch: MoELoRABatchInfo, slots: tuple[int, ...]) -> None:
+        """Counts ``batch`` as a user of ``slots`` until it is released or garbage collected."""
+        for slot in slots:
+            self._slot_users[slot] += 1
+        batch.__dict__["_pool_finalizer"] = weakref.finalize(batch, self._release_slots, slots)
+
+    def _release_slots(self, slots: tuple[int, ...]) -> None:
+        with self._lock:
+            for slot in slots:
+                self._slot_users[slot] = max(0, self._slot_users[slot] - 1)
+
+    def close(self) -> None:
+        """Stops the background loader thread (pending loads finish first)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)

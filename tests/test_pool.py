@@ -468,11 +468,19 @@ def test_duplicate_name_and_full_pool_refused(loaded_pool):
 
     pool.add_adapter_weights("two", _full_adapter())
     pool.add_adapter_weights("three", _full_adapter())
+    # Nothing evictable: "base" pinned, "two" and "three" used by a live batch.
+    pool.pin("base")
+    live = pool.prepare_batch(["two", "three"])
     before = snapshot(pool)
-    with pytest.raises(AdapterLoadError, match=r"pool is full, all 3 slots .*'base', 'two', 'three'"):
+    with pytest.raises(AdapterLoadError, match=r"all 3 slots hold adapters that are pinned or used by live"):
         pool.add_adapter_weights("four", _full_adapter())
     assert_same_snapshot(before, snapshot(pool))
     assert torch.equal(run(), out_before)
+    # Released, "two" is the least recently used evictable adapter and gives its slot to "four".
+    live.release()
+    slot_two = pool.slot_of("two")
+    assert pool.add_adapter_weights("four", _full_adapter()) == slot_two
+    assert "two" not in pool and pool.is_resident("base") and pool.is_resident("three")
 
 
 def test_fp16_overflow_refused():
