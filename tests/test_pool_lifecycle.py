@@ -1,0 +1,177 @@
+"""Adapter lifecycle of the pool: LRU eviction, pins, live batches, host tier, async loads, threads.
+
+CPU, fp32, the vectorised torch path as the forward; outputs are checked against the fp32 oracle fed
+the adapters' own tensors, so a slot that was overwritten under a live batch shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+
+import pytest
+import torch
+from test_pool import LAYERS, make_adapter, make_base, make_pool, make_routing
+
+from moelora import FusedMoEWithLoRA
+from moelora.pool import AdapterLoadError
+from moelora.reference import reference_moe
+
+LAYER = LAYERS[0]
+
+
+def forward_and_reference(pool, adapters, names, w13, w2, gen_seed):
+    """Runs one batch (one token per name) and returns (output, reference) for it."""
+    torch.manual_seed(gen_seed)
+    batch = pool.prepare_batch(names)
+    x = torch.randn(len(names), w13.shape[2])
+    weights, ids = make_routing(len(names), top_k=2)
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="torch")
+    out = layer(x, weights, ids, batch)
+    order = sorted({n for n in names if n is not None})
+    loras = [adapters[n][LAYER] for n in order]
+    per_token = [-1 if n is None else order.index(n) for n in names]
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=loras, token_adapter=per_token)
+    batch.release()
+    return out, ref
+
+
+def test_lru_eviction_order_and_touch():
+    pool = make_pool(max_loras=2)
+    a, b, c = (make_adapter(4, 1.0) for _ in range(3))
+    pool.add_adapter_weights("a", {LAYER: a})
+    pool.add_adapter_weights("b", {LAYER: b})
+    pool.prepare_batch(["a"]).release()  # "a" used more recently than "b"
+    pool.add_adapter_weights("c", {LAYER: c})
+    assert pool.adapters() == ["a", "c"] and "b" not in pool  # no host tier: "b" is gone
+
+
+def test_pinned_and_live_batches_are_never_evicted():
+    pool = make_pool(max_loras=2)
+    pool.add_adapter_weights("a", {LAYER: make_adapter(4, 1.0)})
+    pool.add_adapter_weights("b", {LAYER: make_adapter(4, 1.0)})
+    pool.pin("a")
+    batch = pool.prepare_batch(["b"])
+    assert pool.users_of("b") == 1
+    with pytest.raises(AdapterLoadError, match="pinned or used by live batches"):
+        pool.add_adapter_weights("c", {LAYER: make_adapter(4, 1.0)})
+    with pytest.raises(ValueError, match="used by 1 live batch"):
+        pool.unload_adapter("b")
+    del batch
+    gc.collect()
+    assert pool.users_of("b") == 0  # a dropped batch releases its slots by itself
+    pool.add_adapter_weights("c", {LAYER: make_adapter(4, 1.0)})
+    assert sorted(pool.adapters()) == ["a", "c"]
+    pool.unpin("a")
+    pool.add_adapter_weights("d", {LAYER: make_adapter(4, 1.0)})
+    assert sorted(pool.adapters()) == ["c", "d"]
+
+
+def test_in_place_batch_update_moves_the_hold():
+    pool = make_pool(max_loras=2)
+    pool.add_adapter_weights("a", {LAYER: make_adapter(4, 1.0)})
+    pool.add_adapter_weights("b", {LAYER: make_adapter(4, 1.0)})
+    batch = pool.prepare_batch(["a", None])
+    assert pool.users_of("a") == 1 and pool.users_of("b") == 0
+    pool.prepare_batch([None, "b"], out=batch)
+    assert pool.users_of("a") == 0 and pool.users_of("b") == 1
+
+
+def test_host_tier_serves_evicted_adapters_without_the_caller_reloading():
+    x, w13, w2 = make_base(3)
+    pool = make_pool(max_loras=1)
+    pool.max_cpu_loras = 2
+    adapters = {n: {LAYER: make_adapter(r, 0.5 + r / 8)} for n, r in (("a", 4), ("b", 8))}
+    pool.add_adapter_weights("a", adapters["a"])
+    pool.add_adapter_weights("b", adapters["b"])  # evicts "a" into the host tier
+    assert pool.adapters() == ["b"] and pool.host_adapters() == ["a"] and "a" in pool
+    out, ref = forward_and_reference(pool, adapters, ["a", None, "a"], w13, w2, 1)  # brings "a" back
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert pool.adapters() == ["a"] and pool.host_adapters() == ["b"]
+    with pytest.raises(ValueError, match="unknown adapter"):
+        pool.prepare_batch(["zzz"])
+
+
+def test_one_batch_can_never_evict_its_own_adapters():
+    pool = make_pool(max_loras=1)
+    pool.max_cpu_loras = 2
+    pool.add_adapter_weights("a", {LAYER: make_adapter(4, 1.0)})
+    pool.add_adapter_weights("b", {LAYER: make_adapter(4, 1.0)})
+    with pytest.raises(AdapterLoadError, match="pinned or used by live batches"):
+        pool.prepare_batch(["a", "b"])  # two adapters, one slot
+    assert pool.users_of("b") == 0  # nothing left held by the failed batch
+
+
+def test_storm_of_loads_and_evictions_while_forwarding():
+    """Threads load, unload and evict at random while the main thread runs forwards: every output
+    equals the reference of its own batch's adapters, and no adapter is evicted under a live batch."""
+    x, w13, w2 = make_base(4)
+    pool = make_pool(max_loras=3)
+    pool.max_cpu_loras = 4
+    names = [f"ad{i}" for i in range(6)]
+    adapters = {n: {LAYER: make_adapter(2 + 2 * i, 0.5 + 0.25 * i)} for i, n in enumerate(names)}
+    for n in names[:3]:
+        pool.add_adapter_weights(n, adapters[n])
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            n = rng.choice(names)
+            try:
+                if rng.random() < 0.3 and pool.is_resident(n):
+                    pool.unload_adapter(n)
+                elif not pool.is_resident(n):
+                    pool.add_adapter_weights(n, adapters[n])
+            except (AdapterLoadError, ValueError):
+                pass  # in use, pinned-out or raced: refused cleanly, which is what we want
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    rng = random.Random(0)
+    checked = 0
+    try:
+        for step in range(60):
+            batch_names = [rng.choice([*names, None]) for _ in range(3)]
+            try:
+                out, ref = forward_and_reference(pool, adapters, batch_names, w13, w2, step)
+            except (ValueError, AdapterLoadError):
+                continue  # an adapter was unloaded meanwhile, or no slot could be freed: clean refusal
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            checked += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert checked >= 20
+
+
+def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
+    """The async API on a CPU pool (the CUDA side-stream copy is covered by the GPU test)."""
+    import moelora.peft_loader as peft_loader
+
+    pool = make_pool(max_loras=2)
+    pool.max_cpu_loras = 2
+    adapter = {LAYER: make_adapter(4, 2.0)}
+    calls = []
+
+    def fake_read(path, **kw):
+        calls.append(path)
+        return adapter, {"path": str(path)}
+
+    monkeypatch.setattr(peft_loader, "read_peft_adapter", fake_read)
+    future = pool.load_adapter_async("a", tmp_path)
+    assert future.result(timeout=30) == {"path": str(tmp_path)}
+    assert pool.is_resident("a") and len(calls) == 1
+    pool.unload_adapter("a")  # keeps the host copy
+    pool.load_adapter("a", tmp_path)
+    assert len(calls) == 1  # served from the host tier: the files were not read again
+    with pytest.raises(AdapterLoadError, match="already loaded"):
+        pool.load_adapter_async("a", tmp_path).result(timeout=30)
+    pool.close()
