@@ -732,3 +732,18 @@ def test_gpu_cuda_graph_replay_with_new_mapping(fp32_highest, path):
         tol_eager = 1e-3
         assert rel_eager <= tol_eager, f"graph replay differs from eager by {rel_eager:.3g} for {names}"
         assert rel_ref <= TOL[BF16], f"graph replay differs from the fp32 oracle by {rel_ref:.3g} for {names}"
+
+
+def test_from_base_shares_the_module_weights():
+    """An engine's fused-MoE module (SGLang/vLLM ``w13_weight``/``w2_weight``, or transformers 5's
+    ``gate_up_proj``/``down_proj``) is wrapped without copying its expert weights."""
+    pool, _ = load_mixed(F32)
+    w13, w2 = make_base(E, H, INTER, F32)
+    for names in (("w13_weight", "w2_weight"), ("gate_up_proj", "down_proj")):
+        base = torch.nn.Module()
+        setattr(base, names[0], torch.nn.Parameter(w13, requires_grad=False))
+        setattr(base, names[1], torch.nn.Parameter(w2, requires_grad=False))
+        layer = FusedMoEWithLoRA.from_base(base, pool=pool, layer_id=LAYER, path="torch")
+        assert layer.w13.data_ptr() == w13.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
+    with pytest.raises(TypeError, match="no \\(w13_weight, w2_weight\\)"):
+        FusedMoEWithLoRA.from_base(torch.nn.Linear(2, 2), pool=pool, layer_id=LAYER)
