@@ -359,7 +359,7 @@ class MoELoRAMemoryPool:
         layers, report = read_peft_adapter(
             path, num_experts=self.num_experts, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, layer_ids=self.layer_ids, max_rank=self.max_rank,
-            dtype=self.dtype,
+            dtype=torch.float32, pool_dtype=self.dtype,  # one rounding, after any per-module rescale
         )
         staged = self._stage(name, layers)
         staged.source = source

@@ -1,0 +1,996 @@
+"""Reads PEFT LoRA adapters of Mixture-of-Experts models into per-layer :class:`ReferenceLoRA` objects.
+
+:func:`read_peft_adapter` reads a PEFT adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``) on the host, validates all of it and returns, per MoE layer, the
+gate/up/down LoRA of every expert in the form :meth:`MoELoRAMemoryPool.add_adapter_weights` takes. It
+never touches a pool; :func:`load_into_pool` is the convenience that reads with a pool's sizes and then
+hands the result to the pool (which validates again and is left unchanged on any failure).
+
+Layouts understood (facts checked against PEFT 0.21.2 with transformers 5.23, and the PEFT 0.17.1,
+0.18.1, 0.19.0 and 0.19.1 sources):
+
+F1, per-expert modules (transformers 4 MoE models, custom models): one ``nn.Linear`` per expert and
+projection, ``target_modules``::
+
+    base_model.model.<...>layers.{L}.<...>.experts.{e}.{gate_proj|up_proj|down_proj}.lora_{A|B}.weight
+    base_model.model.<...>layers.{L}.block_sparse_moe.experts.{e}.{w1|w3|w2}.lora_{A|B}.weight  (Mixtral)
+
+``A (r, in)``, ``B (out, r)``; ``w1`` is gate, ``w3`` up, ``w2`` down. ``rank_pattern`` /
+``alpha_pattern`` may give single experts their own rank and alpha.
+
+F2, fused expert parameters (transformers 5: ``experts.gate_up_proj (E, 2I, H)``, rows gate then up, and
+``experts.down_proj (E, H, I)``, adapted through ``target_parameters`` with ``lora.ParamWrapper``). PEFT
+nests one wrapper per targeted parameter in the order the experts module *registers* its parameters
+(``named_parameters``), the first one innermost; every transformers-5 experts class registers
+``gate_up_proj`` before ``down_proj``. So with both targets the gate_up LoRA is
+``...experts.base_layer.lora_{A|B}.weight`` and the down LoRA ``...experts.lora_{A|B}.weight``, whatever
+the order of ``target_parameters`` (PEFT's transformers-5 config conversion turns that list into a set,
+so the saved order is arbitrary and says nothing about the nesting). With one target its LoRA is
+``...experts.lora_{A|B}.weight``. Per parameter ``(E, out, in)``::
+
+    A (E*r, in)    expert-major:  A_e = A[e*r:(e+1)*r]
+    B (out, E*r)   rank-major:    B_e = B[:, e::E]          delta_e = scaling * B_e @ A_e
+
+The gate_up A is shared by gate and up: gate uses ``A_e`` with ``B_e[:I]``, up ``A_e`` with ``B_e[I:]``.
+PEFT 0.17.0 to 0.19.0 read the 3-D parameter as ``(E, in, out)`` and wrote ``A (E*r, out)``,
+``B (in, E*r)`` (the same delta, transposed); then ``A_e = B[:, e::E].T`` and ``B_e = A[e*r:(e+1)*r].T``.
+That layout is recognised by the shapes, and where the shapes cannot tell (``in == out``: ``H == 2I``
+for gate_up, ``H == I`` for down, and no other F2 tensor of the file decides it) by ``peft_version``
+in the config (written since PEFT 0.18.0; fixed in 0.19.1); with no readable ``peft_version`` such an
+adapter is refused rather than guessed. gpt-oss (``gate_up_proj`` with interleaved gate/up columns) is
+refused.
+
+Scaling is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), with ``r`` and ``alpha``
+taken from ``rank_pattern`` / ``alpha_pattern`` exactly as PEFT's ``get_pattern_key`` does: the first
+key ``k`` (in the config's order) with ``re.match(rf"(.*\\.)?({k})$", name)``, where ``name`` is the
+module path as PEFT sees it, without ``base_model.model.`` (``model.layers.3.mlp.experts.5.w1``), and
+for F2 the parameter path (``model.layers.3.mlp.experts.gate_up_proj``). A config PEFT converted from a
+transformers-4 adapter (``target_parameters`` with ``.*\\.gate_up_proj`` at rank ``2r``, alpha ``2*alpha``,
+a block-diagonal gate_up B) is honoured as written.
+
+Rank components that are exactly zero (an all-zero column of B or row of A) add exactly nothing and are
+dropped, so the block-diagonal gate_up of a converted adapter costs rank ``r``, not ``2r``, and experts
+a training run never routed to (B still zero) cost nothing; the ``max_rank`` limit applies to this
+effective rank.
+
+Keys of non-expert modules (attention, shared experts, dense MLPs, routers, embeddings) and
+``modules_to_save`` copies are listed in :attr:`AdapterLoadReport.ignored_keys`, never merged into the
+experts. Anything that cannot be served exactly raises :class:`AdapterLoadError` naming the file, the
+key (where there is one) and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelora.pool import AdapterLoadError
+from moelora.reference import LoRAProjection, ReferenceLoRA
+
+__all__ = [
+    "BIN_NAME",
+    "CONFIG_NAME",
+    "FORMAT_F1",
+    "FORMAT_F2",
+    "FORMAT_F2_SWAPPED",
+    "WEIGHTS_NAME",
+    "AdapterLoadReport",
+    "load_into_pool",
+    "read_peft_adapter",
+]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+BIN_NAME = "adapter_model.bin"
+
+FORMAT_F1 = "F1 per-expert modules"
+FORMAT_F2 = "F2 fused expert parameters"
+FORMAT_F2_SWAPPED = "F2 (PEFT 0.18-0.19 swapped)"
+
+_PEFT_PREFIX = "base_model.model."
+# per-expert projection module name -> our projection
+_F1_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+# fused parameters in the order transformers-5 experts modules register them (innermost wrapper first)
+_F2_PARAMS = ("gate_up_proj", "down_proj")
+_PROJ_ORDER = ("gate", "up", "down")
+
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<ab>lora_A|lora_B)\.weight$")
+_F1_MODULE = re.compile(
+    r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$"
+)
+_F2_MODULE = re.compile(
+    r"^(?P<container>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?experts)(?P<wrap>(?:\.base_layer)*)$"
+)
+
+_SHARED_SEGMENTS = ("shared_expert", "shared_experts", "shared_mlp", "shared_expert_gate")
+_ROUTER_SEGMENTS = ("gate", "router", "shared_expert_gate", "e_score_correction_bias")
+_MLP_SEGMENTS = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe")
+_DENSE_PROJ = (*_F1_PROJ, "fc1", "fc2", "gate_up_proj", "dense_h_to_4h", "dense_4h_to_h", "c_fc", "c_proj")
+
+# LoraConfig fields whose (truthy) value changes the forward math beyond W + s*B*A, or the meaning of the
+# layer indices. Each is refused with this explanation.
+_REFUSED_FEATURES: dict[str, str] = {
+    "use_dora": "DoRA (use_dora) rescales every output column by a learned magnitude, which is not W + s*B*A",
+    "lora_bias": "LoRA bias (lora_bias) adds a trained bias to lora_B",
+    "use_qalora": "QALoRA (use_qalora) average-pools the input in groups before lora_A",
+    "layer_replication": "layer_replication builds a stack of replicated layers whose indices are not the "
+    "base model's layer ids",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) applies the adapter only from the "
+    "invocation tokens on, which depends on the token sequence",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices) change embedding rows",
+    "use_bdlora": "BD-LoRA (use_bdlora) stores block-diagonal LoRA factors",
+    "arrow_config": "Arrow (arrow_config) routes each token among several LoRA adapters",
+    "kasa_config": "KaSA (kasa_config) truncates the base weight and adds a learned singular-value diagonal",
+    "monteclora_config": "MonteCLoRA (monteclora_config) adds variational sampling to the LoRA factors",
+}
+# init_lora_weights values that leave the adapter paired with a *modified* base weight (a residual).
+_RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+@dataclass
+class AdapterLoadReport:
+    """What :func:`read_peft_adapter` found in an adapter directory.
+
+    Attributes:
+        path: the adapter directory.
+        format: :data:`FORMAT_F1`, :data:`FORMAT_F2` or :data:`FORMAT_F2_SWAPPED`.
+        ranks: PEFT module name (F1, e.g. ``model.layers.0.mlp.experts.3.gate_proj``) or parameter path
+            (F2, e.g. ``model.layers.0.mlp.experts.gate_up_proj``) -> its rank, as in the file and the
+            config (``rank_pattern`` applied).
+        scalings: the same names -> ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+        layers: model layer ids holding expert LoRA weights.
+        experts_per_layer: layer id -> experts with LoRA weights in the file.
+        ignored_keys: safetensors key -> why it was not used (attention, shared expert, dense MLP, router,
+            modules_to_save, ...).
+        pool_bytes: bytes one pool slot holds for this adapter, over all ``layer_ids`` (the four
+            buffers of DESIGN.md §2 at the pool's ``max_rank`` and dtype): what the adapter occupies in a
+            pool, whatever its own rank.
+        max_rank: the adapter's largest effective rank over all expert modules (exactly-zero rank
+            components dropped), i.e. the rank its pool slot gets.
+        pool_max_rank: the ``max_rank`` the adapter was checked against.
+        dtype: the dtype of the returned tensors (after :func:`load_into_pool`: the pool's dtype).
+        peft_version: ``peft_version`` from the config (``None`` when absent).
+        notes: remarks worth a log line (dropped zero rank components, how the F2 orientation was decided).
+    """
+
+    path: str
+    format: str
+    ranks: dict[str, int]
+    scalings: dict[str, float]
+    layers: list[int]
+    experts_per_layer: dict[int, list[int]]
+    ignored_keys: dict[str, str]
+    pool_bytes: int
+    max_rank: int
+    pool_max_rank: int = 0
+    dtype: str = "float32"
+    peft_version: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+def _fail(file: Path | str, reason: str, key: str | None = None) -> AdapterLoadError:
+    where = f"{file}: key {key!r}: " if key is not None else f"{file}: "
+    return AdapterLoadError(where + reason)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _LoraSettings:
+    """The parts of a LoraConfig that decide ranks and scalings."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    target_parameters: list[str]
+    modules_to_save: list[str]
+    peft_version: str | None
+    file: Path
+
+    @staticmethod
+    def _pattern_key(patterns: Mapping[str, Any], name: str) -> str | None:
+        """PEFT's ``get_pattern_key``: the first key (config order) whose regex matches ``name``'s end."""
+        for key in patterns:
+            if re.match(rf"(.*\.)?({key})$", name):
+                return key
+        return None
+
+    def rank_alpha(self, name: str) -> tuple[int, float]:
+        rk = self._pattern_key(self.rank_pattern, name)
+        ak = self._pattern_key(self.alpha_pattern, name)
+        r = self.rank_pattern[rk] if rk is not None else self.r
+        alpha = self.alpha_pattern[ak] if ak is not None else self.alpha
+        return int(r), float(alpha)
+
+    def scaling(self, r: int, alpha: float) -> float:
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _truthy(v: Any) -> bool:
+    return v not in (None, False, 0, "", [], {})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _parse_config(file: Path) -> _LoraSettings:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise _fail(file, f"cannot read the adapter config: {type(e).__name__}: {e}") from e
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _fail(file, f"invalid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise _fail(file, f"the adapter config must be a JSON object, got {type(cfg).__name__}")
+
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise _fail(
+            file,
+            f"unsupported PEFT type {peft_type!r}: only LoRA adapters (peft_type 'LORA') can be served",
+            "peft_type",
+        )
+    for name, why in _REFUSED_FEATURES.items():
+        if _truthy(cfg.get(name)):
+            raise _fail(file, f"unsupported feature {name}={cfg[name]!r}: {why}", name)
+    bias = cfg.get("bias", "none")
+    if bias not in (None, "none"):
+        raise _fail(
+            file,
+            f"unsupported feature bias={bias!r}: the adapter trains base-layer biases; only "
+            "bias='none' can be served",
+            "bias",
+        )
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_RESIDUAL_INITS):
+        raise _fail(
+            file,
+            f"unsupported feature init_lora_weights={init!r}: this initialisation changes the base weights "
+            "(the adapter is paired with a residual base model); convert it to a plain LoRA first with "
+            "PEFT's "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=...)",
+            "init_lora_weights",
+        )
+
+    r = cfg.get("r", 8)
+    if not _is_int(r) or r <= 0:
+        raise _fail(file, f"r must be a positive int, got {r!r}", "r")
+    alpha = cfg.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise _fail(file, f"lora_alpha must be a finite number, got {alpha!r}", "lora_alpha")
+    use_rslora = cfg.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _fail(file, f"use_rslora must be true or false, got {use_rslora!r}", "use_rslora")
+
+    patterns: dict[str, dict] = {}
+    for pname, check, what in (
+        ("rank_pattern", lambda v: _is_int(v) and v > 0, "a positive int"),
+        ("alpha_pattern", _is_number, "a finite number"),
+    ):
+        pat = cfg.get(pname) or {}
+        if not isinstance(pat, dict):
+            raise _fail(
+                file, f"{pname} must be an object mapping regex -> value, got {type(pat).__name__}", pname
+            )
+        for k, v in pat.items():
+            try:
+                re.compile(rf"(.*\.)?({k})$")
+            except re.error as e:
+                raise _fail(file, f"{pname} key {k!r} is not a valid regular expression: {e}", pname) from e
+            if not check(v):
+                raise _fail(file, f"{pname}[{k!r}] must be {what}, got {v!r}", pname)
+        patterns[pname] = dict(pat)
+
+    target_parameters = cfg.get("target_parameters") or []
+    if isinstance(target_parameters, str) or not isinstance(target_parameters, list):
+        raise _fail(
+            file,
+            f"target_parameters must be a list of parameter names, got {target_parameters!r}",
+            "target_parameters",
+        )
+    for t in target_parameters:
+        if not isinstance(t, str) or not t:
+            raise _fail(
+                file, f"target_parameters entries must be non-empty strings, got {t!r}", "target_parameters"
+            )
+        module, _, leaf = t.rpartition(".")
+        is_router = leaf == "weight" and module.rpartition(".")[2] in _ROUTER_SEGMENTS
+        if leaf not in _F2_PARAMS and not is_router:
+            raise _fail(
+                file,
+                f"unsupported target_parameters entry {t!r}: only the fused expert parameters "
+                f"{list(_F2_PARAMS)} (and router weights, which are ignored) are understood",
+                "target_parameters",
+            )
+
+    auto_mapping = cfg.get("auto_mapping")
+    base_class = auto_mapping.get("base_model_class", "") if isinstance(auto_mapping, dict) else ""
+    base_hint = re.sub(r"[-_\s]", "", f"{cfg.get('base_model_name_or_path') or ''} {base_class}".lower())
+    if "gptoss" in base_hint and any(t.rpartition(".")[2] == "gate_up_proj" for t in target_parameters):
+        raise _fail(
+            file,
+            "unsupported expert layout: gpt-oss interleaves gate and up columns in gate_up_proj (and has "
+            "expert biases); only the [gate rows; up rows] layout of DESIGN.md §2 can be served",
+            "base_model_name_or_path",
+        )
+
+    mts = cfg.get("modules_to_save") or []
+    if isinstance(mts, str):
+        mts = [mts]
+    if not isinstance(mts, list) or not all(isinstance(m, str) for m in mts):
+        raise _fail(file, f"modules_to_save must be a list of module names, got {mts!r}", "modules_to_save")
+
+    version = cfg.get("peft_version")
+    return _LoraSettings(
+        r=int(r),
+        alpha=float(alpha),
+        use_rslora=use_rslora,
+        rank_pattern=patterns["rank_pattern"],
+        alpha_pattern=patterns["alpha_pattern"],
+        target_parameters=list(target_parameters),
+        modules_to_save=list(mts),
+        peft_version=str(version) if version is not None else None,
+        file=file,
+    )
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    """``"0.18.1"`` -> (0, 18, 1); ``"0.19.1.dev0@abc"`` -> (0, 19, 1); None when it cannot be read."""
+    if not version:
+        return None
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version.partition("@")[0])
+    if not m:
+        return None
+    return tuple(int(g or 0) for g in m.groups())
+
+
+# --------------------------------------------------------------------------------------------------
+# Key classification
+# --------------------------------------------------------------------------------------------------
+
+
+def _segments(module: str) -> list[str]:
+    return module.split(".")
+
+
+def _is_shared(module: str) -> bool:
+    return any(s in _SHARED_SEGMENTS for s in _segments(module))
+
+
+def _is_expertish(module: str) -> bool:
+    return any("expert" in s and s not in _SHARED_SEGMENTS for s in _segments(module))
+
+
+def _non_expert_reason(module: str) -> str:
+    segs = _segments(module)
+    if _is_shared(module):
+        return "shared expert (a dense MLP every token uses, not a routed expert): not merged"
+    if segs[-1] in _ROUTER_SEGMENTS:
+        return "router / gate (routing is computed outside the MoE layer): not merged"
+    if any("attn" in s or "attention" in s for s in segs):
+        return "attention module: not an MoE expert, not merged"
+    if "embed" in module or segs[-1] in ("lm_head", "wte", "wpe"):
+        return "embedding / output head: not an MoE expert, not merged"
+    if segs[-1] in _DENSE_PROJ and any(s in _MLP_SEGMENTS for s in segs):
+        return "dense MLP (not an MoE expert): not merged"
+    return "not an MoE expert module: not merged"
+
+
+def _matches_module(module: str, names: Iterable[str]) -> bool:
+    return any(module == n or module.endswith("." + n) or f".{n}." in f".{module}." for n in names)
+
+
+@dataclass
+class _Pair:
+    """The safetensors keys of one module's lora_A and lora_B."""
+
+    a: str | None = None
+    b: str | None = None
+
+
+def _first_key(pairs: Mapping[Any, _Pair]) -> str | None:
+    p = next(iter(pairs.values()))
+    return p.a or p.b
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors import safe_open
+    except ImportError as e:  # pragma: no cover - safetensors is a dependency
+        raise _fail(file, "the safetensors package is needed to read adapters") from e
+    try:
+        if file.stat().st_size == 0:
+            raise _fail(file, "the file is empty (0 bytes)")
+        out = {}
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                out[k] = f.get_tensor(k)
+        return out
+    except AdapterLoadError:
+        raise
+    except Exception as e:  # SafetensorError, OSError, ...: truncated, unreadable, not a safetensors file
+        raise _fail(
+            file,
+            f"cannot read the safetensors file (truncated, corrupt or unreadable): {type(e).__name__}: {e}",
+        ) from e
+
+
+def _check_tensor(file: Path, key: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise _fail(file, f"LoRA weights must be a floating-point tensor, got dtype {t.dtype}", key)
+    if t.dim() != 2:
+        raise _fail(file, f"LoRA weights must be 2-D, got shape {tuple(t.shape)}", key)
+    tf = t if t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) else t.float()
+    if not bool(torch.isfinite(tf).all()):
+        bad = "NaN" if bool(torch.isnan(tf).any()) else "Inf"
+        raise _fail(file, f"tensor holds non-finite values ({bad})", key)
+
+
+def _compact(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drops rank components that are exactly zero (an all-zero B column or A row): they add exactly 0."""
+    keep = (b != 0).any(dim=0) & (a != 0).any(dim=1)
+    if bool(keep.all()):
+        return a, b
+    return a[keep], b[:, keep]
+
+
+def _pool_slot_bytes(
+    num_experts: int, hidden: int, inter: int, n_layers: int, rank: int, dtype: torch.dtype
+) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = num_experts * (2 * rank * hidden + 2 * inter * rank + rank * inter + hidden * rank)
+    return per_layer * n_layers * itemsize
+
+
+def _check_positive_int(name: str, v: Any) -> int:
+    if not _is_int(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def read_peft_adapter(
+    path: str | os.PathLike[str],
+    *,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    layer_ids: Iterable[int],
+    max_rank: int,
+    dtype: torch.dtype = torch.float32,
+    pool_dtype: torch.dtype | None = None,
+) -> tuple[dict[int, ReferenceLoRA], AdapterLoadReport]:
+    """Reads and validates a PEFT LoRA adapter of an MoE model; returns per-layer expert LoRAs and a report.
+
+    Args:
+        path: the adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+        num_experts: ``E``, routed experts per MoE layer of the base model.
+        hidden_size: ``H``.
+        intermediate_size: ``I``, the per-expert FFN width.
+        layer_ids: the model's MoE layer indices; expert weights of any other layer are refused.
+        max_rank: the largest (effective) rank a module may have.
+        dtype: dtype of the returned tensors (arithmetic is done in float32 first).
+        pool_dtype: the dtype the pool stores (default: ``dtype``), for ``pool_bytes`` and the overflow
+            check. A pool that rescales B's per module (rank/alpha patterns) rounds once if it is given
+            float32 tensors: read with ``dtype=torch.float32, pool_dtype=pool.dtype``.
+
+    Returns:
+        ``({layer_id: ReferenceLoRA}, AdapterLoadReport)``: CPU tensors, ``a (r, in)``, ``b (out, r)``, the
+        module's own scaling, ready for :meth:`MoELoRAMemoryPool.add_adapter_weights`. Exactly-zero modules
+        are left out; every layer with expert weights in the file has an entry.
+
+    Raises:
+        AdapterLoadError: for anything that cannot be served exactly; the message names the file, the key
+            (where there is one) and the reason. See the module docstring for the formats.
+        ValueError: for invalid arguments (not adapter problems).
+    """
+    return _read(
+        path,
+        num_experts=num_experts,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        layer_ids=layer_ids,
+        max_rank=max_rank,
+        dtype=dtype if pool_dtype is None else pool_dtype,
+        out_dtype=dtype,
+    )
+
+
+def _read(
+    path: str | os.PathLike[str],
+    *,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    layer_ids: Iterable[int],
+    max_rank: int,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> tuple[dict[int, ReferenceLoRA], AdapterLoadReport]:
+    """:func:`read_peft_adapter`, checking overflow in ``dtype`` but returning ``out_dtype`` tensors."""
+    n_exp = _check_positive_int("num_experts", num_experts)
+    hid = _check_positive_int("hidden_size", hidden_size)
+    inter = _check_positive_int("intermediate_size", intermediate_size)
+    max_r = _check_positive_int("max_rank", max_rank)
+    for what, d in (("dtype", dtype), ("out_dtype", out_dtype)):
+        if not isinstance(d, torch.dtype) or not d.is_floating_point:
+            raise ValueError(f"{what} must be a floating-point torch.dtype, got {d!r}")
+    if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Iterable):
+        raise ValueError(f"layer_ids must be a sequence of ints, got {layer_ids!r}")
+    lids = tuple(layer_ids)
+    if not lids or not all(_is_int(i) and i >= 0 for i in lids):
+        raise ValueError(f"layer_ids must be non-empty non-negative ints, got {list(lids)!r}")
+    valid_layers = set(lids)
+
+    # ---- files -------------------------------------------------------------------------------------
+    adir = Path(os.fspath(path))
+    if not adir.exists():
+        raise _fail(adir, "adapter directory does not exist")
+    if not adir.is_dir():
+        raise _fail(
+            adir, f"not a directory: an adapter is a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
+    cfg_file = adir / CONFIG_NAME
+    w_file = adir / WEIGHTS_NAME
+    if not cfg_file.exists():
+        raise _fail(cfg_file, "missing: a PEFT adapter directory must hold adapter_config.json")
+    if not w_file.exists():
+        if (adir / BIN_NAME).exists():
+            raise _fail(
+                adir / BIN_NAME,
+                f"only a pickled PyTorch {BIN_NAME} was found; it is not read (loading a pickle can run "
+                "code). "
+                'Convert it to safetensors, e.g. python -c "import torch; from safetensors.torch import '
+                f"save_file; save_file(torch.load('{BIN_NAME}', weights_only=True), '{WEIGHTS_NAME}')\", or "
+                "re-save it with PEFT's save_pretrained(..., safe_serialization=True)",
+            )
+        raise _fail(w_file, "missing: a PEFT adapter directory must hold adapter_model.safetensors")
+    if not cfg_file.is_file():
+        raise _fail(cfg_file, "not a regular file")
+    if not w_file.is_file():
+        raise _fail(w_file, "not a regular file")
+
+    settings = _parse_config(cfg_file)
+    tensors = _read_safetensors(w_file)
+    if not tensors:
+        raise _fail(w_file, "the file holds no tensors: no expert LoRA weights at all")
+
+    # ---- classify keys -----------------------------------------------------------------------------
+    ignored: dict[str, str] = {}
+    f1: dict[tuple[int, int, str], _Pair] = {}
+    f1_module: dict[tuple[int, int, str], str] = {}
+    f2: dict[tuple[str, int], _Pair] = {}
+    f2_layer: dict[str, int] = {}
+
+    for key in tensors:
+        name = key.removeprefix(_PEFT_PREFIX)
+        if "lora_magnitude_vector" in name:
+            raise _fail(w_file, "DoRA magnitude vector: DoRA adapters are not supported (not W + s*B*A)", key)
+        if re.search(r"\.lora_[AB]\.bias$", name):
+            raise _fail(
+                w_file, "LoRA bias (lora_bias): a trained bias on the LoRA factors is not supported", key
+            )
+        m = _LORA_KEY.match(name)
+        if m is None:
+            module = name.rpartition(".")[0]
+            if settings.modules_to_save and _matches_module(module, settings.modules_to_save):
+                if _is_expertish(module) and not _is_shared(module):
+                    raise _fail(
+                        w_file,
+                        "modules_to_save replaces routed-expert weights wholesale; only LoRA "
+                        "deltas can be served",
+                        key,
+                    )
+                ignored[key] = "modules_to_save (a full copy of a non-expert module): not merged"
+                continue
+            if "lora_embedding_" in name:
+                ignored[key] = "embedding LoRA: not an MoE expert, not merged"
+                continue
+            if "lora_velora_" in name:
+                ignored[key] = "VeLoRA training buffer (unused at inference)"
+                continue
+            if _is_expertish(module) and not _is_shared(module):
+                raise _fail(
+                    w_file,
+                    "unknown expert layout: an expert tensor that is neither a per-expert "
+                    "(F1) nor a fused-parameter (F2) LoRA A/B weight",
+                    key,
+                )
+            ignored[key] = "not a LoRA A/B weight: " + _non_expert_reason(module)
+            continue
+
+        module, ab = m.group("module"), m.group("ab")
+        if _is_shared(module):
+            ignored[key] = _non_expert_reason(module)
+            continue
+        m1 = _F1_MODULE.match(module)
+        if m1 is not None and m1.group("proj") in _F1_PROJ:
+            lid, e, proj = int(m1.group("layer")), int(m1.group("expert")), _F1_PROJ[m1.group("proj")]
+            slot = (lid, e, proj)
+            pair = f1.setdefault(slot, _Pair())
+            prev = f1_module.setdefault(slot, module)
+            if prev != module or (pair.a if ab == "lora_A" else pair.b) is not None:
+                raise _fail(
+                    w_file,
+                    f"duplicate LoRA weights for layer {lid} expert {e} {proj} (also in module {prev!r})",
+                    key,
+                )
+            if ab == "lora_A":
+                pair.a = key
+            else:
+                pair.b = key
+            continue
+        m2 = _F2_MODULE.match(module)
+        if m2 is not None:
+            container = m2.group("container")
+            depth = m2.group("wrap").count(".base_layer")
+            pair = f2.setdefault((container, depth), _Pair())
+            f2_layer[container] = int(m2.group("layer"))
+            if (pair.a if ab == "lora_A" else pair.b) is not None:
+                raise _fail(w_file, f"duplicate fused-parameter LoRA weights for {container!r}", key)
+            if ab == "lora_A":
+                pair.a = key
+            else:
+                pair.b = key
+            continue
+        if _is_expertish(module):
+            raise _fail(
+                w_file,
+                "unknown expert layout: expert LoRA weights that match neither per-expert modules "
+                "(...experts.{e}.{gate_proj|up_proj|down_proj|w1|w3|w2}) nor fused expert parameters "
+                "(...experts[.base_layer].lora_A/B)",
+                key,
+            )
+        ignored[key] = _non_expert_reason(module)
+
+    # deterministic order (layer, expert, gate/up/down; F2 inner wrapper first) for checks and messages
+    f1 = dict(sorted(f1.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2]))))
+    f2 = dict(sorted(f2.items(), key=lambda kv: (f2_layer[kv[0][0]], -kv[0][1])))
+    if f1 and f2:
+        raise _fail(
+            w_file,
+            "the file mixes per-expert (F1) and fused-parameter (F2) expert LoRA weights "
+            f"(e.g. {_first_key(f2)!r}); unknown expert layout",
+            _first_key(f1),
+        )
+    if not f1 and not f2:
+        raise _fail(
+            w_file,
+            f"no expert LoRA weights at all ({len(tensors)} tensors, none on a routed MoE expert: "
+            f"{sorted(set(ignored.values()))})",
+        )
+
+    # ---- lone factors, layers, experts --------------------------------------------------------------
+    pairs: list[_Pair] = [*f1.values(), *f2.values()]
+    for p in pairs:
+        if p.a is None or p.b is None:
+            have, missing = (p.a, "lora_B") if p.b is None else (p.b, "lora_A")
+            raise _fail(w_file, f"lone LoRA factor: its {missing} counterpart is missing", have)
+    for (lid, e, _), p in f1.items():
+        if lid not in valid_layers:
+            raise _fail(
+                w_file, f"layer {lid} is not an MoE layer of this model (layer_ids {sorted(lids)})", p.a
+            )
+        if e >= n_exp:
+            raise _fail(w_file, f"expert index {e} out of range: the model has num_experts={n_exp}", p.a)
+    for (container, _), p in f2.items():
+        lid = f2_layer[container]
+        if lid not in valid_layers:
+            raise _fail(
+                w_file, f"layer {lid} is not an MoE layer of this model (layer_ids {sorted(lids)})", p.a
+            )
+    for p in pairs:
+        for k in (p.a, p.b):
+            assert k is not None
+            _check_tensor(w_file, k, tensors[k])
+
+    # ---- per-module (a, b, scaling) in float32 ---------------------------------------------------------
+    # (layer, expert, proj) -> (a, b, scaling, module name, file key of this A, file key of this B)
+    modules: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor, float, str, str, str]] = {}
+    ranks: dict[str, int] = {}
+    scalings: dict[str, float] = {}
+    notes: list[str] = []
+    dims = {"gate": (hid, inter), "up": (hid, inter), "down": (inter, hid)}  # (in, out)
+    dim_names = {"gate": ("H", "I"), "up": ("H", "I"), "down": ("I", "H")}
+
+    if f1:
+        fmt = FORMAT_F1
+        for (lid, e, proj), p in f1.items():
+            assert p.a is not None and p.b is not None
+            mod = f1_module[(lid, e, proj)]
+            a, b = tensors[p.a], tensors[p.b]
+            in_f, out_f = dims[proj]
+            in_n, out_n = dim_names[proj]
+            r = a.shape[0]
+            if a.shape[1] != in_f:
+                raise _fail(
+                    w_file,
+                    f"lora_A of {proj} has shape {tuple(a.shape)}, expected (r, {in_n}={in_f}): "
+                    "hidden/intermediate size mismatch with the model",
+                    p.a,
+                )
+            if b.shape[0] != out_f:
+                raise _fail(
+                    w_file,
+                    f"lora_B of {proj} has shape {tuple(b.shape)}, expected ({out_n}={out_f}, r): "
+                    "hidden/intermediate size mismatch with the model",
+                    p.b,
+                )
+            if b.shape[1] != r:
+                raise _fail(
+                    w_file,
+                    f"rank mismatch: lora_A {tuple(a.shape)} has rank {r} but lora_B "
+                    f"{tuple(b.shape)} has rank {b.shape[1]}",
+                    p.b,
+                )
+            cfg_r, alpha = settings.rank_alpha(mod)
+            if r != cfg_r:
+                raise _fail(
+                    w_file,
+                    f"rank {r} in the file but the config gives module {mod!r} rank {cfg_r} "
+                    "(r / rank_pattern)",
+                    p.a,
+                )
+            s = settings.scaling(r, alpha)
+            ranks[mod], scalings[mod] = r, s
+            modules[(lid, e, proj)] = (a.float(), b.float(), s, mod, p.a, p.b)
+    else:
+        fmt, f2_params = _resolve_f2(f2, f2_layer, tensors, settings, w_file, n_exp, hid, inter, notes)
+        for (container, depth), (param, swapped) in f2_params.items():
+            p = f2[(container, depth)]
+            assert p.a is not None and p.b is not None
+            lid = f2_layer[container]
+            a, b = tensors[p.a].float(), tensors[p.b].float()
+            r = a.shape[0] // n_exp
+            pname = f"{container}.{param}"
+            cfg_r, alpha = settings.rank_alpha(pname)
+            if r != cfg_r:
+                raise _fail(
+                    w_file,
+                    f"lora_A has {a.shape[0]} rows = num_experts ({n_exp}) x rank {r}, but the config gives "
+                    f"{pname!r} rank {cfg_r} (r / rank_pattern): rank or num_experts mismatch with the model",
+                    p.a,
+                )
+            s = settings.scaling(r, alpha)
+            ranks[pname], scalings[pname] = r, s
+            # expert-major A: (E, r, A cols); rank-major B: (B rows, r, E). Current PEFT: A cols = in,
+            # B rows = out. PEFT 0.17-0.19.0 (swapped): A cols = out, B rows = in, delta transposed.
+            a3 = a.reshape(n_exp, r, a.shape[1])
+            b3 = b.reshape(b.shape[0], r, n_exp)
+            keys = (p.b, p.a) if swapped else (p.a, p.b)  # file keys of our (A, B)
+            for e in range(n_exp):
+                if swapped:
+                    a_e, b_e = b3[:, :, e].T, a3[e].T  # (r, in), (out, r)
+                else:
+                    a_e, b_e = a3[e], b3[:, :, e]
+                if param == "gate_up_proj":
+                    modules[(lid, e, "gate")] = (a_e, b_e[:inter], s, f"{pname}[expert {e} gate]", *keys)
+                    modules[(lid, e, "up")] = (a_e, b_e[inter:], s, f"{pname}[expert {e} up]", *keys)
+                else:
+                    modules[(lid, e, "down")] = (a_e, b_e, s, f"{pname}[expert {e}]", *keys)
+
+    # ---- effective ranks, max_rank, cast ------------------------------------------------------------
+    layers: dict[int, ReferenceLoRA] = {}
+    experts_per_layer: dict[int, set[int]] = {}
+    eff_max = 0
+    dropped_components = 0
+    zero_modules = 0
+    for (lid, e, proj), (a, b, s, mod, key_a, key_b) in sorted(
+        modules.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2]))
+    ):
+        layers.setdefault(lid, ReferenceLoRA())
+        experts_per_layer.setdefault(lid, set()).add(e)
+        ac, bc = _compact(a, b)
+        dropped_components += a.shape[0] - ac.shape[0]
+        r_eff = int(ac.shape[0])
+        if r_eff > max_r:
+            extra = f" (rank {a.shape[0]} in the file)" if r_eff != a.shape[0] else ""
+            raise _fail(w_file, f"module {mod}: rank {r_eff}{extra} exceeds max_rank {max_r}", key_a)
+        if r_eff == 0:
+            zero_modules += 1
+            continue
+        eff_max = max(eff_max, r_eff)
+        a_out, b_out = ac.to(dtype), bc.to(dtype)
+        for what, t, key in (("A", a_out, key_a), ("B", b_out, key_b)):
+            if not bool(torch.isfinite(t).all()):
+                dname = str(dtype).removeprefix("torch.")
+                raise _fail(w_file, f"module {mod}: LoRA {what} overflows {dname}", key)
+        a_out = ac.to(out_dtype).contiguous().clone()
+        b_out = bc.to(out_dtype).contiguous().clone()
+        getattr(layers[lid], proj)[e] = LoRAProjection(a_out, b_out, float(s))
+
+    if dropped_components:
+        notes.append(
+            f"{dropped_components} exactly-zero rank components dropped ({zero_modules} modules all "
+            f"zero); largest effective rank {eff_max}"
+        )
+    report = AdapterLoadReport(
+        path=str(adir),
+        format=fmt,
+        ranks=ranks,
+        scalings=scalings,
+        layers=sorted(layers),
+        experts_per_layer={lid: sorted(es) for lid, es in sorted(experts_per_layer.items())},
+        ignored_keys=ignored,
+        pool_bytes=_pool_slot_bytes(n_exp, hid, inter, len(lids), max_r, dtype),
+        max_rank=eff_max,
+        pool_max_rank=max_r,
+        dtype=str(out_dtype).removeprefix("torch."),
+        peft_version=settings.peft_version,
+        notes=notes,
+    )
+    return layers, report
+
+
+def _resolve_f2(
+    f2: dict[tuple[str, int], _Pair],
+    f2_layer: dict[str, int],
+    tensors: dict[str, torch.Tensor],
+    settings: _LoraSettings,
+    w_file: Path,
+    n_exp: int,
+    hid: int,
+    inter: int,
+    notes: list[str],
+) -> tuple[str, dict[tuple[str, int], tuple[str, bool]]]:
+    """Which fused parameter each F2 wrapper adapts, and whether the file uses the old swapped layout.
+
+    Returns the format string and ``(container, depth) -> (parameter name, swapped)``.
+    """
+    if not settings.target_parameters:
+        first = _first_key(f2)
+        raise _fail(
+            w_file,
+            "fused-parameter (F2) expert LoRA weights, but the config has no target_parameters "
+            "to say which parameters they adapt: unknown expert layout",
+            first,
+        )
+    # in/out features of each fused parameter (E, out, in)
+    io = {"gate_up_proj": (hid, 2 * inter), "down_proj": (inter, hid)}
+    io_names = {"gate_up_proj": ("H", "2I"), "down_proj": ("I", "H")}
+
+    assignment: dict[tuple[str, int], str] = {}
+    candidates: dict[tuple[str, int], set[bool]] = {}
+    for (container, depth), p in sorted(f2.items()):
+        assert p.a is not None and p.b is not None
+        targeted = [
+            prm
+            for prm in _F2_PARAMS
+            if any(
+                f"{container}.{prm}" == t or f"{container}.{prm}".endswith("." + t)
+                for t in settings.target_parameters
+            )
+        ]
+        if not targeted:
+            raise _fail(
+                w_file,
+                f"fused-parameter LoRA weights on {container!r}, but target_parameters "
+                f"{settings.target_parameters} names none of its parameters {list(_F2_PARAMS)}",
+                p.a,
+            )
+        if depth >= len(targeted):
+            raise _fail(
+                w_file,
+                f"unknown expert layout: {depth} nested base_layer wrappers on {container!r} but "
+                f"target_parameters adapts only {targeted} there",
+                p.a,
+            )
+        # PEFT nests in registration order, first registered (gate_up_proj) innermost = deepest.
+        param = targeted[len(targeted) - 1 - depth]
+        assignment[(container, depth)] = param
+        a, b = tensors[p.a], tensors[p.b]
+        in_f, out_f = io[param]
+        in_n, out_n = io_names[param]
+        if a.shape[0] != b.shape[1]:
+            raise _fail(
+                w_file,
+                f"rank mismatch: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {param} "
+                "must share the num_experts x rank axis",
+                p.b,
+            )
+        if a.shape[0] % n_exp:
+            raise _fail(
+                w_file,
+                f"lora_A of {param} has {a.shape[0]} rows, not a multiple of num_experts={n_exp}: "
+                "the adapter was made for a model with another number of experts",
+                p.a,
+            )
+        cand = set()
+        if a.shape[1] == in_f and b.shape[0] == out_f:
+            cand.add(False)
+        if a.shape[1] == out_f and b.shape[0] == in_f:
+            cand.add(True)
+        if not cand:
+            raise _fail(
+                w_file,
+                f"wrong shapes for {param} (E, {out_n}={out_f}, {in_n}={in_f}): lora_A {tuple(a.shape)}, "
+                "lora_B "
+                f"{tuple(b.shape)}; expected lora_A (E*r, {in_n}={in_f}) and lora_B ({out_n}={out_f}, E*r) "
+                "(hidden/intermediate size mismatch with the model?)",
+                p.a,
+            )
+        candidates[(container, depth)] = cand
+
+    decided = [c for c in candidates.values() if len(c) == 1]
+    swapped_set = {next(iter(c)) for c in decided}
+    if len(swapped_set) > 1:
+        raise _fail(
+            w_file,
+            "inconsistent fused-parameter layouts: some tensors are in PEFT >= 0.19.1 orientation "
+            "(A (E*r, in)), others in the PEFT 0.17-0.19.0 one (A (E*r, out))",
+        )
+    if swapped_set:
+        swapped = swapped_set.pop()
+        notes.append("F2 orientation decided by the tensor shapes")
+    else:
+        ver = _version_tuple(settings.peft_version)
+        if ver is None:
+            raise _fail(
+                settings.file,
+                "cannot tell the fused-parameter LoRA orientation: the shapes fit both the PEFT >= 0.19.1 "
+                "layout and the swapped PEFT 0.17-0.19.0 one (in_features == out_features) and the config "
+                "has no readable "
+                'peft_version; add "peft_version" (the PEFT version that saved the adapter) to the config',
+                "peft_version",
+            )
+        swapped = (0, 17) <= ver[:2] and ver < (0, 19, 1)
+        notes.append(
+            f"F2 orientation decided by peft_version {settings.peft_version!r} (shapes are ambiguous)"
+        )
+    fmt = FORMAT_F2_SWAPPED if swapped else FORMAT_F2
+    return fmt, {k: (prm, swapped) for k, prm in assignment.items()}
+
+
+def load_into_pool(pool: Any, name: str, path: str | os.PathLike[str]) -> AdapterLoadReport:
+    """Reads adapter ``path`` with ``pool``'s sizes, layer ids, max_rank and dtype, then adds it as ``name``.
+
+    The adapter is read and validated on the host (:func:`read_peft_adapter`; overflow is checked in the
+    pool dtype) and handed to ``pool.add_adapter_weights`` in float32, so the pool rounds each weight to
+    its dtype exactly once (after its own per-module rescaling). Any problem raises
+    :class:`AdapterLoadError` and leaves the pool unchanged: nothing touches it before the adapter has
+    been read completely, and the pool validates again before it writes.
+
+    Returns the :class:`AdapterLoadReport`.
+    """
+    layers, report = read_peft_adapter(
+        path,
+        num_experts=pool.num_experts,
+        hidden_size=pool.hidden_size,
+        intermediate_size=pool.intermediate_size,
+        layer_ids=pool.layer_ids,
+        max_rank=pool.max_rank,
+        dtype=torch.float32,
+        pool_dtype=pool.dtype,
+    )
+    pool.add_adapter_weights(name, layers)
+    report.dtype = str(pool.dtype).removeprefix("torch.")
+    return report
