@@ -21,6 +21,10 @@ import adapters.make_adapters as mk  # noqa: E402
 from moelora import FusedMoEWithLoRA, MoELoRAMemoryPool  # noqa: E402
 from moelora.reference import softmax_topk  # noqa: E402
 
+# PEFT 0.21 warns that pattern keys on target_parameters match nothing; they do apply (verified against
+# get_delta_weight when the fixtures were made, see adapters/README.md).
+pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")
+
 F2_NAMES = ["sql", "chat", "math", "gate-up-only", "down-only", "v4-style"]
 PATHS = ["torch", *(pytest.param(p, marks=pytest.mark.interpreter) for p in ("fused", "split", "staged"))]
 TOL = 1e-4

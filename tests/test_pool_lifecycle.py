@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_pool import LAYERS, make_adapter, make_base, make_pool, make_routing
 
-from moelora import FusedMoEWithLoRA
+from moelora import FusedMoEWithLoRA, MoELoRAMemoryPool
 from moelora.pool import AdapterLoadError
 from moelora.reference import reference_moe
 
@@ -174,4 +174,53 @@ def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
     assert len(calls) == 1  # served from the host tier: the files were not read again
     with pytest.raises(AdapterLoadError, match="already loaded"):
         pool.load_adapter_async("a", tmp_path).result(timeout=30)
+    pool.close()
+
+
+@pytest.mark.gpu
+def test_gpu_async_load_while_forwarding():
+    """An adapter loaded from a PEFT dir on a side stream while CUDA-graph forwards run: the running
+    batch's outputs never change, the new adapter is visible only once complete, and its outputs
+    match a synchronous load of the same files."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "adapters"
+    import sys
+
+    sys.path.insert(0, str(root.parent))
+    import adapters.make_adapters as mk
+
+    cfg = mk.TINY_QWEN3_MOE
+    experts = mk.tiny_qwen3_moe_experts()
+    lid = mk.MOE_LAYER_IDS[0]
+    kw = dict(
+        num_experts=cfg["num_experts"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["moe_intermediate_size"],
+        layer_ids=mk.MOE_LAYER_IDS,
+        max_loras=2,
+        max_rank=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    pool = MoELoRAMemoryPool(**kw, max_cpu_loras=2)
+    pool.load_adapter("sql", root / "sql")
+    w13 = experts[lid]["w13"].to("cuda", torch.bfloat16)
+    w2 = experts[lid]["w2"].to("cuda", torch.bfloat16)
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=lid)
+    x = torch.randn(8, cfg["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    weights, ids = make_routing(8, experts=cfg["num_experts"], top_k=2)
+    weights, ids = weights.cuda(), ids.cuda()
+    batch = pool.prepare_batch(["sql"] * 8)
+    expected = layer(x, weights, ids, batch).clone()
+    future = pool.load_adapter_async("chat", root / "chat")
+    assert not future.done() or pool.is_resident("chat")
+    while not future.done():
+        torch.testing.assert_close(layer(x, weights, ids, batch), expected, atol=0, rtol=0)
+    future.result()
+    chat_out = layer(x, weights, ids, pool.prepare_batch(["chat"] * 8))
+    sync_pool = MoELoRAMemoryPool(**kw)
+    sync_pool.load_adapter("chat", root / "chat")
+    sync_layer = FusedMoEWithLoRA(w13, w2, pool=sync_pool, layer_id=lid)
+    torch.testing.assert_close(chat_out, sync_layer(x, weights, ids, sync_pool.prepare_batch(["chat"] * 8)))
     pool.close()
