@@ -133,3 +133,68 @@ def test_f1_adapters_match_peft(fixture, path):
         assert (want - base).abs().max() > 1e-3
     if fixture == "f1-qwen":
         assert any("shared_expert" in key for key in report.ignored_keys)
+
+
+def _snapshot(pool):
+    tensors = [t.clone() for buf in pool.layers.values() for t in buf.tensors()]
+    return tensors, pool.slot_ranks.clone(), pool.slot_scalings.clone(), pool.adapters(), pool.host_adapters()
+
+
+def _corruptions(tmp_path):
+    """Broken copies of the ``chat`` fixture, one per way a file can be wrong."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = ROOT / "adapters" / "chat"
+
+    def copy(name):
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        return dst
+
+    cases = {}
+    d = copy("truncated")
+    blob = (d / "adapter_model.safetensors").read_bytes()
+    (d / "adapter_model.safetensors").write_bytes(blob[: len(blob) // 2])
+    cases["truncated"] = (d, "adapter_model.safetensors")
+    d = copy("nan")
+    tensors = load_file(str(d / "adapter_model.safetensors"))
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    cases["nan"] = (d, "NaN")
+    d = copy("bad-json")
+    (d / "adapter_config.json").write_text("{not json")
+    cases["bad-json"] = (d, "adapter_config.json")
+    d = copy("dora")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    cases["dora"] = (d, "DoRA")
+    cases["missing"] = (tmp_path / "does-not-exist", "does-not-exist")
+    return cases
+
+
+def test_bad_adapter_files_leave_the_pool_and_its_outputs_unchanged(qwen3, tmp_path):
+    from moelora import AdapterLoadError
+
+    experts, x, routing, expected = qwen3
+    pool = qwen3_pool(max_loras=2)
+    pool.load_adapter("sql", ROOT / "adapters" / "sql")
+    lid = mk.MOE_LAYER_IDS[0]
+    weights, ids = routing[lid]
+    layer = FusedMoEWithLoRA(experts[lid]["w13"], experts[lid]["w2"], pool=pool, layer_id=lid, path="torch")
+    before_out = layer(x, weights, ids, pool.prepare_batch(["sql"] * x.shape[0]))
+    before = _snapshot(pool)
+    for label, (path, fragment) in _corruptions(tmp_path).items():
+        with pytest.raises(AdapterLoadError) as err:
+            pool.load_adapter("chat", path)
+        assert fragment in str(err.value), f"{label}: {err.value}"
+        after = _snapshot(pool)
+        assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True)), label
+        assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2]), label
+        assert before[3:] == after[3:] and "chat" not in pool, label
+    out = layer(x, weights, ids, pool.prepare_batch(["sql"] * x.shape[0]))
+    assert torch.equal(out, before_out)
