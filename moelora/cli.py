@@ -65,6 +65,52 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Reads and validates a PEFT adapter against a model's MoE shape and prints what it holds."""
+    from moelora.model_config import MoEShape, moe_shape_from_dir
+    from moelora.peft_loader import read_peft_adapter
+    from moelora.pool import AdapterLoadError
+
+    if args.model:
+        shape = moe_shape_from_dir(args.model)
+    elif None not in (args.experts, args.hidden, args.intermediate, args.layers):
+        layer_ids = tuple(int(n) for n in args.layers.split(","))
+        shape = MoEShape(args.experts, args.hidden, args.intermediate, layer_ids, 0, "given")
+    else:
+        print("moelora inspect: give --model DIR (a Hugging Face model directory) or all of --experts, "
+              "--hidden, --intermediate and --layers", file=sys.stderr)
+        return 2
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    try:
+        _, report = read_peft_adapter(
+            args.path, num_experts=shape.num_experts, hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size, layer_ids=shape.layer_ids, max_rank=args.max_rank,
+            dtype=torch.float32, pool_dtype=dtype,
+        )
+    except AdapterLoadError as err:
+        print(f"moelora inspect: cannot serve this adapter: {err}", file=sys.stderr)
+        return 1
+    ranks = sorted(set(report.ranks.values()))
+    scalings = sorted({round(s, 6) for s in report.scalings.values()})
+    experts = {lid: len(e) for lid, e in report.experts_per_layer.items()}
+    print(f"adapter      {report.path}")
+    print(f"model        {shape.model_type}: E={shape.num_experts} H={shape.hidden_size} "
+          f"I={shape.intermediate_size}, MoE layers {list(shape.layer_ids)}")
+    print(f"format       {report.format}" + (f" (PEFT {report.peft_version})" if report.peft_version else ""))
+    print(f"ranks        {ranks} (slot rank {report.max_rank}; {len(report.ranks)} expert modules)")
+    print(f"scalings     {scalings}")
+    print(f"layers       {report.layers} (experts covered per layer: {experts})")
+    print(f"pool bytes   {report.pool_bytes:,} per slot at max_rank={args.max_rank}, {args.dtype}")
+    print(f"ignored keys {len(report.ignored_keys)}")
+    for key, why in list(report.ignored_keys.items())[: args.show_ignored]:
+        print(f"  {key}: {why}")
+    if len(report.ignored_keys) > args.show_ignored:
+        print(f"  ... {len(report.ignored_keys) - args.show_ignored} more")
+    for note in report.notes:
+        print(f"note         {note}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moelora", description="Serve many LoRA adapters of one MoE model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,12 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)
     smoke.add_argument("--seed", type=int, default=0)
     smoke.set_defaults(func=cmd_smoke)
+
+    inspect = sub.add_parser("inspect", help="validate a PEFT MoE adapter and show what it holds")
+    inspect.add_argument("path", help="PEFT adapter dir (adapter_config.json + adapter_model.safetensors)")
+    inspect.add_argument("--model", help="Hugging Face model directory whose config.json gives the MoE shape")
+    inspect.add_argument("--experts", type=int)
+    inspect.add_argument("--hidden", type=int)
+    inspect.add_argument("--intermediate", type=int)
+    inspect.add_argument("--layers", help="comma-separated MoE layer ids, e.g. 1,2,3")
+    inspect.add_argument("--max-rank", type=int, default=64, help="pool max_rank to check against")
+    inspect.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
+    inspect.add_argument("--show-ignored", type=int, default=10, help="ignored keys to list (default 10)")
+    inspect.set_defaults(func=cmd_inspect)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "dtype", "") is None:
+    if args.command == "smoke" and args.dtype is None:
         args.dtype = "bf16" if args.device != "cpu" and torch.cuda.is_available() else "fp32"
     return args.func(args)
 
