@@ -1,0 +1,727 @@
+"""Serve many LoRA adapters on a transformers-5 Mixture-of-Experts model, one adapter per sequence.
+
+:func:`attach` finds every routed-experts module of the model and swaps it for a
+:class:`MoELoRAExperts`, which runs :class:`moelora.FusedMoEWithLoRA` on the model's own expert tensors
+(the same ``nn.Parameter`` objects: nothing is copied, ``state_dict()`` keys are unchanged). Routers,
+shared experts, attention and dense MLP layers are not touched. The returned :class:`MoELoRAHandle`
+loads adapters into the pool and selects one adapter per batch row::
+
+    handle = attach(model, max_loras=8, max_rank=64)     # pool sized from the expert tensors
+    handle.load_adapter("sql", "path/to/sql")            # a PEFT directory
+    handle.load_adapter("chat", "path/to/chat")
+    with handle.adapters(["sql", None, "chat"]):          # one entry per batch row, None = base model
+        logits = model(input_ids).logits
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    handle.detach()                                       # original modules back, bit-identical outputs
+
+What is swapped. In transformers 5 the routed experts of a MoE layer are one module with fused
+parameters ``gate_up_proj (E, 2I, H)`` (rows ``[0, I)`` gate, ``[I, 2I)`` up) and ``down_proj
+(E, H, I)`` and ``forward(hidden_states (M, H), top_k_index (M, k), top_k_weights (M, k))`` computing
+``sum_k w_k * down_e(act(gate_e x) * up_e x)``: ``Qwen3MoeExperts``, ``Qwen2MoeExperts``,
+``OlmoeExperts``, ``MixtralExperts``, ``DeepseekV3Experts`` (the families in
+:data:`KNOWN_EXPERTS_CLASSES`, tested against PEFT) and many others built with transformers'
+``use_experts_implementation``. The router of each family runs before the experts module and hands it
+the final routing weights: DeepSeek-V3's ``DeepseekV3TopkRouter`` already multiplies them by
+``routed_scaling_factor`` (and renormalises with ``norm_topk_prob``), so the experts module, and
+therefore the swapped layer, uses ``routed_scaling_factor = 1``: the same math as the original module.
+Other classes with the same structure are accepted after a numerical check of their forward against
+that formula at attach time. Refused, with a :class:`NotImplementedError` that says why: transposed
+or interleaved ``gate_up_proj`` layouts (gpt-oss, Aria), expert biases, a custom gating function
+(``_apply_gate`` overridden: gpt-oss' clamped SwiGLU, DeepSeek-V4, ...), experts without a gate
+(Nemotron-H), a norm after each expert, expert parallelism, activations other than SiLU/GELU,
+quantised or meta-device expert weights, experts spread over several devices or dtypes, MoE layers of
+different shapes in one model, transformers-4 per-expert ``nn.Linear`` experts, and a model that PEFT
+already wraps (attach to the plain base model).
+
+Adapter per token. Inside a ``handle.adapters(names)`` context the hidden states an experts module
+receives are the model's ``(B, S, H)`` activations flattened batch-major: ``B*S`` rows at prefill,
+``B`` rows per decode step with a KV cache. The tokens of row ``b`` are rows ``[b*S, (b+1)*S)``, so
+row ``b`` gets ``names[b]`` for all its ``S`` tokens. When ``generate`` expands the batch
+(``num_return_sequences``, beam search) it repeats each row in place (``repeat_interleave``), so a
+batch of ``n * len(names)`` rows gives every name its ``n`` adjacent copies; the model's forward
+pre-hook refuses a batch whose row count is not a multiple of ``len(names)``. For packed (padding-free)
+inputs pass ``seq_lens`` (tokens per sequence in the flattened order) instead.
+
+Padding. With left (or right) padding a padded position belongs to its row and takes the row's
+adapter. That is harmless: the attention mask keeps padded positions out of every real token's
+attention, and their own outputs are ignored, so real tokens get exactly what they get unpadded.
+
+Batch info. A :class:`moelora.MoELoRABatchInfo` depends only on the names and the token count, so one
+is built per (context, token count) on first use and shared by every MoE layer and every later step
+of that shape: a ``generate`` call builds two (prefill and decode), not one per layer per step. They
+hold their adapters' slots (no eviction) until the context exits. Outside any context (or when every
+name is ``None``) the original module runs: exactly the base model's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.batch_info import MoELoRABatchInfo
+from moelora.layer import PATHS, FusedMoEWithLoRA
+from moelora.pool import MoELoRAMemoryPool
+from moelora.torch_path import moe_lora_forward_torch
+
+__all__ = [
+    "KNOWN_EXPERTS_CLASSES",
+    "MoELoRAExperts",
+    "MoELoRAHandle",
+    "attach",
+    "find_experts_modules",
+]
+
+#: Experts classes whose math (``sum_k w_k * down(silu(gate x) * up x)``, routing weights final, no
+#: routed_scaling_factor inside the experts module) was read in the transformers 5 sources and is
+#: checked against PEFT in tests/test_integrations.py. Other classes of the same structure are checked
+#: numerically at attach time.
+KNOWN_EXPERTS_CLASSES = frozenset(
+    {"Qwen3MoeExperts", "Qwen2MoeExperts", "OlmoeExperts", "MixtralExperts", "DeepseekV3Experts"}
+)
+
+_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding and checking the experts modules
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    w13 = getattr(module, "gate_up_proj", None)
+    w2 = getattr(module, "down_proj", None)
+    return isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3 and w2.dim() == 3
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
+    """The fused routed-experts modules of ``model``: ``(qualified name, layer id, module)`` per MoE layer,
+    in model order.
+
+    A module qualifies when it has 3-D ``gate_up_proj`` and ``down_proj`` tensors (transformers 5). The
+    layer id is the model's own decoder-layer index, the last ``layers.{n}`` in the module's name (as in
+    PEFT keys). Raises :class:`NotImplementedError` when a module has no layer index, two modules share
+    one, or the model is already wrapped by PEFT or attached.
+    """
+    found: list[tuple[str, int, nn.Module]] = []
+    seen: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoELoRAExperts):
+            raise ValueError(f"{name} is already a MoELoRAExperts: this model is attached; detach() first")
+        if not _is_fused_experts(module):
+            continue
+        ids = _LAYER_RE.findall(name)
+        if not ids:
+            raise NotImplementedError(
+                f"experts module {name!r} ({type(module).__name__}) has no 'layers.<n>' in its name, so its "
+                "layer index (as in PEFT keys) is unknown"
+            )
+        lid = int(ids[-1])
+        if lid in seen:
+            raise NotImplementedError(
+                f"experts modules {seen[lid]!r} and {name!r} share the layer index {lid}: the adapter keys "
+                "('layers.<n>.mlp.experts') would be ambiguous; attach to the sub-model that holds one "
+                "decoder stack"
+            )
+        seen[lid] = name
+        found.append((name, lid, module))
+    return found
+
+
+def _default_apply_gate() -> Any:
+    try:
+        from transformers.integrations.moe import _default_apply_gate as fn
+    except Exception:  # pragma: no cover - older/newer transformers without it
+        return None
+    return fn
+
+
+def _activation_of(name: str, module: nn.Module) -> str:
+    """``"silu"`` or ``"gelu"`` (exact), from what ``module.act_fn`` computes on a probe vector."""
+    act = getattr(module, "act_fn", None)
+    if not callable(act):
+        raise NotImplementedError(f"experts module {name!r} ({type(module).__name__}) has no act_fn")
+    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            y = act(probe)
+    except Exception as exc:
+        raise NotImplementedError(f"experts module {name!r}: its act_fn cannot be probed ({exc})") from exc
+    if isinstance(y, torch.Tensor) and y.shape == probe.shape:
+        if torch.allclose(y, F.silu(probe), rtol=1e-5, atol=1e-6):
+            return "silu"
+        if torch.allclose(y, F.gelu(probe), rtol=1e-5, atol=1e-6):
+            return "gelu"
+    raise NotImplementedError(
+        f"experts module {name!r} ({type(module).__name__}) uses the activation {act!r}; the MoE LoRA layer "
+        "implements SiLU and exact GELU only"
+    )
+
+
+def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> str:
+    """Raises NotImplementedError naming the reason if ``module`` cannot be served exactly; returns its
+    activation (``"silu"`` or ``"gelu"``)."""
+    cls = type(module).__name__
+    where = f"experts module {name!r} ({cls})"
+    if parent is not None and (hasattr(parent, "lora_A") or type(parent).__name__ == "ParamWrapper"):
+        raise NotImplementedError(
+            f"{where} is wrapped by PEFT ({type(parent).__name__}); attach to the plain base model and load "
+            "the adapters with handle.load_adapter instead"
+        )
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        raise NotImplementedError(
+            f"{where} has parametrized tensors (a PEFT target_parameters LoRA?); attach to the plain base "
+            "model"
+        )
+    flags = {
+        "is_transposed": (True, "stores its weights transposed ((E, H, 2I) / (E, I, H))"),
+        "is_concatenated": (False, "interleaves the gate and up columns of gate_up_proj"),
+        "has_bias": (True, "has expert biases"),
+        "has_gate": (False, "has no gate projection (up -> act -> down)"),
+        "has_post_expert_norm": (True, "applies a norm after each expert"),
+        "_is_expert_parallel": (True, "is sharded for expert parallelism"),
+    }
+    reasons = [why for attr, (bad, why) in flags.items() if getattr(module, attr, not bad) == bad]
+    if not getattr(module, "has_bias", False) and any(
+        isinstance(getattr(module, a, None), torch.Tensor) for a in ("gate_up_proj_bias", "down_proj_bias")
+    ):
+        reasons.append("has expert biases")
+    default_gate = _default_apply_gate()
+    custom_gate = getattr(type(module), "_apply_gate", default_gate)
+    if default_gate is not None and custom_gate is not default_gate:
+        reasons.append("overrides _apply_gate (a custom gated activation, e.g. a clamped SwiGLU)")
+    if reasons:
+        raise NotImplementedError(
+            f"{where} {'; '.join(reasons)}: the MoE LoRA layer serves (E, 2I, H) [gate; up] and (E, H, I) "
+            "bias-free experts computing act(gate x) * up x exactly"
+        )
+    w13, w2 = module.gate_up_proj, module.down_proj
+    e, two_i, h = w13.shape
+    if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise NotImplementedError(
+            f"{where}: gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} are not "
+            "(E, 2I, H) and (E, H, I)"
+        )
+    for pname, t in (("gate_up_proj", w13), ("down_proj", w2)):
+        if t.dtype not in _POOL_DTYPES:
+            raise NotImplementedError(
+                f"{where}: {pname} has dtype {t.dtype} (quantised?); float32, float16 and bfloat16 are "
+                "supported"
+            )
+        if t.device.type == "meta":
+            raise NotImplementedError(f"{where}: {pname} is on the meta device (offloaded?); load it first")
+    if w13.dtype != w2.dtype or w13.device != w2.device:
+        raise NotImplementedError(f"{where}: gate_up_proj and down_proj differ in dtype or device")
+    return _activation_of(name, module)
+
+
+def _verify_math(name: str, module: nn.Module, activation: str) -> None:
+    """Runs ``module`` and the §1 formula (no LoRA, rsf 1) on a few random tokens and refuses the module
+    if they differ: its forward does something else (weights on the input, a scaling, ...)."""
+    w13, w2 = module.gate_up_proj, module.down_proj
+    e, _, h = w13.shape
+    n, k = 8, min(2, e)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, h, generator=gen).to(device=w13.device, dtype=w13.dtype)
+    ids = torch.rand(n, e, generator=gen).topk(k, dim=1).indices.to(w13.device)
+    weights = torch.rand(n, k, generator=gen).to(device=w13.device, dtype=w13.dtype)
+    try:
+        with torch.no_grad():
+            got = module(x, ids, weights)
+            want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, activation=activation)
+    except Exception as exc:
+        raise NotImplementedError(
+            f"experts module {name!r} ({type(module).__name__}) could not be checked: calling "
+            f"forward(hidden_states, top_k_index, top_k_weights) failed ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        raise NotImplementedError(
+            f"experts module {name!r} ({type(module).__name__}) does not return (M, H) from "
+            "forward(hidden_states, top_k_index, top_k_weights)"
+        )
+    got, want = got.float(), want.float()
+    scale = float(want.abs().max()) + 1e-12
+    tol = 1e-4 if w13.dtype == torch.float32 else 3e-2
+    err = float((got - want).abs().max())
+    if err > tol * scale:
+        raise NotImplementedError(
+            f"experts module {name!r} ({type(module).__name__}) does not compute "
+            f"sum_k w_k * down(act(gate x) * up x) (max abs diff {err:.3g} vs output scale {scale:.3g}); "
+            "not supported"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Adapter selection
+# --------------------------------------------------------------------------------------------------
+
+
+class _Selection:
+    """One active adapter choice: names per batch row and the batch infos built for it, by token count."""
+
+    def __init__(self, names: tuple[str | None, ...], seq_lens: tuple[int, ...] | None) -> None:
+        self.names = names
+        self.seq_lens = seq_lens
+        self.any_adapter = any(n is not None for n in names)
+        self.batches: dict[int, MoELoRABatchInfo] = {}
+        self.builds = 0
+
+    def lens_for(self, num_tokens: int) -> tuple[int, ...]:
+        if self.seq_lens is not None:
+            if sum(self.seq_lens) != num_tokens:
+                raise ValueError(
+                    f"the MoE layer got {num_tokens} tokens but seq_lens {list(self.seq_lens)} sum to "
+                    f"{sum(self.seq_lens)}"
+                )
+            return self.seq_lens
+        rows = len(self.names)
+        if num_tokens % rows:
+            raise ValueError(
+                f"the MoE layer got {num_tokens} tokens, not a multiple of the {rows} batch rows named in "
+                f"handle.adapters({list(self.names)}): give one name per batch row"
+            )
+        return (num_tokens // rows,) * rows
+
+    def release(self) -> None:
+        for batch in self.batches.values():
+            batch.release()
+        self.batches.clear()
+
+
+class _Selector:
+    """The handle's adapter choice, read by every swapped module of the model.
+
+    Shared by all threads (a ``generate`` running in a worker thread, e.g. with a streamer, sees the
+    context entered by the caller); one choice is active per model at a time: contexts nest, the
+    innermost wins, and ``set_adapters`` gives the choice used outside any context.
+    """
+
+    def __init__(self, pool: MoELoRAMemoryPool) -> None:
+        self.pool = pool
+        self.lock = threading.RLock()
+        self.stack: list[_Selection] = []
+        self.default: _Selection | None = None
+
+    def make(self, names: Sequence[str | None], seq_lens: Sequence[int] | None) -> _Selection:
+        if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+            raise ValueError(f"adapter names must be a list with one entry per batch row, got {names!r}")
+        names_t = tuple(names)
+        if not names_t:
+            raise ValueError("adapter names must name at least one batch row")
+        bad = [n for n in names_t if n is not None and not isinstance(n, str)]
+        if bad:
+            raise ValueError(f"adapter names must be str or None, got {bad!r}")
+        unknown = sorted({n for n in names_t if n is not None and n not in self.pool})
+        if unknown:
+            raise ValueError(f"unknown adapter(s) {unknown}; loaded adapters: {self.pool.adapters()}")
+        lens_t = None
+        if seq_lens is not None:
+            lens_t = tuple(seq_lens)
+            if len(lens_t) != len(names_t) or any(
+                not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in lens_t
+            ):
+                raise ValueError(
+                    f"seq_lens must hold one non-negative int per name ({len(names_t)}), got {list(lens_t)}"
+                )
+        return _Selection(names_t, lens_t)
+
+    def active(self) -> _Selection | None:
+        with self.lock:
+            return self.stack[-1] if self.stack else self.default
+
+    def batch_for(self, num_tokens: int) -> MoELoRABatchInfo | None:
+        """The batch info of the active choice for ``num_tokens`` tokens; None = every token base."""
+        with self.lock:
+            sel = self.stack[-1] if self.stack else self.default
+            if sel is None or not sel.any_adapter:
+                return None
+            batch = sel.batches.get(num_tokens)
+            if batch is None:
+                batch = self.pool.prepare_batch(sel.names, sel.lens_for(num_tokens))
+                sel.batches[num_tokens] = batch
+                sel.builds += 1
+            return batch
+
+    def clear(self) -> None:
+        with self.lock:
+            for sel in self.stack:
+                sel.release()
+            self.stack.clear()
+            if self.default is not None:
+                self.default.release()
+            self.default = None
+
+
+# --------------------------------------------------------------------------------------------------
+# The swapped module
+# --------------------------------------------------------------------------------------------------
+
+
+class MoELoRAExperts(nn.Module):
+    """Drop-in replacement of a transformers-5 routed-experts module that adds each token's adapter.
+
+    Holds the original module's ``gate_up_proj`` and ``down_proj`` (the same ``nn.Parameter`` objects,
+    registered under the same names, so ``state_dict()`` is unchanged) and runs
+    :class:`moelora.FusedMoEWithLoRA` on them with the pool's layer ``layer_id``. ``forward`` has the
+    original signature ``(hidden_states (M, H), top_k_index (M, k), top_k_weights (M, k)) -> (M, H)``.
+    When no adapter is selected for any token it calls the original module (exactly the base output).
+
+    Attributes:
+        layer_id: the model's own index of this MoE layer (as in PEFT keys).
+        original: the module this one replaced (restored by :meth:`MoELoRAHandle.detach`).
+        layer: the :class:`moelora.FusedMoEWithLoRA` (routed_scaling_factor 1: the router already
+            applied it where the family has one, e.g. DeepSeek-V3).
+    """
+
+    def __init__(
+        self,
+        original: nn.Module,
+        *,
+        pool: MoELoRAMemoryPool,
+        layer_id: int,
+        activation: str,
+        path: str,
+        selector: _Selector,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = original.gate_up_proj
+        self.down_proj = original.down_proj
+        self.num_experts, two_i, self.hidden_dim = (int(d) for d in original.gate_up_proj.shape)
+        self.intermediate_dim = two_i // 2
+        self.layer_id = int(layer_id)
+        # Not registered as submodules: the original stays out of the module tree (and state_dict), and
+        # the layer holds the same Parameters (its own registration of them must not add state_dict keys).
+        object.__setattr__(self, "original", original)
+        object.__setattr__(
+            self,
+            "layer",
+            FusedMoEWithLoRA(
+                original.gate_up_proj, original.down_proj, pool=pool, layer_id=layer_id,
+                routed_scaling_factor=1.0, activation=activation, path=path,
+            ),
+        )
+        object.__setattr__(self, "_selector", selector)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """``sum_k w_k * W2'(act(W_gate' x) * W_up' x)`` with each token's adapter (DESIGN §1)."""
+        hidden = hidden_states.shape[-1]
+        num_tokens = hidden_states.numel() // hidden if hidden else 0
+        batch = self._selector.batch_for(num_tokens)
+        if batch is None or not batch.has_lora:
+            return self.original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        if args or kwargs:
+            raise TypeError(
+                f"MoELoRAExperts.forward takes (hidden_states, top_k_index, top_k_weights) only, got extra "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        x = hidden_states.reshape(num_tokens, hidden)
+        out = self.layer(
+            x, top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1), batch
+        )
+        return out.reshape(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{type(self.original).__name__}, layer_id={self.layer_id}, experts={self.num_experts}, "
+            f"hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+            f"activation={self.layer.activation}, path={self.layer.path}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Handle
+# --------------------------------------------------------------------------------------------------
+
+
+def _rows_of(args: tuple, kwargs: dict) -> int | None:
+    for key in ("input_ids", "inputs_embeds"):
+        t = kwargs.get(key)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return int(t.shape[0])
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+        return int(args[0].shape[0])
+    return None
+
+
+class MoELoRAHandle:
+    """What :func:`attach` returns: the pool, the swapped modules, adapter loading and selection.
+
+    Attributes:
+        model: the attached model.
+        pool: the :class:`moelora.MoELoRAMemoryPool` (created by ``attach`` unless one was given).
+        modules: layer id -> :class:`MoELoRAExperts` now in the model.
+        module_names: layer id -> qualified module name.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pool: MoELoRAMemoryPool,
+        sites: list[tuple[str, int, nn.Module, nn.Module, str]],
+        modules: dict[int, MoELoRAExperts],
+        selector: _Selector,
+        owns_pool: bool,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.modules = modules
+        self.module_names = {lid: name for name, lid, *_ in sites}
+        self._sites = sites  # (name, layer id, parent, original, attribute in parent)
+        self._selector = selector
+        self._owns_pool = owns_pool
+        self._hook = model.register_forward_pre_hook(self._check_rows, with_kwargs=True)
+        self._attached = True
+
+    # ---------------------------------------------------------------------------------------------- info
+
+    @property
+    def attached(self) -> bool:
+        """False after :meth:`detach`."""
+        return self._attached
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """The model's MoE layer indices, ascending."""
+        return tuple(sorted(self.modules))
+
+    @property
+    def active_adapters(self) -> tuple[str | None, ...] | None:
+        """The names per batch row in effect now (innermost context, else ``set_adapters``), or None."""
+        sel = self._selector.active()
+        return None if sel is None else sel.names
+
+    def __repr__(self) -> str:
+        state = "attached" if self._attached else "detached"
+        return f"MoELoRAHandle({state}, layers={list(self.layer_ids)}, pool={self.pool!r})"
+
+    # ---------------------------------------------------------------------------------------------- adapters
+
+    def load_adapter(self, name: str, path: str | Path) -> object:
+        """Loads a PEFT adapter directory into the pool (``MoELoRAMemoryPool.load_adapter``) and returns
+        its report. Only the routed-expert LoRA is served: if the adapter also has LoRA weights elsewhere
+        (attention, shared experts, dense MLPs, ``modules_to_save``) a warning names them, since outputs
+        will then differ from PEFT's for that adapter."""
+        report = self.pool.load_adapter(name, path)
+        ignored = getattr(report, "ignored_keys", None) or {}
+        if ignored:
+            keys = sorted(ignored)
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            warnings.warn(
+                f"adapter {name!r}: {len(keys)} tensor(s) outside the routed experts are not applied "
+                f"({', '.join(keys[:3])}{more}); this adapter's outputs will differ from PEFT's",
+                UserWarning,
+                stacklevel=2,
+            )
+        return report
+
+    def load_adapter_async(self, name: str, path: str | Path) -> Future:
+        """``MoELoRAMemoryPool.load_adapter_async``: loads in a background thread, returns a Future."""
+        return self.pool.load_adapter_async(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """``MoELoRAMemoryPool.unload_adapter`` (refused while an active selection uses it)."""
+        self.pool.unload_adapter(name)
+
+    @contextlib.contextmanager
+    def adapters(
+        self, names: Sequence[str | None], seq_lens: Sequence[int] | None = None
+    ) -> Iterator[MoELoRAHandle]:
+        """Selects one adapter per batch row (``None`` = base model) for forwards and ``generate`` inside
+        the ``with`` block.
+
+        Args:
+            names: one entry per batch row, in batch order. A ``generate`` that expands rows in place
+                (``num_return_sequences``, beams) applies each name to its row's copies.
+            seq_lens: only for packed (padding-free) inputs: tokens per sequence in the flattened order;
+                every forward in the block must then have ``sum(seq_lens)`` tokens.
+
+        Contexts nest (the innermost wins). The batch infos built inside are released on exit.
+        """
+        self._require_attached()
+        sel = self._selector.make(names, seq_lens)
+        with self._selector.lock:
+            self._selector.stack.append(sel)
+        try:
+            yield self
+        finally:
+            with self._selector.lock:
+                if sel in self._selector.stack:
+                    self._selector.stack.remove(sel)
+                sel.release()
+
+    def set_adapters(self, names: Sequence[str | None] | None, seq_lens: Sequence[int] | None = None) -> None:
+        """Like :meth:`adapters`, but in effect until changed (``None`` = base model again) outside any
+        ``with handle.adapters(...)`` block."""
+        self._require_attached()
+        sel = None if names is None else self._selector.make(names, seq_lens)
+        with self._selector.lock:
+            if self._selector.default is not None:
+                self._selector.default.release()
+            self._selector.default = sel
+
+    def batch_infos_built(self) -> int:
+        """How many batch infos the active selection has built (one per distinct token count)."""
+        sel = self._selector.active()
+        return 0 if sel is None else sel.builds
+
+    # ---------------------------------------------------------------------------------------------- detach
+
+    def detach(self) -> None:
+        """Puts the original experts modules back (the model computes exactly what it did before attach),
+        removes the forward pre-hook and releases the active selections. The pool stays usable through
+        :attr:`pool`; a pool created by :func:`attach` has its loader thread stopped. Idempotent."""
+        if not self._attached:
+            return
+        self._selector.clear()
+        for _, _, parent, original, attr in self._sites:
+            setattr(parent, attr, original)
+        self._hook.remove()
+        self._attached = False
+        if self._owns_pool:
+            self.pool.close()
+
+    def __enter__(self) -> MoELoRAHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # ---------------------------------------------------------------------------------------------- internals
+
+    def _require_attached(self) -> None:
+        if not self._attached:
+            raise RuntimeError("this MoELoRAHandle is detached")
+
+    def _check_rows(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        sel = self._selector.active()
+        if sel is None or not sel.any_adapter or sel.seq_lens is not None:
+            return
+        rows = _rows_of(args, kwargs)
+        if rows is not None and rows % len(sel.names):
+            raise ValueError(
+                f"the model got a batch of {rows} rows but handle.adapters names {len(sel.names)} "
+                f"({list(sel.names)}): give one name per batch row"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# attach
+# --------------------------------------------------------------------------------------------------
+
+
+def attach(
+    model: nn.Module,
+    pool: MoELoRAMemoryPool | None = None,
+    *,
+    max_loras: int = 8,
+    max_rank: int = 64,
+    max_cpu_loras: int = 0,
+    path: str = "auto",
+    verify: bool | None = None,
+) -> MoELoRAHandle:
+    """Swaps every routed-experts module of a transformers-5 MoE ``model`` for a :class:`MoELoRAExperts`
+    and returns the :class:`MoELoRAHandle`.
+
+    Args:
+        model: a transformers-5 MoE model (``...ForCausalLM`` or its decoder), on its final device and
+            dtype (the pool is created there; move the model before attaching).
+        pool: an existing pool to use; it must match the experts' E, H, I, dtype and hold every MoE layer
+            id. ``None``: a :class:`moelora.MoELoRAMemoryPool` is created from the expert tensors
+            (E, H, I, the model's MoE layer ids, their dtype and device).
+        max_loras, max_rank, max_cpu_loras: sizes of the created pool (ignored with ``pool``).
+        path: ``FusedMoEWithLoRA`` path ("auto", "fused", "split", "staged", "torch").
+        verify: run each experts module against the §1 formula on random tokens before swapping it;
+            ``None`` (default): only for classes not in :data:`KNOWN_EXPERTS_CLASSES`.
+
+    Raises:
+        NotImplementedError: a MoE layer that cannot be served exactly (the message says why), or no fused
+            experts module at all. Nothing is swapped then.
+        ValueError: a pool that does not fit, an unknown path, or a model already attached.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            raise NotImplementedError(
+                f"{type(model).__name__} is wrapped by PEFT ({name or 'the model'} is a "
+                f"{type(module).__name__}); attach to the plain base model and load the adapters with "
+                "handle.load_adapter"
+            )
+    found = find_experts_modules(model)
+    if not found:
+        raise NotImplementedError(
+            f"{type(model).__name__} has no fused routed-experts module (gate_up_proj (E, 2I, H) and "
+            "down_proj (E, H, I) parameters, transformers 5); per-expert nn.Linear experts (transformers 4) "
+            "and dense models are not supported"
+        )
+    sites: list[tuple[str, int, nn.Module, nn.Module, str]] = []
+    activations: dict[int, str] = {}
+    for name, lid, module in found:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        activations[lid] = _check_supported(name, module, parent)
+        if verify or (verify is None and type(module).__name__ not in KNOWN_EXPERTS_CLASSES):
+            _verify_math(name, module, activations[lid])
+        sites.append((name, lid, parent, module, attr))
+
+    first = found[0][2]
+    w13_first = first.gate_up_proj
+    shape, dtype, device = tuple(w13_first.shape), w13_first.dtype, w13_first.device
+    for name, _, module in found[1:]:
+        w13 = module.gate_up_proj
+        if tuple(w13.shape) != shape:
+            raise NotImplementedError(
+                f"MoE layers of different shapes ({found[0][0]}: {shape}, {name}: {tuple(w13.shape)}); "
+                "one pool holds one (E, H, I)"
+            )
+        if w13.dtype != dtype or w13.device != device:
+            raise NotImplementedError(
+                f"experts on different dtypes/devices ({found[0][0]}: {dtype} {device}, {name}: {w13.dtype} "
+                f"{w13.device}); the pool lives on one device with one dtype"
+            )
+    num_experts, two_i, hidden = shape
+    layer_ids = [lid for _, lid, _ in found]
+
+    owns_pool = pool is None
+    if pool is None:
+        pool = MoELoRAMemoryPool(
+            num_experts=num_experts, hidden_size=hidden, intermediate_size=two_i // 2, layer_ids=layer_ids,
+            max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device, max_cpu_loras=max_cpu_loras,
+        )
+    else:
+        got = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
+        want = (num_experts, hidden, two_i // 2)
+        if got != want:
+            raise ValueError(f"the pool has (E, H, I) = {got}, the model's experts {want}")
+        missing = [lid for lid in layer_ids if lid not in pool.layer_ids]
+        if missing:
+            raise ValueError(
+                f"the pool has no buffers for MoE layers {missing} (pool layer_ids {list(pool.layer_ids)})"
+            )
+
+    selector = _Selector(pool)
+    modules: dict[int, MoELoRAExperts] = {}
+    for _name, lid, _parent, module, _attr in sites:  # build all before swapping any
+        modules[lid] = MoELoRAExperts(
+            module, pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector
+        )
+    for _name, lid, parent, _module, attr in sites:
+        setattr(parent, attr, modules[lid])
+    return MoELoRAHandle(model, pool, sites, modules, selector, owns_pool)

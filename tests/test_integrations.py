@@ -1,0 +1,531 @@
+"""``moelora.integrations.attach`` on transformers-5 MoE models, with PEFT as the oracle (CPU, fp32).
+
+For a tiny random model of each supported family (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3)
+three PEFT adapters on the routed experts only (``target_parameters``, seeded random LoRA weights) are
+saved and loaded into the handle's pool; one left-padded batch mixes them with a row of no adapter. Each
+row's logits must equal PEFT's model of that row's adapter (the base model for the ``None`` row), run on
+that row alone, and so must the greedy 8-token continuation of ``generate``. Outside the adapter context
+and after ``detach`` the model computes exactly what it computed before ``attach``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import adapters.make_adapters as mk  # noqa: E402
+import moelora.integrations as integrations  # noqa: E402
+from moelora.integrations import MoELoRAExperts, attach  # noqa: E402
+from moelora.reference import softmax_topk  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+# PEFT 0.21 warns that rank/alpha pattern keys on target_parameters match nothing; they do apply (see
+# adapters/README.md). Tiny configs trip transformers' vocabulary checks of special tokens.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The following (rank|alpha)_pattern keys did not match",
+    "ignore::UserWarning:transformers",
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning",
+)
+
+REL_TOL = 1e-4
+NEW_TOKENS = 8
+TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# Three adapters of different ranks / scalings: a plain one, an rsLoRA one whose down_proj has its own
+# rank and alpha (rank_pattern / alpha_pattern), and a gate_up-only one.
+ADAPTERS = {
+    "a": dict(r=4, lora_alpha=8, target_parameters=TARGETS),
+    "b": dict(r=8, lora_alpha=8, use_rslora=True, target_parameters=TARGETS,
+              rank_pattern={"down_proj": 4}, alpha_pattern={"down_proj": 2}),
+    "c": dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj"]),
+}
+ROWS = ["a", "b", None, "c"]  # one adapter per sequence, one row without
+ROW_LENS = [7, 5, 7, 4]  # left padded to 7
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """These models are tiny: one intra-op thread is as fast, and immune to OpenMP spin-waits on a busy
+    machine (which made single small ops take milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _common(**over):
+    cfg = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.08,
+               pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    cfg.update(over)
+    return cfg
+
+
+def _family_config(family: str):
+    t = transformers
+    if family == "qwen3_moe":
+        return t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            **_common(), num_hidden_layers=3, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])
+    if family == "qwen2_moe":  # shared expert with its sigmoid gate; layer 1 dense
+        return t.Qwen2MoeForCausalLM, t.Qwen2MoeConfig(
+            **_common(), num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1])
+    if family == "olmoe":
+        return t.OlmoeForCausalLM, t.OlmoeConfig(
+            **_common(), num_hidden_layers=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    if family == "mixtral":
+        return t.MixtralForCausalLM, t.MixtralConfig(
+            **_common(), num_hidden_layers=2, intermediate_size=16, num_local_experts=4,
+            num_experts_per_tok=2)
+    if family == "deepseek_v3":  # layer 0 dense, grouped sigmoid routing, rsf 2.5 applied by the router
+        return t.DeepseekV3ForCausalLM, t.DeepseekV3Config(
+            **_common(num_key_value_heads=4), num_hidden_layers=3, intermediate_size=48,
+            moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+    raise ValueError(family)
+
+
+FAMILIES = {  # family -> (experts class, MoE layer ids)
+    "qwen3_moe": ("Qwen3MoeExperts", (1, 2)),
+    "qwen2_moe": ("Qwen2MoeExperts", (0, 2)),
+    "olmoe": ("OlmoeExperts", (0, 1)),
+    "mixtral": ("MixtralExperts", (0, 1)),
+    "deepseek_v3": ("DeepseekV3Experts", (1, 2)),
+}
+
+
+def _fresh(family: str, state: dict | None = None) -> nn.Module:
+    cls, cfg = _family_config(family)
+    torch.manual_seed(0)
+    model = cls(cfg).to(torch.float32).eval()
+    if state is None:
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # sharper routing than the default init, and a used correction bias
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    else:
+        model.load_state_dict(state)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _fill_lora(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    s = max(ROW_LENS)
+    ids = torch.randint(2, vocab, (len(ROW_LENS), s), generator=gen)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(ROW_LENS):
+        ids[i, : s - n] = 0
+        mask[i, s - n :] = 1
+    return ids, mask
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max abs difference relative to the reference's scale."""
+    return float((got - want).abs().max()) / (float(want.abs().max()) + 1e-12)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """A tiny model of one family, PEFT oracles of three adapters (saved as PEFT directories), the
+    base model's and each oracle's per-row logits and greedy continuations."""
+    name = request.param
+    base = _fresh(name)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    ids, mask = _inputs(base.config.vocab_size)
+    root = tmp_path_factory.mktemp(name)
+    oracles: dict[str | None, nn.Module] = {None: base}
+    for i, (adapter, cfg) in enumerate(ADAPTERS.items()):
+        pm = peft.get_peft_model(_fresh(name, state), peft.LoraConfig(target_modules=[], **cfg))
+        _fill_lora(pm, seed=100 + i)
+        pm.eval()
+        pm.save_pretrained(str(root / adapter))
+        oracles[adapter] = pm
+    expected_logits, expected_tokens = [], []
+    with torch.no_grad():
+        for row, adapter in enumerate(ROWS):
+            m = oracles[adapter]
+            sl = slice(row, row + 1)
+            expected_logits.append(m(input_ids=ids[sl], attention_mask=mask[sl]).logits[0])
+            out = m.generate(input_ids=ids[sl], attention_mask=mask[sl], max_new_tokens=NEW_TOKENS,
+                             do_sample=False)
+            expected_tokens.append(out[0, ids.shape[1] :])
+        base_logits = base(input_ids=ids, attention_mask=mask).logits
+    return dict(name=name, model=base, root=root, ids=ids, mask=mask, base_logits=base_logits,
+                logits=expected_logits, tokens=expected_tokens)
+
+
+def _real(row: int) -> slice:
+    """Positions of row ``row`` that are not left padding."""
+    return slice(max(ROW_LENS) - ROW_LENS[row], None)
+
+
+def test_family_mixed_batch_matches_peft(family):
+    """One mixed batch (three adapters + a base row, left padded) equals PEFT per row: logits and the
+    greedy continuation; the batch info is built once per token count; base outside the context."""
+    model, ids, mask = family["model"], family["ids"], family["mask"]
+    cls_name, layer_ids = FAMILIES[family["name"]]
+    before = {n: m for n, m in model.named_modules() if type(m).__name__ == cls_name}
+    keys_before = list(model.state_dict())
+
+    handle = attach(model, max_loras=4, max_rank=16, path="torch")
+    try:
+        assert handle.layer_ids == layer_ids
+        assert handle.pool.layer_ids == layer_ids
+        assert set(handle.module_names.values()) == set(before)
+        assert list(model.state_dict()) == keys_before  # same parameters, same names
+        for lid, module in handle.modules.items():
+            assert isinstance(module, MoELoRAExperts)
+            assert module.gate_up_proj is module.original.gate_up_proj  # shared, not copied
+            assert module.down_proj is module.original.down_proj
+            assert module.layer.routed_scaling_factor == 1.0  # DeepSeek-V3's router applies rsf
+            assert model.get_submodule(handle.module_names[lid]) is module
+        for adapter in ADAPTERS:
+            handle.load_adapter(adapter, family["root"] / adapter)
+
+        builds = []
+        real_prepare = handle.pool.prepare_batch
+        handle.pool.prepare_batch = lambda *a, **k: builds.append(a[1]) or real_prepare(*a, **k)
+
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, family["base_logits"])
+            with handle.adapters(ROWS):
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            assert builds == [(7, 7, 7, 7)]  # one batch info for all layers
+            for row in range(len(ROWS)):
+                want = family["logits"][row][_real(row)]
+                err = _close(logits[row, _real(row)], want)
+                assert err < REL_TOL, (family["name"], ROWS[row], err)
+                if ROWS[row] is not None:  # the adapter does change this row
+                    assert _close(family["base_logits"][row, _real(row)], want) > 1e-2
+
+            builds.clear()
+            with handle.adapters(ROWS):
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                     do_sample=False)
+            assert builds == [(7, 7, 7, 7), (1, 1, 1, 1)]  # prefill and decode, not per layer or step
+            for row in range(len(ROWS)):
+                assert out[row, ids.shape[1] :].tolist() == family["tokens"][row].tolist(), ROWS[row]
+
+            # outside the context: exactly the base model
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, family["base_logits"])
+    finally:
+        handle.detach()
+    assert not handle.attached
+    after = {n: m for n, m in model.named_modules() if type(m).__name__ == cls_name}
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+    assert not any(isinstance(m, MoELoRAExperts) for m in model.modules())
+    assert list(model.state_dict()) == keys_before
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, family["base_logits"])
+    handle.detach()  # idempotent
+
+
+# --------------------------------------------------------------------------------------------------
+# The committed fixture adapters on the tiny Qwen3-MoE of adapters/
+# --------------------------------------------------------------------------------------------------
+
+FIXTURES = ["chat", "math", "v4-style", "gate-up-only", "down-only"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_fixture():
+    model = mk.load_tiny_qwen3_moe()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    handle = attach(model, max_loras=6, max_rank=16, path="torch")
+    for name in FIXTURES:
+        handle.load_adapter(name, mk.ADAPTERS_DIR / name)  # 5 adapters used in one batch
+    yield model, handle
+    handle.detach()
+
+
+def _peft_fixture(name: str) -> nn.Module:
+    pm = mk.load_tiny_qwen3_moe_peft(name)
+    pm.base_model.model.generation_config.pad_token_id = 0
+    pm.base_model.model.generation_config.eos_token_id = None
+    return pm
+
+
+def test_fixture_adapters_mixed_batch(qwen3_fixture):
+    """All five expert-only fixture adapters (ranks 4-8, rsLoRA, rank/alpha patterns, gate_up-only,
+    down-only, a converted transformers-4 config) plus a base row in one batch equal PEFT per row."""
+    model, handle = qwen3_fixture
+    rows = ["chat", "math", None, "v4-style", "gate-up-only", "down-only"]
+    ids = torch.randint(1, 128, (len(rows), 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        with handle.adapters(rows):
+            logits = model(input_ids=ids).logits
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False)
+        for row, name in enumerate(rows):
+            ref = model if name is None else _peft_fixture(name)
+            want = ref(input_ids=ids[row : row + 1]).logits[0]
+            assert _close(logits[row], want) < REL_TOL, name
+            gen = ref.generate(input_ids=ids[row : row + 1], attention_mask=torch.ones_like(ids[:1]),
+                               max_new_tokens=NEW_TOKENS, do_sample=False)
+            assert out[row].tolist() == gen[0].tolist(), name
+
+
+def test_beam_search_expands_rows_in_place(qwen3_fixture):
+    """generate's repeat_interleave expansion (beams, num_return_sequences) keeps each row's adapter."""
+    model, handle = qwen3_fixture
+    rows = ["chat", "math"]
+    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(9))
+    kw = dict(max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    with torch.no_grad():
+        with handle.adapters(rows):
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+        for row, name in enumerate(rows):
+            ref = _peft_fixture(name).generate(input_ids=ids[row : row + 1],
+                                               attention_mask=torch.ones_like(ids[:1]), **kw)
+            assert out[2 * row : 2 * row + 2].tolist() == ref.tolist(), name
+
+
+def test_selection_rules(qwen3_fixture):
+    """Nesting, set_adapters, a worker thread seeing the caller's context, and the errors."""
+    model, handle = qwen3_fixture
+    ids = torch.randint(1, 128, (2, 4), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        base = model(input_ids=ids).logits
+        with handle.adapters(["chat", "math"]):
+            mixed = model(input_ids=ids).logits
+        with handle.adapters(["math", "chat"]):
+            swapped = model(input_ids=ids).logits
+        assert not torch.equal(mixed, base) and not torch.equal(mixed, swapped)
+
+        handle.set_adapters(["chat", "math"])
+        assert handle.active_adapters == ("chat", "math")
+        assert torch.equal(model(input_ids=ids).logits, mixed)
+        with handle.adapters(["math", "chat"]):  # the innermost choice wins
+            assert torch.equal(model(input_ids=ids).logits, swapped)
+            with handle.adapters([None, None]):  # all base: the original modules run
+                assert torch.equal(model(input_ids=ids).logits, base)
+        assert torch.equal(model(input_ids=ids).logits, mixed)
+        handle.set_adapters(None)
+        assert handle.active_adapters is None
+        assert torch.equal(model(input_ids=ids).logits, base)
+
+        result = {}
+        with handle.adapters(["chat", "math"]):  # e.g. generate in a thread with a streamer
+            worker = threading.Thread(target=lambda: result.update(out=model(input_ids=ids).logits))
+            worker.start()
+            worker.join()
+        assert torch.equal(result["out"], mixed)
+
+        with pytest.raises(ValueError, match="unknown adapter"):
+            with handle.adapters(["chat", "nope"]):
+                pass
+        with pytest.raises(ValueError, match="one name per batch row"):
+            with handle.adapters(["chat", "math", None]):
+                model(input_ids=ids)
+        with pytest.raises(ValueError, match="one entry per batch row"):
+            handle.set_adapters("chat")
+        assert handle.active_adapters is None
+
+
+def test_packed_seq_lens_on_one_module(qwen3_fixture):
+    """seq_lens (packed sequences) on one swapped module equals PEFT's experts module per sequence."""
+    model, handle = qwen3_fixture
+    cfg = mk.TINY_QWEN3_MOE
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(5, cfg["hidden_size"], generator=gen)
+    weights, ids = softmax_topk(torch.randn(5, cfg["num_experts"], generator=gen), 2)
+    ids = ids.long()
+    oracle = _peft_fixture("math").base_model.model.model.layers[2].mlp.experts
+    with torch.no_grad(), handle.adapters(["math", None], seq_lens=[3, 2]):
+        got = handle.modules[2](x, ids, weights)
+        want_a = oracle(x[:3], ids[:3], weights[:3])
+        want_b = handle.modules[2].original(x[3:], ids[3:], weights[3:])
+    assert _close(got[:3], want_a) < REL_TOL
+    assert _close(got[3:], want_b) < REL_TOL
+    with pytest.raises(ValueError, match="seq_lens"), torch.no_grad():
+        with handle.adapters(["math", None], seq_lens=[3, 3]):
+            handle.modules[2](x, ids, weights)
+
+
+def test_non_expert_lora_keys_warn(qwen3_fixture):
+    """sql also has attention LoRA (q_proj/v_proj), which the pool does not serve: a warning says so."""
+    _, handle = qwen3_fixture
+    with pytest.warns(UserWarning, match="outside the routed experts"):
+        handle.load_adapter("sql", mk.ADAPTERS_DIR / "sql")
+    handle.unload_adapter("sql")
+
+
+@pytest.mark.interpreter
+def test_triton_path_in_interpreter():
+    """path="auto" with TRITON_INTERPRET=1 runs the Triton kernels on CPU; same numbers as PEFT."""
+    model = mk.load_tiny_qwen3_moe()
+    ids = torch.randint(1, 128, (2, 3), generator=torch.Generator().manual_seed(17))
+    with attach(model, max_loras=2, max_rank=8) as handle:
+        handle.load_adapter("chat", mk.ADAPTERS_DIR / "chat")
+        assert handle.modules[1].layer.path == "auto"
+        with torch.no_grad(), handle.adapters(["chat", None]):
+            logits = model(input_ids=ids).logits
+    with torch.no_grad():
+        want_a = _peft_fixture("chat")(input_ids=ids[:1]).logits[0]
+        want_b = model(input_ids=ids[1:]).logits[0]
+    assert _close(logits[0], want_a) < REL_TOL
+    assert _close(logits[1], want_b) < REL_TOL
+
+
+# --------------------------------------------------------------------------------------------------
+# What is refused
+# --------------------------------------------------------------------------------------------------
+
+
+class _LoopExperts(nn.Module):
+    """A custom experts class (not in KNOWN_EXPERTS_CLASSES) with the transformers-5 structure."""
+
+    def __init__(
+        self, e: int = 4, h: int = 16, i: int = 8, factor: float = 1.0, act: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h, generator=gen) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i, generator=gen) * 0.2)
+        self.act_fn = act if act is not None else nn.SiLU()
+        self.factor = factor
+
+    def forward(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, k])
+                gate, up = (self.gate_up_proj[e] @ x[t]).chunk(2)
+                out[t] += top_k_weights[t, k] * (self.down_proj[e] @ (self.act_fn(gate) * up))
+        return out * self.factor
+
+
+def _stack(experts: nn.Module) -> nn.Module:
+    model = nn.Module()
+    block = nn.Module()
+    block.mlp = nn.Module()
+    block.mlp.experts = experts
+    model.layers = nn.ModuleList([nn.Identity(), block])
+    return model
+
+
+def test_unknown_class_is_checked_numerically():
+    model = _stack(_LoopExperts())
+    with attach(model, max_loras=1, max_rank=4, path="torch") as handle:  # same math: accepted
+        assert handle.layer_ids == (1,)
+        assert isinstance(model.layers[1].mlp.experts, MoELoRAExperts)
+    assert isinstance(model.layers[1].mlp.experts, _LoopExperts)
+    with pytest.raises(NotImplementedError, match="does not compute"):
+        attach(_stack(_LoopExperts(factor=2.0)))  # e.g. a scaling inside the experts module
+    with pytest.raises(NotImplementedError, match="activation"):
+        attach(_stack(_LoopExperts(act=nn.GELU(approximate="tanh"))))
+    refused = _stack(_LoopExperts(factor=2.0))
+    with pytest.raises(NotImplementedError):
+        attach(refused)
+    assert isinstance(refused.layers[1].mlp.experts, _LoopExperts)  # nothing swapped
+
+
+def test_refused_models():
+    t = transformers
+    gpt_oss = t.GptOssForCausalLM(t.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"]))
+    with pytest.raises(NotImplementedError, match="transposed.*interleaves.*biases.*_apply_gate"):
+        attach(gpt_oss)
+    dense = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
+                                             num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(NotImplementedError, match="no fused routed-experts module"):
+        attach(dense)
+    wrapped = peft.get_peft_model(mk.load_tiny_qwen3_moe(),
+                                  peft.LoraConfig(r=2, target_modules=[], target_parameters=TARGETS))
+    with pytest.raises(NotImplementedError, match="PEFT"):
+        attach(wrapped)
+    model = mk.load_tiny_qwen3_moe()
+    with attach(model, max_loras=1, max_rank=4, path="torch"):
+        with pytest.raises(ValueError, match="already"):
+            attach(model)
+    with pytest.raises(ValueError, match="path"):
+        attach(model, path="cuda")
+
+
+def test_given_pool_is_used_and_checked():
+    model = mk.load_tiny_qwen3_moe()
+    cfg = mk.TINY_QWEN3_MOE
+    pool = integrations.transformers.MoELoRAMemoryPool(
+        num_experts=cfg["num_experts"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["moe_intermediate_size"], layer_ids=mk.MOE_LAYER_IDS, max_loras=1, max_rank=8,
+        dtype=torch.float32, device="cpu")
+    with attach(model, pool, path="torch") as handle:
+        assert handle.pool is pool
+    small = integrations.transformers.MoELoRAMemoryPool(
+        num_experts=cfg["num_experts"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["moe_intermediate_size"], layer_ids=[1], max_loras=1, max_rank=8,
+        dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="no buffers for MoE layers"):
+        attach(model, small)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: the Triton paths inside the model
+# --------------------------------------------------------------------------------------------------
+
+GPU_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cuda_mixed_batch_matches_peft(name, dtype, tmp_path):
+    """path="auto" (Triton) on CUDA: a mixed batch matches PEFT per row, prefill and a greedy decode."""
+    base = _fresh(name)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    oracles: dict[str | None, nn.Module] = {}
+    for i, (adapter, cfg) in enumerate(ADAPTERS.items()):
+        pm = peft.get_peft_model(_fresh(name, state), peft.LoraConfig(target_modules=[], **cfg))
+        _fill_lora(pm, seed=100 + i)
+        pm.save_pretrained(str(tmp_path / adapter))
+        oracles[adapter] = pm.to("cuda", dtype).eval()
+    oracles[None] = _fresh(name, state).to("cuda", dtype)
+    model = base.to("cuda", dtype)
+    ids, mask = (t.cuda() for t in _inputs(base.config.vocab_size))
+    with attach(model, max_loras=4, max_rank=16) as handle, torch.no_grad():
+        assert handle.pool.dtype == dtype and handle.pool.device.type == "cuda"
+        for adapter in ADAPTERS:
+            handle.load_adapter(adapter, tmp_path / adapter)
+        with handle.adapters(ROWS):
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                 do_sample=False)
+        for row, adapter in enumerate(ROWS):
+            sl = slice(row, row + 1)
+            want = oracles[adapter](input_ids=ids[sl], attention_mask=mask[sl]).logits[0].float()
+            err = _close(logits[row, _real(row)], want[_real(row)])
+            assert err < GPU_TOL[dtype], (name, adapter, err)
+            if dtype == torch.float32:
+                ref = oracles[adapter].generate(input_ids=ids[sl], attention_mask=mask[sl],
+                                                max_new_tokens=NEW_TOKENS, do_sample=False)
+                assert out[row].tolist() == ref[0].tolist(), (name, adapter)
