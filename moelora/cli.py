@@ -65,6 +65,29 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job: serve a MoE model with several adapters at once and check it against PEFT."""
+    from pathlib import Path
+
+    from moelora.demo import DEFAULT_ADAPTERS, DEFAULT_MODEL, run_demo
+
+    adapters = dict(DEFAULT_ADAPTERS)
+    if args.adapter:
+        adapters = {}
+        for spec in args.adapter:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                print(f"moelora demo: --adapter expects NAME=DIR, got {spec!r}", file=sys.stderr)
+                return 2
+            adapters[name] = Path(path)
+    if args.model and not args.adapter:
+        print("moelora demo: with --model give the adapters too (--adapter NAME=DIR, at least two)",
+              file=sys.stderr)
+        return 2
+    return run_demo(Path(args.model) if args.model else DEFAULT_MODEL, adapters, device=args.device,
+                    new_tokens=args.new_tokens, check=not args.no_check)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Reads and validates a PEFT adapter against a model's MoE shape and prints what it holds."""
     from moelora.model_config import MoEShape, moe_shape_from_dir
@@ -114,6 +137,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moelora", description="Serve many LoRA adapters of one MoE model.")
     sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="serve a MoE model with several adapters, checked against PEFT")
+    demo.add_argument("--model", help="Hugging Face MoE model dir (default: the tiny Qwen3-MoE in adapters/)")
+    demo.add_argument("--adapter", action="append", metavar="NAME=DIR", help="PEFT adapter (repeat; >= 2)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo.add_argument("--new-tokens", type=int, default=8)
+    demo.add_argument("--no-check", action="store_true", help="skip the comparison with PEFT")
+    demo.set_defaults(func=cmd_demo)
     smoke = sub.add_parser("smoke", help="run the base fused MoE on small shapes and check it")
     smoke.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     smoke.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)

@@ -65,6 +65,7 @@ import json
 import math
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,7 +424,123 @@ def _first_key(pairs: Mapping[Any, _Pair]) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
+# safetensors dtype names -> torch dtypes (a dtype missing here, e.g. on an older torch, sends the file
+# through safetensors' own reader)
+_ST_DTYPES: dict[str, torch.dtype] = {
+    name: dt
+    for name, dt in (
+        ("F64", torch.float64),
+        ("F32", torch.float32),
+        ("F16", torch.float16),
+        ("BF16", torch.bfloat16),
+        ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
+        ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
+        ("I64", torch.int64),
+        ("I32", torch.int32),
+        ("I16", torch.int16),
+        ("I8", torch.int8),
+        ("U8", torch.uint8),
+        ("U16", getattr(torch, "uint16", None)),
+        ("U32", getattr(torch, "uint32", None)),
+        ("U64", getattr(torch, "uint64", None)),
+        ("BOOL", torch.bool),
+    )
+    if dt is not None
+}
+_ST_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+
+class _UseSafetensorsReader(Exception):
+    """The file is valid for safetensors but uses something the one-read path does not map."""
+
+
+def _owned_buffer(n: int) -> tuple[Any, torch.Tensor]:
+    """``n`` bytes of private anonymous memory as (writable Python buffer, uint8 tensor on it).
+
+    Transparent huge pages are asked for where the OS has them: faulting in a 1 GB adapter 4 KiB at a
+    time costs several times more than reading it. The tensor keeps the memory alive.
+    """
+    try:
+        import mmap
+
+        raw: Any = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                raw.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # pragma: no cover - THP disabled or unsupported
+                pass
+    except (ImportError, AttributeError, OSError, ValueError):  # pragma: no cover - not Linux / macOS
+        raw = bytearray(n)
+    return raw, torch.frombuffer(raw, dtype=torch.uint8)
+
+
+def _read_safetensors_once(file: Path) -> dict[str, torch.Tensor]:
+    """Reads the whole file with one ``read`` into private memory and returns views of it.
+
+    The tensors own their memory (not a map of the file, which could change or shrink under them after
+    they were validated). The header is checked as safetensors does: offsets in bounds, contiguous,
+    covering the data exactly, each tensor's byte size matching its dtype and shape.
+    """
+    size = file.stat().st_size
+    raw, buf = _owned_buffer(size)
+    view = memoryview(raw)
+    got = 0
+    with open(file, "rb", buffering=0) as fh:
+        while got < size:
+            k = fh.readinto(view[got:])
+            if not k:
+                break
+            got += k
+    if got != size:
+        raise ValueError(f"the file shrank while it was read ({got} of {size} bytes)")
+    if size < 8:
+        raise ValueError(f"{size} bytes: shorter than the 8-byte header length")
+    hlen = int.from_bytes(view[:8], "little")
+    if hlen > _ST_MAX_HEADER or 8 + hlen > size:
+        raise ValueError(f"header length {hlen} does not fit the file of {size} bytes")
+    header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    base, data_len = 8 + hlen, size - 8 - hlen
+    spans: list[tuple[int, int, str]] = []
+    out: dict[str, torch.Tensor] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise ValueError(f"header entry {key!r} is not an object")
+        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dt not in _ST_DTYPES:
+            raise _UseSafetensorsReader(dt)
+        if type(shape) is not list or not {*map(type, shape)} <= {int} or min(shape, default=0) < 0:
+            raise ValueError(f"tensor {key!r}: invalid shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+            raise ValueError(f"tensor {key!r}: invalid data_offsets {offs!r}")
+        begin, end = offs
+        dtype = _ST_DTYPES[dt]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not 0 <= begin <= end <= data_len or end - begin != nbytes:
+            raise ValueError(
+                f"tensor {key!r}: data_offsets {offs} do not hold {nbytes} bytes within {data_len}"
+            )
+        spans.append((begin, end, key))
+        chunk = buf[base + begin : base + end]
+        if chunk.data_ptr() % dtype.itemsize:
+            chunk = chunk.clone()  # not aligned for its dtype: an aligned copy
+        out[key] = chunk.view(dtype).view(shape)
+    spans.sort()
+    pos = 0
+    for begin, end, key in spans:
+        if begin != pos:
+            raise ValueError(f"tensor {key!r}: data_offsets overlap or leave a gap at byte {pos}")
+        pos = end
+    if pos != data_len:
+        raise ValueError(f"the tensors cover {pos} of the {data_len} data bytes")
+    return out
+
+
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, in memory the returned tensors own."""
     try:
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover - safetensors is a dependency
@@ -431,11 +548,19 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         if file.stat().st_size == 0:
             raise _fail(file, "the file is empty (0 bytes)")
-        out = {}
+        # safetensors validates the file (whatever it refuses is refused here too) ...
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for k in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                out[k] = f.get_tensor(k)
-        return out
+            keys = list(f.keys())  # noqa: SIM118 - safe_open handles are not iterable
+            if sys.byteorder == "little":
+                try:
+                    # ... and the data is read once, into private memory (views, no per-tensor copy)
+                    out = _read_safetensors_once(file)
+                    if sorted(out) == sorted(keys):
+                        return out
+                except _UseSafetensorsReader:
+                    pass
+            # per tensor, through safetensors (its tensors map the file: copy them into owned memory)
+            return {k: f.get_tensor(k).clone() for k in keys}
     except AdapterLoadError:
         raise
     except Exception as e:  # SafetensorError, OSError, ...: truncated, unreadable, not a safetensors file
@@ -445,15 +570,58 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         ) from e
 
 
-def _check_tensor(file: Path, key: str, t: torch.Tensor) -> None:
+# dtypes torch.aminmax reduces directly (others are widened to float32 first, as a float32 cast is exact)
+_STAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _value_ranges(ts: Mapping[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """key -> exact (min, max) of each non-empty floating-point tensor, one reduction per tensor.
+
+    NaN anywhere gives a NaN min or max (``torch.aminmax`` propagates NaN); an infinity shows as one.
+    Results are gathered with one host transfer per dtype.
+    """
+    mins: dict[torch.dtype, list[torch.Tensor]] = {}
+    maxs: dict[torch.dtype, list[torch.Tensor]] = {}
+    keys: dict[torch.dtype, list[str]] = {}
+    for k, t in ts.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        tf = t if t.dtype in _STAT_DTYPES else t.float()
+        lo, hi = torch.aminmax(tf)
+        mins.setdefault(tf.dtype, []).append(lo)
+        maxs.setdefault(tf.dtype, []).append(hi)
+        keys.setdefault(tf.dtype, []).append(k)
+    out: dict[str, tuple[float, float]] = {}
+    for dt, ks in keys.items():
+        lo_l = torch.stack(mins[dt]).double().tolist()
+        hi_l = torch.stack(maxs[dt]).double().tolist()
+        out.update(zip(ks, zip(lo_l, hi_l, strict=True), strict=True))
+    return out
+
+
+def _check_tensor(file: Path, key: str, t: torch.Tensor, value_range: tuple[float, float] | None) -> None:
+    """dtype, 2-D and finiteness of one file tensor; ``value_range`` from :func:`_value_ranges`."""
     if not t.is_floating_point():
         raise _fail(file, f"LoRA weights must be a floating-point tensor, got dtype {t.dtype}", key)
     if t.dim() != 2:
         raise _fail(file, f"LoRA weights must be 2-D, got shape {tuple(t.shape)}", key)
-    tf = t if t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) else t.float()
-    if not bool(torch.isfinite(tf).all()):
-        bad = "NaN" if bool(torch.isnan(tf).any()) else "Inf"
-        raise _fail(file, f"tensor holds non-finite values ({bad})", key)
+    if value_range is None:  # empty
+        return
+    lo, hi = value_range
+    if math.isnan(lo) or math.isnan(hi):
+        raise _fail(file, "tensor holds non-finite values (NaN)", key)
+    if math.isinf(lo) or math.isinf(hi):
+        raise _fail(file, "tensor holds non-finite values (Inf)", key)
+
+
+def _overflows(abs_max: list[float], dtype: torch.dtype) -> list[bool]:
+    """Whether a finite value of magnitude ``abs_max[i]``, cast to float32 and then to ``dtype``, is no
+    longer finite. Casts round monotonically, so this is whether any element of a tensor with that largest
+    magnitude overflows (exactly what casting the whole tensor and testing it would find)."""
+    if not abs_max:
+        return []
+    x = torch.tensor(abs_max, dtype=torch.float64).to(torch.float32).to(dtype)
+    return (~torch.isfinite(x)).tolist()
 
 
 def _compact(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,6 +630,27 @@ def _compact(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if bool(keep.all()):
         return a, b
     return a[keep], b[:, keep]
+
+
+def _maybe_zero_components(mods: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """Per (a, b): whether an A row or a B column *may* be all zero (then :func:`_compact` decides).
+
+    One sum per factor: an all-zero row or column sums to exactly 0, so a non-zero sum proves the
+    component is live; only the (rare) modules with a zero sum need the exact test.
+    """
+    if not mods:
+        return []
+    sums, counts = [], []
+    for a, b in mods:
+        sums.append(a.sum(dim=1))
+        sums.append(b.sum(dim=0))
+        counts.append(a.shape[0] + b.shape[1])
+    flat = torch.cat(sums).tolist()
+    out, pos = [], 0
+    for n in counts:
+        out.append(0.0 in flat[pos : pos + n])
+        pos += n
+    return out
 
 
 def _pool_slot_bytes(
@@ -708,10 +897,14 @@ def _read(
             raise _fail(
                 w_file, f"layer {lid} is not an MoE layer of this model (layer_ids {sorted(lids)})", p.a
             )
-    for p in pairs:
-        for k in (p.a, p.b):
-            assert k is not None
-            _check_tensor(w_file, k, tensors[k])
+    factor_keys = [k for p in pairs for k in (p.a, p.b) if k is not None]
+    value_ranges = _value_ranges({k: tensors[k] for k in factor_keys})  # one reduction per tensor
+    for k in factor_keys:
+        _check_tensor(w_file, k, tensors[k], value_ranges.get(k))
+    # file tensors whose largest magnitude overflows the checked dtype (only their modules are cast to
+    # find out which one overflows; a module is a part of its file tensor, so no other module can)
+    abs_max = {k: max(-lo, hi) for k, (lo, hi) in value_ranges.items()}
+    over_keys = dict(zip(abs_max, _overflows(list(abs_max.values()), dtype), strict=True))
 
     # ---- per-module (a, b, scaling) in float32 ---------------------------------------------------------
     # (layer, expert, proj) -> (a, b, scaling, module name, file key of this A, file key of this B)
@@ -804,12 +997,12 @@ def _read(
     eff_max = 0
     dropped_components = 0
     zero_modules = 0
-    for (lid, e, proj), (a, b, s, mod, key_a, key_b) in sorted(
-        modules.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2]))
-    ):
+    ordered = sorted(modules.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2])))
+    maybe_zero = _maybe_zero_components([(m[0], m[1]) for _, m in ordered])
+    for ((lid, e, proj), (a, b, s, mod, key_a, key_b)), may_drop in zip(ordered, maybe_zero, strict=True):
         layers.setdefault(lid, ReferenceLoRA())
         experts_per_layer.setdefault(lid, set()).add(e)
-        ac, bc = _compact(a, b)
+        ac, bc = _compact(a, b) if may_drop else (a, b)
         dropped_components += a.shape[0] - ac.shape[0]
         r_eff = int(ac.shape[0])
         if r_eff > max_r:
@@ -819,13 +1012,17 @@ def _read(
             zero_modules += 1
             continue
         eff_max = max(eff_max, r_eff)
-        a_out, b_out = ac.to(dtype), bc.to(dtype)
-        for what, t, key in (("A", a_out, key_a), ("B", b_out, key_b)):
-            if not bool(torch.isfinite(t).all()):
-                dname = str(dtype).removeprefix("torch.")
-                raise _fail(w_file, f"module {mod}: LoRA {what} overflows {dname}", key)
-        a_out = ac.to(out_dtype).contiguous().clone()
-        b_out = bc.to(out_dtype).contiguous().clone()
+        if over_keys.get(key_a, True) or over_keys.get(key_b, True):
+            for what, t, key in (("A", ac.to(dtype), key_a), ("B", bc.to(dtype), key_b)):
+                if not bool(torch.isfinite(t).all()):
+                    dname = str(dtype).removeprefix("torch.")
+                    raise _fail(w_file, f"module {mod}: LoRA {what} overflows {dname}", key)
+        # F1 factors are whole file tensors, in memory of their own (``_read_safetensors``): no copy
+        # unless the dtype changes. F2 factors are slices of fused tensors (gate and up share one A).
+        a_out = ac.to(out_dtype).contiguous()
+        b_out = bc.to(out_dtype).contiguous()
+        if fmt != FORMAT_F1:
+            a_out, b_out = a_out.clone(), b_out.clone()
         getattr(layers[lid], proj)[e] = LoRAProjection(a_out, b_out, float(s))
 
     if dropped_components:

@@ -513,6 +513,11 @@ class MoELoRAMemoryPool:
                     if e in projs[p]:
                         raw.append((lid, e, p, projs[p][e]))
 
+        staged = self._stage_stacked(name, raw, dims)
+        if staged is not None:
+            return staged
+
+        # Module by module: the reference path, and the one that names the first problem exactly.
         for lid, e, p, proj in raw:
             self._check_module(name, lid, e, p, proj, *dims[p])
 
@@ -552,7 +557,83 @@ class MoELoRAMemoryPool:
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
         return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
 
-    def _check_module(self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int) -> None:
+    def _stage_stacked(
+        self,
+        name: str,
+        raw: list[tuple[int, int, str, LoRAProjection]],
+        dims: Mapping[str, tuple[int, int]],
+    ) -> _StagedAdapter | None:
+        """:meth:`_stage` with a few tensor ops per (layer, projection) stack instead of per module.
+
+        Gives exactly the stacks of the module-by-module path, or ``None`` when that path must run: a
+        problem anywhere (it then raises the first one, in its order, with its message), or tensors off
+        the CPU. Values are checked once, on the final stacks in the pool dtype: a non-finite input stays
+        non-finite through the float32 cast, the rescale and the pool-dtype cast, and an overflow shows
+        as an infinity, so a stack is finite exactly when every module check of that path passes.
+        """
+        try:
+            for lid, e, p, proj in raw:
+                self._check_module(name, lid, e, p, proj, *dims[p], values=False)
+        except AdapterLoadError:
+            return None
+        std = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        if any(t.device.type != "cpu" or t.dtype not in std for m in raw for t in (m[3].a, m[3].b)):
+            return None
+
+        live = [m for m in raw if m[3].a.shape[0] > 0]
+        rank = max((m[3].a.shape[0] for m in live), default=0)
+        scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
+
+        e_count, h, i, f32 = self.num_experts, self.hidden_size, self.intermediate_size, torch.float32
+        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
+                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
+        pin = self.device.type == "cuda"
+        groups: dict[int, dict[str, list[tuple[int, LoRAProjection]]]] = {}
+        for lid, e, p, proj in live:
+            groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
+
+        stacks: dict[int, dict[str, torch.Tensor]] = {}
+        ranges: list[torch.Tensor] = []
+        with torch.no_grad():
+            for lid, projs in groups.items():
+                layer = stacks.setdefault(lid, {})
+                for p in _PROJECTIONS:
+                    mods = projs.get(p)
+                    if not mods:
+                        continue
+                    ratios = [float(proj.scaling) / scaling if float(proj.scaling) != scaling else 1.0
+                              for _, proj in mods]
+                    full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
+                    for key in (f"{p}_a", f"{p}_b"):
+                        is_b = key.endswith("_b")
+                        ts = [proj.b if is_b else proj.a for _, proj in mods]
+                        ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
+                        if full:  # every expert at the slot rank: one stack (+ one rescale) + one cast
+                            dst = torch.empty(shapes[key], dtype=self.dtype, pin_memory=pin)
+                            if is_b and any(r != 1.0 for r in ratios):
+                                ratio = torch.tensor(ratios, dtype=torch.float64).to(f32).view(-1, 1, 1)
+                                dst.copy_(torch.stack(ts).mul_(ratio))
+                            elif self.dtype == f32:
+                                torch.stack(ts, out=dst)
+                            else:
+                                dst.copy_(torch.stack(ts))
+                        else:  # missing experts or lower ranks: zeros, then module by module
+                            dst = torch.zeros(shapes[key], dtype=self.dtype, pin_memory=pin)
+                            for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
+                                r = t.shape[1] if is_b else t.shape[0]
+                                if is_b and ratio_e != 1.0:
+                                    t = t * ratio_e
+                                (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
+                        ranges.extend(torch.aminmax(dst))
+                        layer[key] = dst
+        if ranges and not bool(torch.isfinite(torch.stack(ranges)).all()):
+            return None  # NaN propagates through aminmax; the module path names the problem
+        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
+        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
+
+    def _check_module(
+        self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int, *, values: bool = True
+    ) -> None:
         where = f"adapter {name!r} layer {lid} expert {e} {p}"
         if not isinstance(proj, LoRAProjection):
             raise AdapterLoadError(f"{where}: expected a LoRAProjection, got {type(proj).__name__}")
@@ -584,6 +665,8 @@ class MoELoRAMemoryPool:
             s = s.item() if s.numel() == 1 else None
         if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
             raise AdapterLoadError(f"{where}: scaling must be a finite number, got {proj.scaling!r}")
+        if not values:
+            return
         for what, t in (("A", proj.a), ("B", proj.b)):
             if not bool(torch.isfinite(t).all()):
                 bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"

@@ -49,3 +49,16 @@ def test_python_dash_m_is_the_same_cli():
     )
     assert result.returncode == 0, result.stderr
     assert "rsLoRA" in result.stdout or "scalings" in result.stdout
+
+
+def test_demo_serves_mixed_adapters_and_matches_peft(capsys):
+    # The main job on the embedded default: three adapters, an async hot-load, an LRU eviction, a
+    # request with no adapter; exit code 0 only when every request matches PEFT.
+    assert main(["demo", "--device", "cpu", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "all requests match PEFT" in out and "gate-up-only" in out and "(none)" in out
+
+
+def test_demo_argument_errors(capsys):
+    assert main(["demo", "--model", "somewhere"]) == 2
+    assert main(["demo", "--adapter", "noequals"]) == 2
