@@ -137,6 +137,26 @@ def _token_slots(token_adapter: Sequence[int] | torch.Tensor | None, m: int, n_a
     return slots
 
 
+def check_moe_shapes(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """ValueError saying what was expected for inconsistent MoE inputs; returns (M, H, E, I)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be (M, H), got {tuple(x.shape)}")
+    m, hidden = x.shape
+    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be (E, 2I, {hidden}), got {tuple(w13.shape)}")
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"w2 must be ({num_experts}, {hidden}, {inter}), got {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids/topk_weights must both be (M={m}, k), got {tuple(topk_ids.shape)} "
+            f"and {tuple(topk_weights.shape)}"
+        )
+    return m, hidden, num_experts, inter
+
+
 def reference_moe_no_combine(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -172,19 +192,7 @@ def reference_moe_no_combine(
     Arithmetic is float32 on the CPU (float64 if ``x``, ``w13`` or ``w2`` is float64); the result is
     returned in that dtype on ``x``'s device.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be (M, H), got {tuple(x.shape)}")
-    m, hidden = x.shape
-    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
-        raise ValueError(f"w13 must be (E, 2I, {hidden}), got {tuple(w13.shape)}")
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    if tuple(w2.shape) != (num_experts, hidden, inter):
-        raise ValueError(f"w2 must be ({num_experts}, {hidden}, {inter}), got {tuple(w2.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_ids/topk_weights must both be (M={m}, k), got {tuple(topk_ids.shape)} "
-            f"and {tuple(topk_weights.shape)}"
-        )
+    m, hidden, num_experts, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
     if topk_ids.numel() and int(topk_ids.max()) >= num_experts:
         raise ValueError(f"topk_ids holds an expert id >= E={num_experts}")
     activation = activation.lower()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import LoRALayerBuffers
+from moelora.reference import check_moe_shapes
 
 __all__ = ["moe_lora_forward_torch"]
 
@@ -102,19 +103,7 @@ def moe_lora_forward_torch(
 
     Shapes: ``x (M, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H, I)``, ``topk_weights/topk_ids (M, k)``.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be (M, H), got {tuple(x.shape)}")
-    m, hidden = x.shape
-    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
-        raise ValueError(f"w13 must be (E, 2I, {hidden}), got {tuple(w13.shape)}")
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    if tuple(w2.shape) != (num_experts, hidden, inter):
-        raise ValueError(f"w2 must be ({num_experts}, {hidden}, {inter}), got {tuple(w2.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_ids/topk_weights must both be (M={m}, k), got {tuple(topk_ids.shape)} "
-            f"and {tuple(topk_weights.shape)}"
-        )
+    m, hidden, num_experts, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
     activation = activation.lower()
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
