@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -134,6 +135,70 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Times the MoE LoRA layer per path against the base fused MoE (moelora/bench.py says how)."""
+    if args.dry_run and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton_ops
+    from moelora.bench import BenchError, run_bench
+
+    try:
+        return run_bench(args)
+    except BenchError as err:
+        print(f"moelora bench: {err}", file=sys.stderr)
+        return 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="time the LoRA overhead of the MoE layer per path (markdown, JSON, PNG)",
+        description="LoRA overhead t(base+LoRA)/t(base) - 1 of the MoE layer, per path, in one run: CUDA "
+        "graphs + triton.testing.do_bench (median). Writes a markdown table to stdout and JSON, markdown and "
+        "a PNG plot to benchmarks/results/.",
+    )
+    bench.add_argument("--models", "--model", nargs="+", metavar="NAME",
+                       help="deepseek-v2-lite, deepseek-v2, deepseek-v3, qwen3-30b-a3b, mixtral-8x7b "
+                       "(default: all; with --config only the config's model)")
+    bench.add_argument("--config", action="append", metavar="FILE.json",
+                       help='a model shape {"name": .., "E": .., "top_k": .., "H": .., "I": ..} (repeatable)')
+    ints = dict(nargs="+", type=_positive_int)
+    bench.add_argument("--M", **ints, help="token counts (default 1 16 64 256 1024 4096)")
+    bench.add_argument("--ranks", **ints, help="LoRA ranks (default 16 64)")
+    bench.add_argument("--adapters", **ints, help="adapters in the batch (default 1 4)")
+    bench.add_argument("--popularity", nargs="+", choices=["uniform", "zipf"],
+                       help="how tokens (M <= 64) or sequences pick adapters: uniform (default) or zipf, "
+                       "s=1.1")
+    bench.add_argument("--dtype", choices=["bf16", "fp16"], help="default bf16 (fp16 in the CPU dry run)")
+    bench.add_argument("--paths", nargs="+", choices=["naive", "base", "fused", "split", "staged", "auto"],
+                       help="default: base fused split staged auto (naive: a PyTorch loop, eager)")
+    bench.add_argument("--quick", action="store_true",
+                       help="deepseek-v2-lite, qwen3-30b-a3b and deepseek-v3, M 1 64 1024, rank 16, paths "
+                       "base split auto, shorter do_bench (about a minute on an H100); explicit flags win")
+    bench.add_argument("--dry-run", action="store_true",
+                       help="tiny shapes (CPU: Triton interpreter, fp16, perf_counter timing): checks the "
+                       "pipeline, writes JSON + PNG")
+    bench.add_argument("--out", type=Path, metavar="FILE.json",
+                       help="JSON path; the .md and .png go beside it (default "
+                       "benchmarks/results/bench_<device>_<UTC time>.json)")
+    bench.add_argument("--warmup", type=float, help="do_bench warm-up in ms (default 25; 10 with --quick)")
+    bench.add_argument("--rep", type=float,
+                       help="do_bench measurement time in ms (default 100; 30 with --quick)")
+    bench.add_argument("--naive-max-s", type=float, default=0.5,
+                       help="skip the naive path when one call is estimated slower (GPU; default 0.5 s)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    bench.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moelora", description="Serve many LoRA adapters of one MoE model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
     inspect.add_argument("--show-ignored", type=int, default=10, help="ignored keys to list (default 10)")
     inspect.set_defaults(func=cmd_inspect)
+
+    _add_bench_parser(sub)
     return parser
 
 

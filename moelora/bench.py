@@ -1,0 +1,763 @@
+"""``moelora bench``: LoRA overhead of the MoE layer, t(base+LoRA) / t(base) - 1, per path, in one run.
+
+For each model shape (E experts, top-k, hidden H, intermediate I), token count M, rank, adapter count and
+adapter popularity this times
+
+* ``base``: ``fused_experts`` without adapters (every record's ``base_us``),
+* ``fused`` / ``split`` / ``staged``: the same call with every token on one of ``n_adapters`` adapters
+  through that LoRA path, and ``auto``: the path ``choose_lora_path`` picks (its time is reused when
+  that path was timed already),
+* ``naive``: a PyTorch loop over the routed experts with the LoRA applied per (expert, adapter) token
+  group; it syncs, so it runs eagerly, and it is skipped when one call is estimated too slow.
+
+Timing (GPU): each call is warmed up on a side stream, captured in a CUDA graph and timed with
+``triton.testing.do_bench`` on ``graph.replay`` (median; L2 flushed before every replay). ``--dry-run``
+runs tiny shapes (on CPU through Triton's interpreter when there is no GPU) timed with
+``time.perf_counter``: it checks the pipeline, its numbers mean nothing.
+
+Adapters: a ``max(8, n_adapters)``-slot pool of max_rank = the rank, random weights, scaling 2. Which
+adapter a token uses: M <= 64 (decode): every token is its own sequence and draws its adapter (uniform,
+or Zipf s=1.1 over the adapters); larger M (prefill): contiguous sequences, one per adapter, whose
+lengths follow the popularity (uniform: M / n_adapters tokens each, as ``benchmarks/bench_lora.py`` did).
+
+Bytes = distinct routed experts x 3*H*I*elem + activations in/out (2*M*H*elem) + the LoRA weights of
+every distinct (adapter, routed expert) pair, 3*r*(H+I)*elem each; FLOPs = 2*M*k*3*H*I + M*k*6*r*(H+I).
+Writes a markdown table to stdout, JSON + markdown + a PNG plot (overhead vs M) to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["MODELS", "BenchError", "ModelShape", "load_config", "run_bench"]
+
+
+class BenchError(ValueError):
+    """A bad benchmark request (unknown model, unreadable or invalid --config, ...)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    E: int
+    top_k: int
+    H: int
+    I: int  # noqa: E741
+
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape("deepseek-v2-lite", 64, 6, 2048, 1408),
+        ModelShape("deepseek-v2", 160, 6, 5120, 1536),
+        ModelShape("deepseek-v3", 256, 8, 7168, 2048),
+        ModelShape("qwen3-30b-a3b", 128, 8, 2048, 768),
+        ModelShape("mixtral-8x7b", 8, 2, 4096, 14336),
+    )
+}
+DRY_RUN_MODEL = ModelShape("tiny", 8, 2, 64, 48)
+
+PATHS = ("naive", "base", "fused", "split", "staged", "auto")
+LORA_PATHS = ("fused", "split", "staged")
+DEFAULT_PATHS = ["base", "fused", "split", "staged", "auto"]
+DEFAULT_M = [1, 16, 64, 256, 1024, 4096]
+DEFAULT_RANKS = [16, 64]
+DEFAULT_ADAPTERS = [1, 4]
+QUICK = dict(models=["deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3"], M=[1, 64, 1024], ranks=[16],
+             adapters=[1, 4], paths=["base", "split", "auto"], warmup=10.0, rep=30.0)  # < 1 min on an H100
+DRY_RUN = dict(M=[1, 8, 80], ranks=[8], adapters=[1, 4], paths=list(PATHS))
+DECODE_MAX_TOKENS = 64  # up to here every token is its own sequence
+ZIPF_S = 1.1
+
+# Dense bf16/fp16 tensor-core peak and HBM bandwidth (datasheets); first regex match wins.
+PEAKS: list[tuple[str, float, float]] = [
+    (r"H100.*PCIe", 2.0, 756.0),
+    (r"H100.*NVL", 3.9, 835.0),
+    (r"H100", 3.35, 989.0),
+    (r"H200", 4.8, 989.0),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+REQUIRED_CONFIG_KEYS = ("name", "E", "top_k", "H", "I")
+
+
+def device_peaks(device_name: str) -> dict[str, float | None]:
+    for pattern, tbps, tflops in PEAKS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return {"hbm_tbps": tbps, "tc_tflops": tflops}
+    return {"hbm_tbps": None, "tc_tflops": None}
+
+
+def slugify(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path) -> ModelShape:
+    """A model shape from a JSON file ``{"name": .., "E": .., "top_k": .., "H": .., "I": ..}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise BenchError(f"--config {path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BenchError(f"--config {path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        keys = ", ".join(REQUIRED_CONFIG_KEYS)
+        raise BenchError(f"--config {path}: expected a JSON object with {keys}, got {type(data).__name__}")
+    missing = [k for k in REQUIRED_CONFIG_KEYS if k not in data]
+    if missing:
+        raise BenchError(f"--config {path}: missing {', '.join(missing)} "
+                         f"(needs {', '.join(REQUIRED_CONFIG_KEYS)})")
+    unknown = sorted(set(data) - set(REQUIRED_CONFIG_KEYS))
+    if unknown:
+        raise BenchError(f"--config {path}: unknown keys {', '.join(unknown)}")
+    if not isinstance(data["name"], str) or not data["name"].strip():
+        raise BenchError(f"--config {path}: name must be a non-empty string")
+    for key in REQUIRED_CONFIG_KEYS[1:]:
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise BenchError(f"--config {path}: {key} must be a positive integer, got {v!r}")
+    if data["top_k"] > data["E"]:
+        raise BenchError(f"--config {path}: top_k={data['top_k']} exceeds E={data['E']}")
+    return ModelShape(data["name"].strip(), data["E"], data["top_k"], data["H"], data["I"])
+
+
+def select_models(names: Sequence[str] | None, configs: Sequence[str] | None) -> list[ModelShape]:
+    chosen: list[ModelShape] = []
+    for raw in names or ():
+        for name in filter(None, (n.strip() for n in raw.split(","))):
+            key = name.lower()
+            if key not in MODELS:
+                raise BenchError(f"unknown model {name!r}; choose from {', '.join(MODELS)} "
+                                 "or describe it with --config FILE.json")
+            chosen.append(MODELS[key])
+    chosen += [load_config(c) for c in configs or ()]
+    return chosen
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def make_routing(m: int, shape: ModelShape, seed: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """randn logits -> softmax -> top-k -> renormalise (CPU generator: the same on every device)."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(m, shape.E, generator=gen), dim=-1)
+    weights, ids = torch.topk(probs, shape.top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(device).contiguous(), ids.to(device=device, dtype=torch.int32).contiguous()
+
+
+def popularity_weights(n_adapters: int, popularity: str) -> torch.Tensor:
+    if popularity == "zipf":
+        p = torch.arange(1, n_adapters + 1, dtype=torch.float64) ** -ZIPF_S
+    else:
+        p = torch.ones(n_adapters, dtype=torch.float64)
+    return p / p.sum()
+
+
+def token_slots_for(m: int, n_adapters: int, popularity: str, seed: int) -> torch.Tensor:
+    """(M,) int32 slot of each token, on the host.
+
+    Decode (M <= 64): each token is its own sequence and draws an adapter from the popularity. Prefill:
+    one contiguous sequence per adapter, of about M * p_i tokens (uniform: M / n_adapters each).
+    """
+    p = popularity_weights(n_adapters, popularity)
+    if m <= DECODE_MAX_TOKENS:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.multinomial(p, m, replacement=True, generator=gen).to(torch.int32)
+    if popularity == "uniform":  # as benchmarks/bench_lora.py laid them out
+        return (torch.arange(m) * n_adapters // m).to(torch.int32)
+    bounds = torch.cumsum(p, 0) * m  # token t belongs to the first adapter whose bound exceeds t
+    slots = torch.searchsorted(bounds, torch.arange(m, dtype=torch.float64) + 0.5, right=True)
+    return slots.clamp_max(n_adapters - 1).to(torch.int32)
+
+
+@dataclass
+class LoRABuffers:
+    gate_up_a: torch.Tensor  # (L, E, 2R, H)
+    gate_up_b: torch.Tensor  # (L, E, 2I, R)
+    down_a: torch.Tensor  # (L, E, R, I)
+    down_b: torch.Tensor  # (L, E, H, R)
+
+
+def make_lora_buffers(shape: ModelShape, rank: int, slots: int, dtype: torch.dtype, device: torch.device,
+                      seed: int) -> LoRABuffers:
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*dims: int, fan_in: int) -> torch.Tensor:
+        return torch.randn(*dims, device=device, dtype=dtype, generator=gen).mul_(fan_in**-0.5)
+
+    return LoRABuffers(
+        gate_up_a=rnd(slots, shape.E, 2 * rank, shape.H, fan_in=shape.H),
+        gate_up_b=rnd(slots, shape.E, 2 * shape.I, rank, fan_in=rank),
+        down_a=rnd(slots, shape.E, rank, shape.I, fan_in=shape.I),
+        down_b=rnd(slots, shape.E, shape.H, rank, fan_in=rank),
+    )
+
+
+def make_weights(shape: ModelShape, dtype: torch.dtype, device: torch.device,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(shape.E, 2 * shape.I, shape.H, generator=gen, device=device, dtype=dtype)
+    w2 = torch.randn(shape.E, shape.H, shape.I, generator=gen, device=device, dtype=dtype)
+    return w13.mul_(shape.H**-0.5), w2.mul_(shape.I**-0.5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Naive baseline
+# --------------------------------------------------------------------------------------------------
+
+
+def naive_moe_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, lora: Any = None) -> torch.Tensor:
+    """PyTorch loop over the routed experts (base GEMMs per expert), LoRA per (expert, adapter) group.
+
+    ``lora`` is a ``triton_ops.fused_experts.MoELoRAInputs`` or None. One host sync for the group sizes.
+    On CPU it computes in float32 (PyTorch's CPU half-precision GEMMs are very slow at these shapes).
+    """
+    cdt = torch.float32 if x.device.type == "cpu" else x.dtype
+    m, hidden = x.shape
+    num_experts, inter, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).float()
+    flat_tok = torch.arange(m, device=x.device).repeat_interleave(top_k)
+    groups = 1
+    key = flat_ids
+    if lora is not None:
+        groups = lora.gate_up_a.shape[0] + 1  # slot -1 (no adapter) .. L-1
+        key = flat_ids * groups + lora.token_slots.long()[flat_tok] + 1
+        ranks, scalings = lora.slot_ranks.tolist(), lora.slot_scalings.tolist()
+        big_r = lora.gate_up_a.shape[2] // 2
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts * groups).tolist()  # syncs
+    out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
+    start = 0
+    for e in range(num_experts):
+        sizes = counts[e * groups : (e + 1) * groups]
+        n = sum(sizes)
+        if n == 0:
+            continue
+        idx = order[start : start + n]
+        start += n
+        tok = flat_tok[idx]
+        xe = x[tok].to(cdt)
+        gu = xe @ w13[e].to(cdt).t()  # (n, 2I)
+        spans = []  # (rows, slot) of each adapter group of this expert
+        if lora is not None:
+            off = sizes[0]  # pairs without an adapter sort first
+            for slot, size in enumerate(sizes[1:]):
+                if size:
+                    spans.append((slice(off, off + size), slot))
+                off += size
+        for rows, slot in spans:
+            r, s = ranks[slot], scalings[slot]
+            a = lora.gate_up_a[slot, e].to(cdt)
+            b = lora.gate_up_b[slot, e].to(cdt)
+            xg = xe[rows]
+            d_gate = (xg @ a[:r].t()) @ b[:inter, :r].t()
+            d_up = (xg @ a[big_r : big_r + r].t()) @ b[inter:, :r].t()
+            gu[rows] += torch.cat([d_gate, d_up], dim=1) * s
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = h @ w2[e].to(cdt).t()  # (n, H)
+        for rows, slot in spans:
+            r, s = ranks[slot], scalings[slot]
+            da, db = lora.down_a[slot, e, :r].to(cdt), lora.down_b[slot, e, :, :r].to(cdt)
+            y[rows] += (h[rows] @ da.t()) @ db.t() * s
+        # A token meets an expert at most once, so tok has no repeats (index_add_ is very slow on CPU).
+        out.index_put_((tok,), y.float() * flat_w[idx, None], accumulate=True)
+    return out.to(x.dtype)
+
+
+def naive_estimate_s(shape: ModelShape, m: int, experts: int, groups: int, rank: int) -> float:
+    """Pessimistic guess of one naive GPU call: ~150 TFLOP/s GEMMs, ~100 µs per expert, ~60 µs per group."""
+    flops = 2 * m * shape.top_k * (3 * shape.H * shape.I + 3 * rank * (shape.H + shape.I))
+    return flops / 150e12 + experts * 100e-6 + groups * 60e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tuple[float, bool]:
+    """Warm up on a side stream, capture one call in a CUDA graph, do_bench median of its replays.
+
+    Falls back to eager do_bench when the capture fails; returns (µs, whether a graph was used)."""
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # a host sync in the call, say
+        print(f"\n[warn] CUDA graph capture failed ({type(err).__name__}: {err}); timing eagerly",
+              file=sys.stderr)
+        torch.cuda.synchronize()
+        del graph
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return float(ms) * 1e3, False
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    del graph
+    return float(ms) * 1e3, True
+
+
+def eager_time_us(fn: Callable[[], Any], on_gpu: bool, warmup_ms: float, rep_ms: float,
+                  cpu_reps: int) -> float:
+    if on_gpu:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+    times = []  # Triton interpreter: nothing to compile or warm up, and the numbers mean nothing anyway
+    for _ in range(cpu_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True, stream: Any = None) -> None:
+        self.total, self.done, self.enabled = max(total, 1), 0, enabled
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / frac - elapsed
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        line = (f"[{bar}] {self.done:>{len(str(self.total))}}/{self.total} "
+                f"{elapsed:6.1f}s elapsed, ~{eta:5.0f}s left  {label}")
+        if self.tty:
+            self.stream.write("\r" + line[:160].ljust(160))
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# --------------------------------------------------------------------------------------------------
+# Benchmark
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    device_name: str
+    dtype_name: str
+    paths: list[str]
+    warmup_ms: float
+    rep_ms: float
+    cpu_reps: int
+    naive_max_s: float
+    seed: int
+    peaks: dict[str, float | None]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a32, b32 = a.float(), b.float()
+    return float((a32 - b32).norm() / b32.norm().clamp_min(1e-12))
+
+
+def _record(cfg: Settings, shape: ModelShape, m: int, path: str, base_us: float, lora_us: float | None,
+            experts: int, **extra: Any) -> dict[str, Any]:
+    """One output row: times, bytes/FLOPs and their rates (of the base+LoRA call), % of device peak."""
+    elem = DTYPES[cfg.dtype_name].itemsize
+    rank = extra.get("rank") or 0
+    lora_pairs = extra.pop("lora_pairs", 0) if path != "base" else 0
+    expert_bytes = experts * 3 * shape.H * shape.I * elem + 2 * m * shape.H * elem
+    lora_bytes = lora_pairs * 3 * rank * (shape.H + shape.I) * elem
+    flops = 2 * m * shape.top_k * 3 * shape.H * shape.I
+    if path != "base":
+        flops += m * shape.top_k * 6 * rank * (shape.H + shape.I)
+    rec: dict[str, Any] = {
+        "device": cfg.device_name, "model": shape.name, "E": shape.E, "top_k": shape.top_k, "H": shape.H,
+        "I": shape.I, "M": m, "rank": None, "n_adapters": None, "popularity": None, "path": path,
+        "resolved_path": None, "dtype": cfg.dtype_name, "base_us": base_us, "base_lora_us": lora_us,
+    }
+    rec.update(extra)
+    t = None if lora_us is None else lora_us * 1e-6
+    tbps = None if t is None else (expert_bytes + lora_bytes) / t / 1e12
+    tflops = None if t is None else flops / t / 1e12
+    hbm, tc = cfg.peaks["hbm_tbps"], cfg.peaks["tc_tflops"]
+    rec.update(
+        overhead=None if lora_us is None else lora_us / base_us - 1,
+        tbps=tbps, pct_hbm_peak=None if tbps is None or hbm is None else 100 * tbps / hbm,
+        tflops=tflops, pct_tc_peak=None if tflops is None or tc is None else 100 * tflops / tc,
+        experts_touched=experts, lora_pairs_touched=lora_pairs, expert_bytes=expert_bytes,
+        lora_bytes=lora_bytes, flops=flops,
+    )
+    return rec
+
+
+def count_units(models: list[ModelShape], ms: list[int], ranks: list[int], adapters: list[int],
+                popularities: list[str], paths: list[str]) -> int:
+    lora_paths = [p for p in paths if p != "base"]
+    combos = sum(1 for n in adapters for p in popularities if not _skip_popularity(n, p, popularities))
+    return len(models) * len(ms) * (1 + len(ranks) * combos * len(lora_paths))
+
+
+def _skip_popularity(n_adapters: int, popularity: str, popularities: list[str]) -> bool:
+    """With one adapter every popularity is the same batch: keep only the first one asked for."""
+    return n_adapters == 1 and popularity != popularities[0]
+
+
+def bench_model(shape: ModelShape, ms: list[int], ranks: list[int], adapters: list[int],
+                popularities: list[str], cfg: Settings, progress: Progress) -> list[dict[str, Any]]:
+    device, dtype = cfg.device, DTYPES[cfg.dtype_name]
+    n_slots = max(8, max(adapters))
+    if device.type == "cuda":
+        need = shape.E * 3 * shape.H * shape.I * dtype.itemsize
+        need += n_slots * shape.E * 3 * max(ranks) * (shape.H + shape.I) * dtype.itemsize
+        free = torch.cuda.mem_get_info()[0]
+        if need > 0.9 * free:
+            print(f"[skip] {shape.name}: needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free",
+                  file=sys.stderr)
+            for _ in range(count_units([shape], ms, ranks, adapters, popularities, cfg.paths)):
+                progress.step(f"{shape.name} skipped")
+            return []
+
+    w13, w2 = make_weights(shape, dtype, device, cfg.seed)
+    buffers = {r: make_lora_buffers(shape, r, n_slots, dtype, device, cfg.seed + r) for r in ranks}
+    records: list[dict[str, Any]] = []
+    for m in ms:
+        records += _bench_tokens(shape, m, w13, w2, buffers, n_slots, adapters, popularities, cfg, progress)
+    del w13, w2, buffers
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return records
+
+
+def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor,
+                  buffers: dict[int, LoRABuffers], n_slots: int, adapters: list[int], popularities: list[str],
+                  cfg: Settings, progress: Progress) -> list[dict[str, Any]]:
+    """Every record of one (model, M): the base once, then each rank x adapters x popularity x path."""
+    from moelora.layer import choose_lora_path
+    from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+
+    device, dtype = cfg.device, DTYPES[cfg.dtype_name]
+    on_gpu = device.type == "cuda"
+    topk_weights, topk_ids = make_routing(m, shape, cfg.seed + m, device)
+    ids_host = topk_ids.cpu().long()
+    experts = int(torch.unique(ids_host).numel())
+    gen = torch.Generator().manual_seed(cfg.seed + 7 * m + 1)
+    x = torch.randn(m, shape.H, generator=gen).to(device=device, dtype=dtype)
+
+    def time_call(fn: Callable[[], Any]) -> tuple[float, bool]:
+        if on_gpu:
+            return graph_time_us(fn, cfg.warmup_ms, cfg.rep_ms)
+        return eager_time_us(fn, False, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps), False
+
+    def moe(lora: Any = None, path: str = "fused") -> torch.Tensor:
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path)
+
+    def naive(lora: Any = None) -> torch.Tensor:
+        return naive_moe_lora(x, w13, w2, topk_weights, topk_ids, lora)
+
+    def eager(fn: Callable[[], Any]) -> float:
+        return eager_time_us(fn, on_gpu, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps)
+
+    records: list[dict[str, Any]] = []
+    base_us, base_graph = time_call(moe)
+    if "base" in cfg.paths:
+        records.append(_record(cfg, shape, m, "base", base_us, base_us, experts, cuda_graph=base_graph))
+    progress.step(f"{shape.name} M={m} base")
+
+    for rank, buf in buffers.items():
+        for n_adapters in adapters:
+            for popularity in popularities:
+                if _skip_popularity(n_adapters, popularity, popularities):
+                    continue
+                slots_host = token_slots_for(m, n_adapters, popularity, cfg.seed + 13 * m + n_adapters)
+                lora_pairs = int(torch.unique(slots_host.long()[:, None] * shape.E + ids_host).numel())
+                slot_ranks = torch.zeros(n_slots, dtype=torch.int32)
+                slot_ranks[:n_adapters] = rank
+                lora = MoELoRAInputs(
+                    token_slots=slots_host.to(device), gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b,
+                    down_a=buf.down_a, down_b=buf.down_b, slot_ranks=slot_ranks.to(device),
+                    slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
+                )
+                auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H)
+                point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs)
+                label = f"{shape.name} M={m} r={rank} n={n_adapters} {popularity}"
+                timed: dict[str, tuple[float, bool]] = {}
+                errs: dict[str, float] = {}
+                reference = None
+                for path in (p for p in cfg.paths if p != "base"):  # naive first: the reference
+                    extra: dict[str, Any] = {"cuda_graph": False}
+                    if path == "naive":
+                        est = naive_estimate_s(shape, m, experts, lora_pairs, rank)
+                        if on_gpu and est > cfg.naive_max_s:
+                            us = None
+                            extra["note"] = f"skipped: estimated {est:.2f} s per call > --naive-max-s"
+                        else:
+                            reference = naive(lora)
+                            us = eager(functools.partial(naive, lora))
+                            extra["naive_base_us"] = eager(naive)
+                    else:
+                        resolved = auto if path == "auto" else path
+                        if path == "auto":
+                            extra["resolved_path"] = resolved
+                        if resolved not in timed:
+                            call = functools.partial(moe, lora, resolved)
+                            if reference is not None:
+                                errs[resolved] = rel_err(call(), reference)
+                            timed[resolved] = time_call(call)
+                        us, extra["cuda_graph"] = timed[resolved]
+                        if resolved in errs:
+                            extra["rel_err_vs_naive"] = errs[resolved]
+                    records.append(_record(cfg, shape, m, path, base_us, us, experts, **point, **extra))
+                    progress.step(f"{label} {path}")
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | M | rank | n_adapters | popularity | path | base µs | base+LoRA µs | overhead | TB/s | "
+        "%HBM peak | TFLOP/s | %TC peak |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        path = r["path"] if r.get("resolved_path") is None else f"{r['path']} ({r['resolved_path']})"
+        lora_us = _fmt(r["base_lora_us"], ".1f") if r["base_lora_us"] is not None else "skipped"
+        lines.append(
+            f"| {r['model']} | {r['M']} | {_fmt(r['rank'], 'd')} | {_fmt(r['n_adapters'], 'd')} | "
+            f"{r['popularity'] or '-'} | {path} | {r['base_us']:.1f} | {lora_us} | "
+            f"{_fmt(r['overhead'], '+.1%')} | {_fmt(r['tbps'], '.3f')} | {_fmt(r['pct_hbm_peak'], '.1f')} | "
+            f"{_fmt(r['tflops'], '.2f')} | {_fmt(r['pct_tc_peak'], '.1f')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_overhead(records: list[dict[str, Any]], out: Path, title: str) -> bool:
+    """Overhead vs M (log x), a panel per (model, rank), a line per path (worst over adapters/popularity).
+    Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[warn] matplotlib is not installed (pip install matplotlib): no plot written", file=sys.stderr)
+        return False
+    rows = [r for r in records if r["path"] != "base" and r["overhead"] is not None]
+    models = list(dict.fromkeys(r["model"] for r in records))
+    ranks = sorted({r["rank"] for r in rows}) or [None]
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    all_ms = sorted({r["M"] for r in records})
+    fig, axes = plt.subplots(len(models), len(ranks), figsize=(max(7.0, 5.5 * len(ranks)), 3.6 * len(models)),
+                             squeeze=False)
+    colors = {"fused": "C0", "split": "C1", "staged": "C2", "auto": "C3", "naive": "C7"}
+    for i, model in enumerate(models):
+        for j, rank in enumerate(ranks):
+            ax = axes[i][j]
+            lowest = 0.0
+            big = False
+            for path in paths:
+                worst: dict[int, float] = {}
+                for r in rows:
+                    if r["model"] == model and r["rank"] == rank and r["path"] == path:
+                        worst[r["M"]] = max(worst.get(r["M"], -math.inf), 100 * r["overhead"])
+                if not worst:
+                    continue
+                xs = sorted(worst)
+                big |= max(worst.values()) > 500
+                lowest = min(lowest, *worst.values())
+                ax.plot(xs, [worst[x] for x in xs], marker="o", label=path, color=colors.get(path),
+                        linestyle="--" if path == "auto" else "-")
+            ax.axhline(0, color="black", linewidth=0.8)
+            ax.axhline(10, color="gray", linewidth=0.8, linestyle=":", label="10% target")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(all_ms, [str(v) for v in all_ms])
+            ax.minorticks_off()
+            if big:
+                ax.set_yscale("symlog", linthresh=100)
+                ax.set_ylim(bottom=min(-10.0, 1.2 * lowest))
+            ax.set_title(f"{model}, rank {rank}", fontsize=10)
+            ax.set_xlabel("M (tokens)")
+            ax.set_ylabel("LoRA overhead, %")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def _default_results_dir() -> Path:
+    root = Path(__file__).resolve().parents[1]
+    base = root if (root / "benchmarks").is_dir() else Path.cwd()
+    return base / "benchmarks" / "results"
+
+
+def _positive(name: str, values: list[int]) -> list[int]:
+    bad = [v for v in values if v <= 0]
+    if bad:
+        raise BenchError(f"{name} must be positive, got {bad}")
+    return list(dict.fromkeys(values))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Runs ``moelora bench`` (arguments as ``moelora.cli`` parses them); returns the exit code.
+
+    Raises BenchError for a bad request. Whoever calls this without a GPU must have set
+    TRITON_INTERPRET=1 before anything imported ``triton_ops`` (``moelora.cli`` does).
+    """
+    models = select_models(args.models, args.config)  # a bad request fails first, before any work
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    has_cuda = torch.cuda.is_available()
+    if args.dry_run:
+        on_gpu = has_cuda and not interpret
+        if not on_gpu and not interpret:
+            raise BenchError("--dry-run without a GPU needs TRITON_INTERPRET=1 set before triton_ops is "
+                             "imported (moelora.cli does it)")
+    else:
+        if not has_cuda:
+            raise BenchError("no CUDA GPU: timings need one; --dry-run checks the benchmark on CPU")
+        if interpret:
+            raise BenchError("TRITON_INTERPRET=1 is set: full-size shapes in the interpreter would take "
+                             "hours; unset it, or use --dry-run")
+        on_gpu = True
+
+    quick = args.quick and not args.dry_run
+    if not models:
+        if args.dry_run:
+            models = [DRY_RUN_MODEL]
+        else:
+            models = [MODELS[n] for n in (QUICK["models"] if quick else MODELS)]
+    elif args.dry_run and args.models:
+        print("[dry-run] named models replaced by the tiny shape (use --config for another small one)",
+              file=sys.stderr)
+        models = [DRY_RUN_MODEL] + [m for m in models if m not in MODELS.values()]
+    ms = _positive("--M", args.M or (DRY_RUN["M"] if args.dry_run else QUICK["M"] if quick else DEFAULT_M))
+    ranks = _positive("--ranks", args.ranks or (DRY_RUN["ranks"] if args.dry_run else
+                                               QUICK["ranks"] if quick else DEFAULT_RANKS))
+    adapters = _positive("--adapters", args.adapters or (DRY_RUN["adapters"] if args.dry_run else
+                                                        QUICK["adapters"] if quick else DEFAULT_ADAPTERS))
+    popularities = list(dict.fromkeys(args.popularity or ["uniform"]))
+    paths = args.paths or (DRY_RUN["paths"] if args.dry_run else QUICK["paths"] if quick else DEFAULT_PATHS)
+    paths = [p for p in PATHS if p in paths]  # canonical order: naive first (it is the reference)
+    dtype_name = args.dtype or ("fp16" if not on_gpu else "bf16")
+    if not on_gpu and dtype_name == "bf16":
+        raise BenchError("bf16 needs the GPU: Triton's interpreter computes bf16 dot products wrongly; "
+                         "use fp16")
+    warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if quick or args.dry_run else 25.0)
+    rep = args.rep if args.rep is not None else (QUICK["rep"] if quick or args.dry_run else 100.0)
+
+    device = torch.device("cuda" if on_gpu else "cpu")
+    device_name = torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1)"
+    cfg = Settings(device=device, device_name=device_name, dtype_name=dtype_name, paths=paths,
+                   warmup_ms=warmup, rep_ms=rep, cpu_reps=1, naive_max_s=args.naive_max_s, seed=args.seed,
+                   peaks=device_peaks(device_name) if on_gpu else device_peaks(""))
+
+    import triton
+
+    now = dt.datetime.now(dt.timezone.utc)
+    out = args.out or _default_results_dir() / f"bench_{slugify(device_name)}_{now:%Y%m%d-%H%M%S}.json"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"moelora bench on {device_name}: torch {torch.__version__}, triton {triton.__version__}, "
+          f"{dtype_name}; peaks {cfg.peaks['hbm_tbps']} TB/s, {cfg.peaks['tc_tflops']} TFLOP/s"
+          + ("; DRY RUN (timings are meaningless)" if args.dry_run else ""), flush=True)
+
+    total = count_units(models, ms, ranks, adapters, popularities, paths)
+    progress = Progress(total, enabled=not args.no_progress)
+    records: list[dict[str, Any]] = []
+    threads = torch.get_num_threads()
+    if not on_gpu:  # the interpreter is single-threaded; idle OpenMP threads only stall on a busy machine
+        torch.set_num_threads(1)
+    try:
+        for shape in models:
+            records += bench_model(shape, ms, ranks, adapters, popularities, cfg, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+    table = markdown_table(records)
+    print()
+    print(table)
+    meta = {
+        "benchmark": "moelora bench: MoE LoRA overhead t(base+LoRA)/t(base) - 1 per path",
+        "device": device_name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": now.isoformat(timespec="seconds"),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "resolved": {"models": [asdict(m) for m in models], "M": ms, "ranks": ranks, "adapters": adapters,
+                     "popularity": popularities, "paths": paths, "dtype": dtype_name, "warmup_ms": warmup,
+                     "rep_ms": rep, "dry_run": args.dry_run, "quick": quick},
+        "peaks": cfg.peaks,
+        "timing": ("CUDA graph (warm-up on a side stream), triton.testing.do_bench median of graph.replay, "
+                   "L2 flushed per replay; naive eager do_bench" if on_gpu else
+                   "time.perf_counter of one call (Triton interpreter: not a performance number)"),
+        "bytes_model": "distinct routed experts * 3*H*I*elem + 2*M*H*elem + distinct (adapter, expert) "
+                       "pairs * 3*r*(H+I)*elem (LoRA paths)",
+        "flops_model": "2*M*k*3*H*I + M*k*6*r*(H+I) (LoRA paths)",
+        "adapters_model": f"M <= {DECODE_MAX_TOKENS}: a drawn adapter per token (one-token sequences); "
+                          f"larger M: contiguous sequences sized by popularity (zipf s={ZIPF_S})",
+    }
+    out.write_text(json.dumps(dict(meta, records=records), indent=1) + "\n")
+    md = out.with_suffix(".md")
+    md.write_text(f"# moelora bench on {device_name} ({meta['date']})\n\n{meta['timing']}.\n\n{table}\n")
+    png = out.with_suffix(".png")
+    title = (f"LoRA overhead t(base+LoRA)/t(base) - 1 vs M; {device_name}, {dtype_name}\n"
+             f"worst over n_adapters {adapters}, popularity {popularities}")
+    wrote_png = plot_overhead(records, png, title)
+    print(f"\nwrote {out}, {md.name}" + (f", {png.name}" if wrote_png else ""))
+    return 0

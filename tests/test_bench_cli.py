@@ -1,0 +1,99 @@
+"""``moelora bench``: the dry run (tiny shapes, Triton interpreter) writes JSON + PNG; bad requests fail
+clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moelora.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REQUIRED = ("device", "model", "M", "rank", "n_adapters", "path", "base_us", "base_lora_us")
+
+
+def _load(out):
+    payload = json.loads(out.read_text())
+    for key in ("device", "torch", "triton", "date", "args", "records"):
+        assert key in payload, key
+    for rec in payload["records"]:
+        missing = [k for k in REQUIRED if k not in rec]
+        assert not missing, (missing, rec)
+    return payload
+
+
+@pytest.mark.interpreter
+def test_dry_run_writes_json_png_and_a_table(tmp_path, capsys):
+    out = tmp_path / "tmp" / "x.json"
+    assert main(["bench", "--dry-run", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "| model | M | rank | n_adapters | popularity | path | base µs |" in captured.out
+    assert "/33" in captured.err  # the progress bar
+
+    payload = _load(out)
+    records = payload["records"]
+    assert {r["path"] for r in records} == {"naive", "base", "fused", "split", "staged", "auto"}
+    assert {r["M"] for r in records} == {1, 8, 80}  # decode (per-token adapters) and prefill layouts
+    assert payload["args"]["dry_run"] is True and payload["resolved"]["dtype"] == "fp16"
+    for r in records:
+        assert r["base_us"] > 0 and r["base_lora_us"] > 0
+        assert r["overhead"] == pytest.approx(r["base_lora_us"] / r["base_us"] - 1)
+        assert r["pct_hbm_peak"] is None and r["pct_tc_peak"] is None  # no peak known for the CPU
+        if r["path"] == "base":
+            assert r["base_lora_us"] == r["base_us"] and r["lora_bytes"] == 0
+        else:
+            assert r["rank"] == 8 and r["n_adapters"] in (1, 4) and r["lora_bytes"] > 0
+        if r["path"] == "auto":
+            assert r["resolved_path"] in ("fused", "split")
+        if r["path"] in ("fused", "split", "staged"):  # every Triton path agrees with the naive loop
+            assert r["rel_err_vs_naive"] < 2e-2
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
+    assert out.with_suffix(".md").read_text().count("\n| tiny |") == len(records)
+
+
+@pytest.mark.interpreter
+def test_dry_run_with_a_custom_config(tmp_path, capsys):
+    config = tmp_path / "mini.json"
+    config.write_text(json.dumps({"name": "mini-moe", "E": 4, "top_k": 2, "H": 32, "I": 16}))
+    out = tmp_path / "mini.json.out" / "r.json"
+    argv = ["bench", "--dry-run", "--config", str(config), "--M", "2", "70", "--ranks", "4",
+            "--adapters", "3", "--popularity", "uniform", "zipf", "--paths", "base", "split", "auto",
+            "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    assert "mini-moe" in capsys.readouterr().out
+    records = _load(out)["records"]
+    assert {r["model"] for r in records} == {"mini-moe"}
+    assert {(r["E"], r["top_k"], r["H"], r["I"]) for r in records} == {(4, 2, 32, 16)}
+    lora = [r for r in records if r["path"] != "base"]
+    assert len(lora) == 2 * 2 * 2  # M x popularity x (split, auto)
+    assert {r["popularity"] for r in lora} == {"uniform", "zipf"}
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_unknown_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["bench", "--dry-run", "--models", "gpt-moe-9000", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'gpt-moe-9000'" in err and "deepseek-v2-lite" in err and "--config" in err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"name": "m", "E": 8, "top_k": 2, "H": 64}', "missing I"),
+        ('{"name": "m", "E": 8, "top_k": 2, "H": 64, "I": 0}', "I must be a positive integer"),
+        ('{"name": "m", "E": 2, "top_k": 4, "H": 64, "I": 32}', "top_k=4 exceeds E=2"),
+        ('{"name": "m", "E": 8, "top_k": 2, "H": 64, "I": 32, "rank": 8}', "unknown keys rank"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path, capsys, content, message):
+    config = tmp_path / "model.json"
+    if content is not None:
+        config.write_text(content)
+    assert main(["bench", "--dry-run", "--config", str(config), "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moelora bench: --config") and message in err, err
