@@ -1081,3 +1081,149 @@ def test_load_into_pool_bf16_rounds_once(f1_adapters):
     want = (p.b.float() * (p.scaling / s)).to(torch.bfloat16)
     assert torch.equal(pool.layer(1).down_b[slot, 2, :, : p.rank], want)
     assert isinstance(p, LoRAProjection)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fast reading: one read into owned memory, batched checks, stacked staging (same results, same refusals)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_read_tensors_own_their_memory(tmp_path):
+    """The file is read, not mapped: rewriting or truncating it afterwards changes nothing read."""
+    cfg, sd = good_f1()
+    path = write_adapter(tmp_path / "a", cfg, sd)
+    layers, _ = read(path)
+    (path / WEIGHTS).write_bytes(b"")  # a map of the file would now fault (SIGBUS) on access
+    save_file({k: torch.zeros_like(v) for k, v in sd.items()}, str(path / WEIGHTS))
+    for lid in MOE_LAYERS:
+        for e in range(E):
+            p = layers[lid].gate[e]
+            pre = f"base_model.model.model.layers.{lid}.mlp.experts.{e}.gate_proj"
+            assert torch.equal(p.a, sd[f"{pre}.lora_A.weight"]) and torch.equal(
+                p.b, sd[f"{pre}.lora_B.weight"]
+            )
+
+
+def _same_read(a, b):
+    (la, ra), (lb, rb) = a, b
+    assert {**vars(ra), "path": ""} == {**vars(rb), "path": ""} and la.keys() == lb.keys()
+    for lid in la:
+        for proj in ("gate", "up", "down"):
+            pa, pb = getattr(la[lid], proj), getattr(lb[lid], proj)
+            assert pa.keys() == pb.keys()
+            for e in pa:
+                assert torch.equal(pa[e].a, pb[e].a) and torch.equal(pa[e].b, pb[e].b)
+                assert pa[e].scaling == pb[e].scaling
+
+
+def test_reader_fallbacks_read_the_same(tmp_path, monkeypatch):
+    import moelora.peft_loader as loader
+
+    cfg, sd = good_f1()
+    sd = {k: (v.half() if "up_proj" in k else v) for k, v in sd.items()}  # two dtypes in the file
+    path = write_adapter(tmp_path / "a", cfg, sd)
+    want = read(path)
+    # a header whose length leaves the data unaligned (safetensors accepts it): aligned copies
+    raw = (path / WEIGHTS).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8 : 8 + n].rstrip() + b" " * (1 - (8 + len(raw[8 : 8 + n].rstrip())) % 2)  # odd start
+    assert (8 + len(header)) % 2 == 1
+    odd = copy_adapter(path, tmp_path / "odd")
+    (odd / WEIGHTS).write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + n :])
+    _same_read(read(odd), want)
+    # a dtype the one-read path does not map: safetensors' own reader, copied into owned memory
+    monkeypatch.delitem(loader._ST_DTYPES, "F16")
+    _same_read(read(path), want)
+
+
+@pytest.mark.parametrize(
+    "spans, why",
+    [
+        ([(0, 8), (16, 24)], "gap"),
+        ([(0, 8), (4, 12)], "overlap"),
+        ([(0, 8), (8, 20)], "do not hold"),
+        ([(0, 8)], "cover"),
+    ],
+)
+def test_one_read_path_checks_offsets(tmp_path, spans, why):
+    """Checks of the one-read path itself (safetensors refuses such files before it is reached)."""
+    from moelora.peft_loader import _read_safetensors_once
+
+    hdr = {f"t{i}": {"dtype": "F32", "shape": [2], "data_offsets": list(s)} for i, s in enumerate(spans)}
+    h = json.dumps(hdr).encode()
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(len(h).to_bytes(8, "little") + h + bytes(24))
+    with pytest.raises(ValueError, match=why):
+        _read_safetensors_once(f)
+
+
+def test_batched_value_checks_name_the_right_tensor(tmp_path):
+    """Finiteness, overflow and zero-component checks run on whole regions/batches of tensors; the
+    refusal still names the one bad tensor, and overflow hidden in a dropped component is no overflow."""
+    cfg, sd = good_f1(r=3)
+    ka = "base_model.model.model.layers.2.mlp.experts.{e}.{p}.lora_A.weight"
+    kb = "base_model.model.model.layers.2.mlp.experts.{e}.{p}.lora_B.weight"
+    for e, bad in ((1, float("nan")), (3, float("inf"))):
+        t = sd[kb.format(e=e, p="up_proj")].clone()
+        t[5, 1] = bad
+        with pytest.raises(AdapterLoadError, match="non-finite") as info:
+            read(write_adapter(tmp_path / f"bad{e}", cfg, {**sd, kb.format(e=e, p="up_proj"): t}))
+        assert repr(kb.format(e=e, p="up_proj")) in str(info.value)
+    big = sd[ka.format(e=2, p="down_proj")].clone()
+    big[1, 3] = 7e4  # beyond float16
+    over = {**sd, ka.format(e=2, p="down_proj"): big}
+    with pytest.raises(AdapterLoadError, match="LoRA A overflows float16") as info:
+        read(write_adapter(tmp_path / "over", cfg, over), pool_dtype=torch.float16)
+    assert repr(ka.format(e=2, p="down_proj")) in str(info.value)
+    # the same value in a component whose B column is zero: dropped, so nothing overflows
+    b = sd[kb.format(e=2, p="down_proj")].clone()
+    b[:, 1] = 0
+    a0 = sd[ka.format(e=0, p="gate_proj")].clone()
+    a0[2] = 0
+    path = write_adapter(
+        tmp_path / "dropped",
+        cfg,
+        {**over, kb.format(e=2, p="down_proj"): b, ka.format(e=0, p="gate_proj"): a0},
+    )
+    layers, report = read(path, pool_dtype=torch.float16)
+    assert layers[2].down[2].rank == 2 and layers[2].gate[0].rank == 2 and layers[1].gate[0].rank == 3
+    assert layers[2].down[2].a.abs().max() < 7e4
+    assert any("2 exactly-zero rank components dropped" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("which", ["good-f1", "qwen-patterns", "bf16-file"])
+def test_stacked_staging_matches_the_module_path(f1_adapters, tmp_path, monkeypatch, which):
+    """The pool stages whole (E, r, in) stacks when it can; the stacks are byte for byte those of the
+    module-by-module path (which names problems and handles any other case)."""
+    if which == "qwen-patterns":  # per-module ranks and alphas: rescaled B's, partial stacks
+        path = f1_adapters[which][0]
+    else:
+        cfg, sd = good_f1()
+        if which == "bf16-file":
+            sd = {k: v.bfloat16() for k, v in sd.items()}
+        path = write_adapter(tmp_path / which, cfg, sd)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        pool = MoELoRAMemoryPool(E, H, I, MOE_LAYERS, max_loras=1, max_rank=4, dtype=dtype, device="cpu")
+        layers, _ = read(path, dtype=torch.float32, pool_dtype=dtype)
+        raw = [
+            (lid, e, p, getattr(layers[lid], p)[e])
+            for lid in sorted(layers)
+            for e in range(E)
+            for p in ("gate", "up", "down")
+            if e in getattr(layers[lid], p)
+        ]
+        dims = {"gate": (H, I), "up": (H, I), "down": (I, H)}
+        fast = pool._stage_stacked("a", raw, dims)
+        assert fast is not None
+        with monkeypatch.context() as m:
+            m.setattr(MoELoRAMemoryPool, "_stage_stacked", lambda *args: None)
+            slow = pool._stage("a", layers)
+        assert (fast.rank, fast.scaling, fast.nbytes) == (slow.rank, slow.scaling, slow.nbytes)
+        assert fast.layers.keys() == slow.layers.keys()
+        for lid, st in slow.layers.items():
+            assert st.keys() == fast.layers[lid].keys()
+            for k, t in st.items():
+                assert t.dtype == fast.layers[lid][k].dtype and torch.equal(
+                    t.view(torch.int16 if t.element_size() == 2 else torch.int32),
+                    fast.layers[lid][k].view(torch.int16 if t.element_size() == 2 else torch.int32),
+                ), (which, dtype, lid, k)
