@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=16, help="decode batch of the serving loop")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-pin", action="store_true", help="stage adapters in pageable host memory")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_hotload.py needs a CUDA GPU")
@@ -105,6 +106,7 @@ def main() -> None:
         dtype=torch.bfloat16,
         device="cuda",
         max_cpu_loras=4,
+        pin_host_memory=not args.no_pin,
     )
     results: dict = {
         "device": torch.cuda.get_device_name(),

@@ -126,6 +126,8 @@ class MoELoRAMemoryPool:
         device: where the buffers live.
         max_cpu_loras: host tier size: validated host copies of this many recently loaded adapters
             are kept (pinned on CUDA) so a re-load or a batch naming an evicted adapter skips the disk.
+        pin_host_memory: stage adapters in pinned host memory (default: on CUDA). Pinned staging makes
+            slot copies fastest, but allocating it can stall other threads' CUDA launches.
 
     Attributes:
         layers: layer id -> :class:`LoRALayerBuffers`.
@@ -147,6 +149,7 @@ class MoELoRAMemoryPool:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cuda",
         max_cpu_loras: int = 0,
+        pin_host_memory: bool | None = None,
     ) -> None:
         self.num_experts = _check_positive_int("num_experts", num_experts)
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
@@ -192,6 +195,8 @@ class MoELoRAMemoryPool:
         if not _is_int(max_cpu_loras) or max_cpu_loras < 0:
             raise ValueError(f"max_cpu_loras must be a non-negative int, got {max_cpu_loras!r}")
         self.max_cpu_loras = int(max_cpu_loras)
+        on_cuda = self.device.type == "cuda"
+        self.pin_host_memory = on_cuda if pin_host_memory is None else bool(pin_host_memory)
         self._lock = threading.RLock()
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recent first
         self._pinned: set[str] = set()
@@ -552,7 +557,7 @@ class MoELoRAMemoryPool:
                     layer[key][e, :r] = t
                 else:
                     layer[key][e, :, :r] = t
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.pin_host_memory:
             stacks = {lid: {k: t.pin_memory() for k, t in st.items()} for lid, st in stacks.items()}
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
         return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
@@ -587,7 +592,7 @@ class MoELoRAMemoryPool:
         e_count, h, i, f32 = self.num_experts, self.hidden_size, self.intermediate_size, torch.float32
         shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
                   "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
-        pin = self.device.type == "cuda"
+        pin = self.device.type == "cuda" and self.pin_host_memory
         groups: dict[int, dict[str, list[tuple[int, LoRAProjection]]]] = {}
         for lid, e, p, proj in live:
             groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
