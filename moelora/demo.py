@@ -149,18 +149,18 @@ def run_demo(
     def make(rid: int, adapter: str | None, rnd: int) -> Request:
         return Request(rid, adapter, torch.randint(1, vocab, (prompt_len,), generator=gen), rnd)
 
-    rounds = [
-        [
-            make(0, resident[0], 1),
-            make(1, resident[1], 1),
-            make(2, None, 1),
-            make(3, resident[-1], 1),
-            make(4, resident[0], 1),
-            make(5, resident[1], 1),
-        ],
-        [make(6, resident[0], 2), make(7, resident[1], 2), make(8, None, 2), make(9, resident[0], 2)],
-        [make(10, hot, 3), make(11, resident[-1], 3), make(12, hot, 3), make(13, None, 3)],
-    ]
+    # Round 1 uses every resident adapter; round 2 leaves the last one idle (the asynchronous load of
+    # the new adapter evicts it); round 3 routes to the new adapter, round 4 to the evicted one (back
+    # from the host tier, evicting the least recently used idle adapter).
+    busy = resident[:-1] or [None]
+    round1 = [resident[0], resident[1 % len(resident)], None, resident[-1], resident[0], resident[-1]]
+    round2 = [busy[0], busy[-1], None, busy[0]]
+    round3 = [hot, None, hot, busy[0]]
+    round4 = [resident[-1], None]  # the evicted adapter, back from the host tier
+    rounds, rid = [], 0
+    for number, names_in_round in enumerate((round1, round2, round3, round4), start=1):
+        rounds.append([make(rid + i, n, number) for i, n in enumerate(names_in_round)])
+        rid += len(names_in_round)
     requests = [r for rnd in rounds for r in rnd]
     progress = Progress(len(rounds) + (len(requests) if check else 0), "serving")
 
@@ -178,12 +178,15 @@ def run_demo(
     evicted = [n for n in resident if not handle.pool.is_resident(n)]
     progress.step("round 2")
 
-    # Round 3 routes to the new adapter and to the evicted one (back from the host tier, evicting the
-    # least recently used idle adapter).
     t0 = time.perf_counter()
     _generate(model, handle, rounds[2], new_tokens)
-    timings["round 3 (new + evicted adapters)"] = time.perf_counter() - t0
+    timings[f"round 3 (new adapter {hot})"] = time.perf_counter() - t0
     progress.step("round 3")
+
+    t0 = time.perf_counter()
+    _generate(model, handle, rounds[3], new_tokens)
+    timings[f"round 4 ({resident[-1]} back from the host tier)"] = time.perf_counter() - t0
+    progress.step("round 4")
 
     if check:
         _check_against_peft(model_dir, adapters, requests, handle, model, progress)
@@ -207,7 +210,7 @@ def run_demo(
         f"host tier: {handle.pool.host_adapters()}"
     )
     for what, seconds in timings.items():
-        print(f"  {what:34s} {seconds * 1e3:9.1f} ms")
+        print(f"  {what:44s} {seconds * 1e3:9.1f} ms")
     print(
         "all requests match PEFT" if ok else "MISMATCH against PEFT",
         f"(tolerance {tol:g} of the logit scale)",
