@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.configs import GemmConfig
-from triton_ops.lora_tiles import _dot, lora_expand_from_partials, lora_expand_tile, lora_shrink_tile
+from triton_ops.lora_tiles import _dot, lora_expand_from_partials, lora_expand_slots, lora_shrink_tile
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -212,21 +212,18 @@ def _fused_moe_kernel(
         if LORA_SHRINK == 0:
             lora_gate = tl.where(in_main[:, None], main_gate, lora_gate)
             lora_up = tl.where(in_main[:, None], main_up, lora_up)
-            for slot in range(0, num_slots):
-                in_slot = row_valid & (row_slot == slot)
-                if tl.max(in_slot.to(tl.int32), axis=0) > 0:
-                    rank = tl.load(slot_ranks_ptr + slot)
-                    scaling = tl.load(slot_scalings_ptr + slot)
-                    lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
-                    acc = lora_expand_tile(
-                        acc, lora_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
-                        stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                    )
-                    if ACTIVATION != 0:
-                        acc_up = lora_expand_tile(
-                            acc_up, lora_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank,
-                            scaling, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                        )
+            if ACTIVATION != 0:
+                acc, acc_up = lora_expand_slots(
+                    acc, acc_up, lora_gate, lora_up, row_valid, row_slot, lora_b_ptr, expert, offs_n,
+                    col_valid, N, num_slots, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
+                    stride_lb_n, stride_lb_r, GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                )
+            else:
+                acc, _ = lora_expand_slots(
+                    acc, acc, lora_gate, lora_gate, row_valid, row_slot, lora_b_ptr, expert, offs_n,
+                    col_valid, N, num_slots, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
+                    stride_lb_n, stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                )
         else:
             # Split path: the shrink was precomputed by moe_lora_a as split-K partials, read only here
             # (no registers held through the K-loop) and a rank chunk at a time.

@@ -120,3 +120,46 @@ def lora_expand_from_partials(
             delta = _dot(shrunk.to(b.dtype), b, tl.zeros(acc.shape, dtype=tl.float32), FP32_IEEE)
             acc += delta * scaling
     return acc
+
+
+@triton.jit
+def lora_expand_slots(
+    acc,  # (BLOCK_M, BLOCK_N) fp32: gate (or only) output tile
+    acc_up,  # (BLOCK_M, BLOCK_N) fp32: up output tile when GATED (ignored otherwise)
+    shrunk,  # (BLOCK_M, LORA_R) fp32 shrink of each row (its own slot's A)
+    shrunk_up,  # (BLOCK_M, LORA_R) fp32 up shrink when GATED
+    row_valid,  # (BLOCK_M,) int1
+    row_slot,  # (BLOCK_M,) int32, -1 = no adapter
+    lora_b_ptr,  # (L, E, N or 2N, R) B buffer; the up rows start at row N when GATED
+    expert,  # int64 expert of the block
+    offs_n,
+    col_valid,
+    N,
+    num_slots,
+    slot_ranks_ptr,  # (L,) int32
+    slot_scalings_ptr,  # (L,) fp32
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_n,
+    stride_lb_r,
+    GATED: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+):
+    """Adds every slot present in the block: ``acc += s_a B[a, e] shrunk`` for the rows of slot a."""
+    for slot in range(0, num_slots):
+        in_slot = row_valid & (row_slot == slot)
+        if tl.max(in_slot.to(tl.int32), axis=0) > 0:
+            rank = tl.load(slot_ranks_ptr + slot)
+            scaling = tl.load(slot_scalings_ptr + slot)
+            lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+            acc = lora_expand_tile(
+                acc, shrunk, in_slot, lb_ptr, offs_n, col_valid, rank, scaling, stride_lb_n, stride_lb_r,
+                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+            )
+            if GATED:
+                acc_up = lora_expand_tile(
+                    acc_up, shrunk_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling,
+                    stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                )
+    return acc, acc_up

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation
-from triton_ops.lora_tiles import lora_expand_tile, lora_shrink_tile
+from triton_ops.lora_tiles import lora_expand_slots, lora_shrink_tile
 
 
 @triton.jit
@@ -158,22 +158,12 @@ def _moe_lora_gate_up_b_kernel(
         shrunk_gate += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
         shrunk_up += tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
         s_ptrs += stride_ss
-    delta_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    delta_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for slot in range(0, num_slots):
-        in_slot = row_valid & (row_slot == slot)
-        if tl.max(in_slot.to(tl.int32), axis=0) > 0:
-            rank = tl.load(slot_ranks_ptr + slot)
-            scaling = tl.load(slot_scalings_ptr + slot)
-            lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
-            delta_gate = lora_expand_tile(
-                delta_gate, shrunk_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
-                stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-            )
-            delta_up = lora_expand_tile(
-                delta_up, shrunk_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling,
-                stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-            )
+    delta_gate, delta_up = lora_expand_slots(
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+        shrunk_gate, shrunk_up, row_valid, row_slot, lora_b_ptr, expert, offs_n, col_valid, N, num_slots,
+        slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+        GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+    )
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0)
         delta_gate *= weight[:, None]
