@@ -1280,24 +1280,11 @@ def _resolve_f2(
 def load_into_pool(pool: Any, name: str, path: str | os.PathLike[str]) -> AdapterLoadReport:
     """Reads adapter ``path`` with ``pool``'s sizes, layer ids, max_rank and dtype, then adds it as ``name``.
 
-    The adapter is read and validated on the host (:func:`read_peft_adapter`; overflow is checked in the
-    pool dtype) and handed to ``pool.add_adapter_weights`` in float32, so the pool rounds each weight to
-    its dtype exactly once (after its own per-module rescaling). Any problem raises
-    :class:`AdapterLoadError` and leaves the pool unchanged: nothing touches it before the adapter has
-    been read completely, and the pool validates again before it writes.
+    The same as ``pool.load_adapter(name, path)``, which this calls: the adapter is read and validated on
+    the host (:func:`read_peft_adapter`; overflow is checked in the pool dtype) and staged in float32, so
+    the pool rounds each weight to its dtype exactly once (after its own per-module rescaling). Any
+    problem raises :class:`AdapterLoadError` and leaves the pool unchanged.
 
     Returns the :class:`AdapterLoadReport`.
     """
-    layers, report = read_peft_adapter(
-        path,
-        num_experts=pool.num_experts,
-        hidden_size=pool.hidden_size,
-        intermediate_size=pool.intermediate_size,
-        layer_ids=pool.layer_ids,
-        max_rank=pool.max_rank,
-        dtype=torch.float32,
-        pool_dtype=pool.dtype,
-    )
-    pool.add_adapter_weights(name, layers)
-    report.dtype = str(pool.dtype).removeprefix("torch.")
-    return report
+    return pool.load_adapter(name, path)

@@ -368,6 +368,7 @@ class MoELoRAMemoryPool:
         )
         staged = self._stage(name, layers)
         staged.source = source
+        report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
         staged.report = report
         return staged
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import random
 import threading
+import types
 
 import pytest
 import torch
@@ -163,11 +164,12 @@ def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
 
     def fake_read(path, **kw):
         calls.append(path)
-        return adapter, {"path": str(path)}
+        return adapter, types.SimpleNamespace(path=str(path), dtype="float32")
 
     monkeypatch.setattr(peft_loader, "read_peft_adapter", fake_read)
     future = pool.load_adapter_async("a", tmp_path)
-    assert future.result(timeout=30) == {"path": str(tmp_path)}
+    report = future.result(timeout=30)
+    assert report.path == str(tmp_path) and report.dtype == "float32"  # the pool's dtype (fp32 here)
     assert pool.is_resident("a") and len(calls) == 1
     pool.unload_adapter("a")  # keeps the host copy
     pool.load_adapter("a", tmp_path)
