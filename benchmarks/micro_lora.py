@@ -18,9 +18,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_lora import MODELS, make_lora  # noqa: E402
+from moelora.bench import MODELS, make_lora_buffers, token_slots_for  # noqa: E402
 from triton_ops.configs import get_moe_config  # noqa: E402
-from triton_ops.fused_experts import _with_lora_tiles  # noqa: E402
+from triton_ops.fused_experts import MoELoRAInputs, _with_lora_tiles  # noqa: E402
 from triton_ops.fused_moe import LoRAOperands, invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.moe_align import moe_align_block_size  # noqa: E402
 from triton_ops.moe_lora import moe_lora_a, shrink_k_splits  # noqa: E402
@@ -30,6 +30,19 @@ def us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median") * 1000
 
 
+def make_lora(shape, rank: int, n_adapters: int, m: int, dtype: torch.dtype) -> MoELoRAInputs:
+    """An 8-slot pool (as ``moelora bench``) with ``n_adapters`` of them used, uniform popularity."""
+    slots = max(8, n_adapters)
+    buf = make_lora_buffers(shape, rank, slots, dtype, torch.device("cuda"), seed=rank)
+    ranks = torch.zeros(slots, dtype=torch.int32)
+    ranks[:n_adapters] = rank
+    return MoELoRAInputs(
+        token_slots=token_slots_for(m, n_adapters, "uniform", seed=m).cuda(), gate_up_a=buf.gate_up_a,
+        gate_up_b=buf.gate_up_b, down_a=buf.down_a, down_b=buf.down_b, slot_ranks=ranks.cuda(),
+        slot_scalings=torch.full((slots,), 2.0, device="cuda"), max_rank=rank,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-30b-a3b", choices=list(MODELS))
@@ -37,7 +50,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=1)
     args = parser.parse_args()
-    num_experts, top_k, hidden, inter = MODELS[args.model]
+    shape = MODELS[args.model]
+    num_experts, top_k, hidden, inter = shape.E, shape.top_k, shape.H, shape.I
     dtype = torch.bfloat16
     w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=dtype) / inter**0.5
@@ -46,7 +60,7 @@ def main() -> None:
         weights, ids = torch.topk(torch.softmax(torch.randn(m, num_experts, device="cuda"), -1), top_k, -1)
         ids = ids.to(torch.int32)
         weights = weights.reshape(-1).contiguous()
-        lora = make_lora(num_experts, hidden, inter, args.rank, args.adapters, m, dtype)
+        lora = make_lora(shape, args.rank, args.adapters, m, dtype)
         cfg = get_moe_config(m, num_experts, hidden, inter, top_k, dtype, x.device)
         lcfg = _with_lora_tiles(cfg)
         scfg = _with_lora_tiles(cfg, inline_shrink=False)
@@ -181,6 +195,22 @@ def main() -> None:
         )
         for name, t in rows.items():
             print(f"  {name:24s} {t:8.1f} us")
+    print_register_use()
+
+
+def print_register_use() -> None:
+    """Registers and spills of every compiled variant (Triton's per-device kernel cache)."""
+    from triton_ops.fused_moe import _fused_moe_kernel
+    from triton_ops.moe_lora import _moe_lora_shrink_kernel
+
+    for kernel in (_fused_moe_kernel, _moe_lora_shrink_kernel):
+        caches = getattr(kernel, "device_caches", {})
+        for cache in caches.values():
+            compiled = cache[0] if isinstance(cache, tuple) else cache
+            for binary in compiled.values():
+                meta = getattr(binary, "metadata", None)
+                print(f"  {kernel.fn.__name__}: regs={binary.n_regs} spills={binary.n_spills} "
+                      f"warps={getattr(meta, 'num_warps', '?')} smem={getattr(meta, 'shared', '?')}")
 
 
 if __name__ == "__main__":
