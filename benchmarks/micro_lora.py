@@ -72,8 +72,8 @@ def main() -> None:
         max_padded = s.shape[0]
         splits_gu = shrink_k_splits(max_padded, cfg.block_m, hidden)
         splits_d = shrink_k_splits(max_padded, cfg.block_m, inter)
-        sgu = torch.empty(splits_gu, m * top_k, 2 * rb, device="cuda", dtype=torch.float32)
-        sd = torch.empty(splits_d, m * top_k, rb, device="cuda", dtype=torch.float32)
+        sgu = torch.empty(m * top_k, splits_gu, 2 * rb, device="cuda", dtype=torch.float32)
+        sd = torch.empty(m * top_k, splits_d, rb, device="cuda", dtype=torch.float32)
         common = dict(
             token_slots=lora.token_slots,
             slot_ranks=lora.slot_ranks,
@@ -150,6 +150,12 @@ def main() -> None:
                     **align,
                 )
             ),
+            "gemm1 split (base cfg)": us(
+                lambda: invoke_fused_moe_kernel(
+                    x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg.gemm1, activation="silu",
+                    lora=replace(l1, shrunk=sgu), **align,
+                )
+            ),
             "gemm2 base": us(
                 lambda: invoke_fused_moe_kernel(
                     act, w2, out, topk_weights=weights, a_row_div=1, config=cfg.gemm2, **align
@@ -185,6 +191,12 @@ def main() -> None:
                     config=scfg.gemm2,
                     lora=replace(l2, shrunk=sd),
                     **align,
+                )
+            ),
+            "gemm2 split (base cfg)": us(
+                lambda: invoke_fused_moe_kernel(
+                    act, w2, out, topk_weights=weights, a_row_div=1, config=cfg.gemm2,
+                    lora=replace(l2, shrunk=sd), **align,
                 )
             ),
         }

@@ -194,11 +194,11 @@ def fused_experts(
         if split or staged:
             max_padded = sorted_ids.shape[0]
             shrunk_gate_up = torch.empty(
-                (shrink_k_splits(max_padded, cfg.block_m, hidden), pairs, 2 * rank_block),
+                (pairs, shrink_k_splits(max_padded, cfg.block_m, hidden), 2 * rank_block),
                 dtype=torch.float32, device=x.device,
             )
             shrunk_down = torch.empty(
-                (shrink_k_splits(max_padded, cfg.block_m, intermediate), pairs, rank_block),
+                (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate), rank_block),
                 dtype=torch.float32, device=x.device,
             )
         if split:

@@ -32,7 +32,14 @@ import triton
 import triton.language as tl
 
 from triton_ops.configs import GemmConfig
-from triton_ops.lora_tiles import _dot, lora_expand_from_partials, lora_expand_slots, lora_shrink_tile
+from triton_ops.lora_tiles import (
+    _dot,
+    first_slot,
+    lora_expand_from_partials,
+    lora_expand_slots,
+    lora_shrink_tile,
+    next_slot,
+)
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -65,7 +72,7 @@ def _fused_moe_kernel(
     lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
-    shrunk_ptr,  # (splits, numel, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
+    shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
     # Sizes
     N,
     K,
@@ -73,7 +80,6 @@ def _fused_moe_kernel(
     max_padded,
     a_row_div,
     scale,
-    num_slots,
     slot_row_div,
     lora_up_offset,
     num_shrink_splits,
@@ -100,6 +106,7 @@ def _fused_moe_kernel(
     LORA_SHRINK: tl.constexpr,
     LORA_R: tl.constexpr,
     LORA_CHUNK_R: tl.constexpr,
+    LORA_SPLITS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -153,15 +160,17 @@ def _fused_moe_kernel(
             main_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
             lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
             lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-            for slot in range(0, num_slots):
-                in_slot = row_valid & (row_slot == slot)
-                if (tl.max(in_slot.to(tl.int32), axis=0) > 0) & (slot != main_slot):
-                    la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
-                    lora_gate, lora_up = lora_shrink_tile(
-                        lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
-                        tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, stride_la_r, stride_la_k,
-                        GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
-                    )
+            others = has_slot & (row_slot != main_slot)
+            slot = first_slot(row_slot, others)
+            while slot < (1 << 30):
+                in_slot = others & (row_slot == slot)
+                la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+                lora_gate, lora_up = lora_shrink_tile(
+                    lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
+                    tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, stride_la_r, stride_la_k,
+                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
+                )
+                slot = next_slot(row_slot, others, slot)
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
@@ -215,36 +224,38 @@ def _fused_moe_kernel(
             if ACTIVATION != 0:
                 acc, acc_up = lora_expand_slots(
                     acc, acc_up, lora_gate, lora_up, row_valid, row_slot, lora_b_ptr, expert, offs_n,
-                    col_valid, N, num_slots, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
+                    col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
                     stride_lb_n, stride_lb_r, GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
                 )
             else:
                 acc, _ = lora_expand_slots(
                     acc, acc, lora_gate, lora_gate, row_valid, row_slot, lora_b_ptr, expert, offs_n,
-                    col_valid, N, num_slots, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
+                    col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
                     stride_lb_n, stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
                 )
         else:
             # Split path: the shrink was precomputed by moe_lora_a as split-K partials, read only here
             # (no registers held through the K-loop) and a rank chunk at a time.
             shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
-            for slot in range(0, num_slots):
-                in_slot = row_valid & (row_slot == slot)
-                if tl.max(in_slot.to(tl.int32), axis=0) > 0:
-                    rank = tl.load(slot_ranks_ptr + slot)
-                    scaling = tl.load(slot_scalings_ptr + slot)
-                    lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
-                    acc = lora_expand_from_partials(
-                        acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
-                        rank, scaling, stride_lb_n, stride_lb_r,
-                        FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
+            slot = first_slot(row_slot, has_slot)
+            while slot < (1 << 30):
+                in_slot = has_slot & (row_slot == slot)
+                rank = tl.load(slot_ranks_ptr + slot)
+                scaling = tl.load(slot_scalings_ptr + slot)
+                lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+                acc = lora_expand_from_partials(
+                    acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
+                    rank, scaling, stride_lb_n, stride_lb_r,
+                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, SPLITS=LORA_SPLITS,
+                )
+                if ACTIVATION != 0:
+                    acc_up = lora_expand_from_partials(
+                        acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
+                        lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
+                        stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
+                        SPLITS=LORA_SPLITS,
                     )
-                    if ACTIVATION != 0:
-                        acc_up = lora_expand_from_partials(
-                            acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
-                            lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
-                            stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
-                        )
+                slot = next_slot(row_slot, has_slot, slot)
 
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
     if MUL_ROUTED_WEIGHT:
@@ -279,7 +290,7 @@ class LoRAOperands:
     slot_scalings: torch.Tensor  # (L,) fp32
     top_k: int
     rank_block: int
-    shrunk: torch.Tensor | None = None  # (splits, numel, 2*rank_block or rank_block) fp32 partials
+    shrunk: torch.Tensor | None = None  # (numel, splits, 2*rank_block or rank_block) fp32 partials
 
 
 def lora_rank_block(max_rank: int) -> int:
@@ -333,6 +344,7 @@ def invoke_fused_moe_kernel(
                 f"GEMM: expected A (L, E, {expected_a_rows}, {K}) and B (L, E, {b.shape[1]}, R)"
             )
         la, lb = lora.lora_a, lora.lora_b
+    shrunk_splits = lora.shrunk.shape[1] if lora is not None and lora.shrunk is not None else 0
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
@@ -353,10 +365,9 @@ def invoke_fused_moe_kernel(
         max_padded=max_padded,
         a_row_div=a_row_div,
         scale=float(scale),
-        num_slots=lora.slot_ranks.shape[0] if lora is not None else 0,
         slot_row_div=lora.top_k if lora is not None else 1,
         lora_up_offset=max_rank * la.stride(2) if lora is not None and gated else 0,
-        num_shrink_splits=lora.shrunk.shape[0] if lora is not None and lora.shrunk is not None else 0,
+        num_shrink_splits=shrunk_splits,
         stride_am=a.stride(0),
         stride_ak=a.stride(1),
         stride_be=b.stride(0),
@@ -372,14 +383,15 @@ def invoke_fused_moe_kernel(
         stride_lb_e=lb.stride(1) if lora is not None else 0,
         stride_lb_n=lb.stride(2) if lora is not None else 0,
         stride_lb_r=lb.stride(3) if lora is not None else 0,
-        stride_ss=lora.shrunk.stride(0) if lora is not None and lora.shrunk is not None else 0,
-        stride_sm=lora.shrunk.stride(1) if lora is not None and lora.shrunk is not None else 0,
+        stride_ss=lora.shrunk.stride(1) if shrunk_splits else 0,
+        stride_sm=lora.shrunk.stride(0) if shrunk_splits else 0,
         HAS_LORA=lora is not None,
         LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
         LORA_R=lora.rank_block if lora is not None else 16,
         # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
         LORA_CHUNK_R=min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
         if lora is not None else 16,
+        LORA_SPLITS=triton.next_power_of_2(max(shrunk_splits, 1)),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         FP32_IEEE=a.dtype == torch.float32,

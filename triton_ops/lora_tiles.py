@@ -81,10 +81,30 @@ def lora_expand_tile(
     offs_r = tl.arange(0, LORA_R)
     b_ptrs = lb_ptr + offs_n.to(tl.int64)[None, :] * stride_ln + offs_r[:, None] * stride_lr
     b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
-    # Rounded to the weights' dtype before the expand, as PEFT's lora_B(lora_A(x)) does.
-    r = tl.where(rows_in_slot[:, None], shrunk, 0.0).to(b.dtype)
-    delta = _dot(r, b, tl.zeros(acc.shape, dtype=tl.float32), FP32_IEEE)
-    return acc + delta * scaling
+    # The scaling goes on the (BLOCK_M, R) shrink, not on a (BLOCK_M, BLOCK_N) delta, so the dot
+    # accumulates straight into acc: no second output-sized register tile in the epilogue (that tile
+    # cost the base GEMM half its occupancy). Rounded to the weights' dtype as PEFT's lora_B input is.
+    r = tl.where(rows_in_slot[:, None], shrunk * scaling, 0.0).to(b.dtype)
+    return _dot(r, b, acc, FP32_IEEE)
+
+
+@triton.jit
+def load_shrink_partials(
+    shrunk_rows_ptr,  # (BLOCK_M,) pointers to each row's partials: (splits, width) fp32 per row
+    col_offset,  # first rank column to read (LORA_R for the up half of a gated shrink)
+    num_splits,
+    stride_ss,
+    rows_in_slot,  # (BLOCK_M,) int1
+    SPLITS: tl.constexpr,  # power of two >= num_splits
+    CHUNK_R: tl.constexpr,
+):
+    """(BLOCK_M, CHUNK_R) fp32 sum of the split-K partials of these rows: one 3-D load, so the splits
+    cost one memory latency, not one each; the sum runs in split order (deterministic)."""
+    offs_s = tl.arange(0, SPLITS)
+    offs_r = col_offset + tl.arange(0, CHUNK_R)
+    ptrs = shrunk_rows_ptr[:, None, None] + offs_s[None, :, None] * stride_ss + offs_r[None, None, :]
+    mask = rows_in_slot[:, None, None] & (offs_s < num_splits)[None, :, None]
+    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=1)
 
 
 @triton.jit
@@ -105,21 +125,31 @@ def lora_expand_from_partials(
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
     CHUNK_R: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     """Expand from split-K shrink partials kept in memory, CHUNK_R rank columns at a time: few live
     registers beside the accumulators, and chunks past the slot's real rank are skipped."""
     for r0 in tl.static_range(0, LORA_R, CHUNK_R):
         if r0 < rank:
             offs_r = r0 + tl.arange(0, CHUNK_R)
-            part_ptrs = shrunk_rows_ptr[:, None] + col_offset + offs_r[None, :]
-            shrunk = tl.zeros((acc.shape[0], CHUNK_R), dtype=tl.float32)
-            for split in range(0, num_splits):
-                shrunk += tl.load(part_ptrs + split * stride_ss, mask=rows_in_slot[:, None], other=0.0)
+            shrunk = load_shrink_partials(shrunk_rows_ptr, col_offset + r0, num_splits, stride_ss,
+                                          rows_in_slot, SPLITS=SPLITS, CHUNK_R=CHUNK_R)
             b_ptrs = lb_ptr + offs_n.to(tl.int64)[None, :] * stride_ln + offs_r[:, None] * stride_lr
             b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
-            delta = _dot(shrunk.to(b.dtype), b, tl.zeros(acc.shape, dtype=tl.float32), FP32_IEEE)
-            acc += delta * scaling
+            acc = _dot((shrunk * scaling).to(b.dtype), b, acc, FP32_IEEE)
     return acc
+
+
+@triton.jit
+def first_slot(row_slot, has_slot):
+    """Smallest adapter slot among the rows (2**30 when none): with ``next_slot`` the loops below visit
+    only the slots present in a block, whatever the pool's size."""
+    return tl.min(tl.where(has_slot, row_slot, 1 << 30), axis=0)
+
+
+@triton.jit
+def next_slot(row_slot, has_slot, slot):
+    return tl.min(tl.where(has_slot & (row_slot > slot), row_slot, 1 << 30), axis=0)
 
 
 @triton.jit
@@ -135,7 +165,6 @@ def lora_expand_slots(
     offs_n,
     col_valid,
     N,
-    num_slots,
     slot_ranks_ptr,  # (L,) int32
     slot_scalings_ptr,  # (L,) fp32
     stride_lb_l,
@@ -147,19 +176,21 @@ def lora_expand_slots(
     LORA_R: tl.constexpr,
 ):
     """Adds every slot present in the block: ``acc += s_a B[a, e] shrunk`` for the rows of slot a."""
-    for slot in range(0, num_slots):
-        in_slot = row_valid & (row_slot == slot)
-        if tl.max(in_slot.to(tl.int32), axis=0) > 0:
-            rank = tl.load(slot_ranks_ptr + slot)
-            scaling = tl.load(slot_scalings_ptr + slot)
-            lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
-            acc = lora_expand_tile(
-                acc, shrunk, in_slot, lb_ptr, offs_n, col_valid, rank, scaling, stride_lb_n, stride_lb_r,
-                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+    has_slot = row_valid & (row_slot >= 0)
+    slot = first_slot(row_slot, has_slot)
+    while slot < (1 << 30):
+        in_slot = has_slot & (row_slot == slot)
+        rank = tl.load(slot_ranks_ptr + slot)
+        scaling = tl.load(slot_scalings_ptr + slot)
+        lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+        acc = lora_expand_tile(
+            acc, shrunk, in_slot, lb_ptr, offs_n, col_valid, rank, scaling, stride_lb_n, stride_lb_r,
+            FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+        )
+        if GATED:
+            acc_up = lora_expand_tile(
+                acc_up, shrunk_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling,
+                stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
             )
-            if GATED:
-                acc_up = lora_expand_tile(
-                    acc_up, shrunk_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling,
-                    stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                )
+        slot = next_slot(row_slot, has_slot, slot)
     return acc, acc_up

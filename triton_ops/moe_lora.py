@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation
-from triton_ops.lora_tiles import lora_expand_slots, lora_shrink_tile
+from triton_ops.lora_tiles import first_slot, lora_expand_slots, lora_shrink_tile, next_slot
 
 
 @triton.jit
@@ -33,14 +33,13 @@ def _moe_lora_shrink_kernel(
     sorted_ids_ptr,  # (max_padded,) int32
     expert_ids_ptr,  # (max_padded / ALIGN_M,) int32
     num_post_padded_ptr,  # (1,) int32
-    out_ptr,  # (splits, numel, LORA_R or 2 * LORA_R) fp32 partial sums: [gate | up] when GATED
+    out_ptr,  # (numel, splits, LORA_R or 2 * LORA_R) fp32 partial sums: [gate | up] when GATED
     # Sizes
     K,
     k_per_split,
     numel,
     x_row_div,
     top_k,
-    num_slots,
     lora_up_offset,
     # Strides
     stride_xm,
@@ -77,15 +76,16 @@ def _moe_lora_shrink_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-    for slot in range(0, num_slots):
-        in_slot = row_valid & (row_slot == slot)
-        if tl.max(in_slot.to(tl.int32), axis=0) > 0:
-            la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
-            acc, acc_up = lora_shrink_tile(
-                acc, acc_up, x_ptr, x_row, in_slot, la_ptr, lora_up_offset, tl.load(slot_ranks_ptr + slot),
-                k_start, k_end, stride_xm, stride_xk, stride_la_r, stride_la_k,
-                GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
-            )
+    slot = first_slot(row_slot, has_slot)
+    while slot < (1 << 30):
+        in_slot = has_slot & (row_slot == slot)
+        la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+        acc, acc_up = lora_shrink_tile(
+            acc, acc_up, x_ptr, x_row, in_slot, la_ptr, lora_up_offset, tl.load(slot_ranks_ptr + slot),
+            k_start, k_end, stride_xm, stride_xk, stride_la_r, stride_la_k,
+            GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
+        )
+        slot = next_slot(row_slot, has_slot, slot)
     offs_r = tl.arange(0, LORA_R)
     out_ptrs = out_ptr + pid_k * stride_os + pair.to(tl.int64)[:, None] * stride_om + offs_r[None, :]
     tl.store(out_ptrs, acc, mask=has_slot[:, None])
@@ -97,7 +97,7 @@ def _moe_lora_shrink_kernel(
 def _moe_lora_gate_up_b_kernel(
     # Pointers
     c1_ptr,  # (numel, 2N) raw GEMM1 output, gate columns then up columns
-    shrunk_ptr,  # (splits, numel, 2 * LORA_R) fp32 partial shrinks: [gate | up]
+    shrunk_ptr,  # (numel, splits, 2 * LORA_R) fp32 partial shrinks: [gate | up]
     lora_b_ptr,  # (L, E, 2N, R) gate_up_b
     token_slots_ptr,  # (M,) int32
     slot_ranks_ptr,  # (L,) int32
@@ -112,7 +112,6 @@ def _moe_lora_gate_up_b_kernel(
     numel,
     max_padded,
     top_k,
-    num_slots,
     num_splits,
     # Strides
     stride_c1m,
@@ -160,7 +159,7 @@ def _moe_lora_gate_up_b_kernel(
         s_ptrs += stride_ss
     delta_gate, delta_up = lora_expand_slots(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-        shrunk_gate, shrunk_up, row_valid, row_slot, lora_b_ptr, expert, offs_n, col_valid, N, num_slots,
+        shrunk_gate, shrunk_up, row_valid, row_slot, lora_b_ptr, expert, offs_n, col_valid, N,
         slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
         GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
     )
@@ -176,7 +175,7 @@ def _moe_lora_gate_up_b_kernel(
 @triton.jit
 def _moe_lora_down_combine_kernel(
     # Pointers
-    shrunk_ptr,  # (splits, numel, LORA_R) fp32 partials of A_down h per pair
+    shrunk_ptr,  # (numel, splits, LORA_R) fp32 partials of A_down h per pair
     lora_b_ptr,  # (L, E, H, R) down_b
     token_slots_ptr,  # (M,) int32
     topk_ids_ptr,  # (M, top_k) int32/int64
@@ -277,20 +276,20 @@ def moe_lora_a(
     gated: bool,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """LoRA shrink over the base alignment: ``sum_s out[s, p] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
+    """LoRA shrink over the base alignment: ``sum_s out[p, s] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
 
-    ``lora_a`` is gate_up_a (L, E, 2R, K) with ``gated`` (out is (splits, numel, 2*rank_block): gate then
-    up) or down_a (L, E, R, K) (out is (splits, numel, rank_block)). Each of the ``splits`` slices of K
+    ``lora_a`` is gate_up_a (L, E, 2R, K) with ``gated`` (out is (numel, splits, 2*rank_block): gate then
+    up) or down_a (L, E, R, K) (out is (numel, splits, rank_block)). Each of the ``splits`` slices of K
     writes its own partial (consumers sum them: deterministic, no atomics); rows of tokens without an
     adapter are not written. Grid: (cdiv(max_padded, shrink_block_m), splits).
     """
-    splits, numel, width = out.shape
+    numel, splits, width = out.shape
     max_rank = lora_a.shape[2] // (2 if gated else 1)
     if lora_a.shape[3] != x.shape[1]:
         raise ValueError(f"lora_a {tuple(lora_a.shape)} does not match activations {tuple(x.shape)}")
     if out.dtype != torch.float32 or width != (2 if gated else 1) * rank_block:
         expected = (2 if gated else 1) * rank_block
-        raise ValueError(f"out must be fp32 (splits, numel, {expected}), got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"out must be fp32 (numel, splits, {expected}), got {out.dtype} {tuple(out.shape)}")
     if numel == 0:
         return out
     block_k = 32 if x.dtype == torch.float32 else 64
@@ -311,7 +310,6 @@ def moe_lora_a(
         numel=numel,
         x_row_div=x_row_div,
         top_k=top_k,
-        num_slots=slot_ranks.shape[0],
         lora_up_offset=max_rank * lora_a.stride(2) if gated else 0,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
@@ -319,8 +317,8 @@ def moe_lora_a(
         stride_la_e=lora_a.stride(1),
         stride_la_r=lora_a.stride(2),
         stride_la_k=lora_a.stride(3),
-        stride_os=out.stride(0),
-        stride_om=out.stride(1),
+        stride_os=out.stride(1),
+        stride_om=out.stride(0),
         GATED=gated,
         FP32_IEEE=x.dtype == torch.float32,
         LORA_R=rank_block,
@@ -349,7 +347,7 @@ def moe_lora_gate_up_b(
     topk_weights: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``out[p] = act(g) * u`` with ``[g | u] = c1[p] + w s B_gate_up[slot, e_p] sum_s shrunk[s, p]``.
+    """``out[p] = act(g) * u`` with ``[g | u] = c1[p] + w s B_gate_up[slot, e_p] sum_s shrunk[p, s]``.
 
     Replaces ``silu_and_mul`` on the staged path; ``topk_weights`` (numel,) is given when GEMM1 applied
     the routing weight (apply_router_weight_on_input), so the delta gets it too.
@@ -357,7 +355,8 @@ def moe_lora_gate_up_b(
     """
     numel, two_n = c1.shape
     n = two_n // 2
-    if out.shape != (numel, n) or gate_up_b.shape[2] != two_n or shrunk.shape[1:] != (numel, 2 * rank_block):
+    shrunk_rows_width = (shrunk.shape[0], shrunk.shape[2])
+    if out.shape != (numel, n) or gate_up_b.shape[2] != two_n or shrunk_rows_width != (numel, 2 * rank_block):
         raise ValueError(f"c1 {tuple(c1.shape)}, gate_up_b {tuple(gate_up_b.shape)} and out "
                          f"{tuple(out.shape)} disagree: expected out (numel, N), gate_up_b (L, E, 2N, R)")
     if numel == 0:
@@ -380,11 +379,10 @@ def moe_lora_gate_up_b(
         numel=numel,
         max_padded=sorted_ids.shape[0],
         top_k=top_k,
-        num_slots=slot_ranks.shape[0],
-        num_splits=shrunk.shape[0],
+        num_splits=shrunk.shape[1],
         stride_c1m=c1.stride(0),
-        stride_ss=shrunk.stride(0),
-        stride_sm=shrunk.stride(1),
+        stride_ss=shrunk.stride(1),
+        stride_sm=shrunk.stride(0),
         stride_lb_l=gate_up_b.stride(0),
         stride_lb_e=gate_up_b.stride(1),
         stride_lb_n=gate_up_b.stride(2),
@@ -413,7 +411,7 @@ def moe_lora_down_combine(
     rank_block: int,
     routed_scaling_factor: float = 1.0,
 ) -> torch.Tensor:
-    """In place: ``out[t] += rsf * sum_k w_k s B_down[slot_t, e_k] sum_s shrunk[s, t*top_k + k]``.
+    """In place: ``out[t] += rsf * sum_k w_k s B_down[slot_t, e_k] sum_s shrunk[t*top_k + k, s]``.
 
     Gather form (each token row uses its own adapter and experts), the top-k summed in registers.
     ``topk_weights`` None means the weight was applied on the input.
@@ -421,7 +419,7 @@ def moe_lora_down_combine(
     """
     tokens, hidden = out.shape
     top_k = topk_ids.shape[1]
-    if down_b.shape[2] != hidden or shrunk.shape[1:] != (tokens * top_k, rank_block):
+    if down_b.shape[2] != hidden or (shrunk.shape[0], shrunk.shape[2]) != (tokens * top_k, rank_block):
         raise ValueError(f"down_b {tuple(down_b.shape)} / shrunk {tuple(shrunk.shape)} do not match out "
                          f"{tuple(out.shape)} with top_k={top_k} and rank block {rank_block}")
     if tokens == 0:
@@ -441,9 +439,9 @@ def moe_lora_down_combine(
         H=hidden,
         top_k=top_k,
         scale=float(routed_scaling_factor),
-        num_splits=shrunk.shape[0],
-        stride_ss=shrunk.stride(0),
-        stride_sm=shrunk.stride(1),
+        num_splits=shrunk.shape[1],
+        stride_ss=shrunk.stride(1),
+        stride_sm=shrunk.stride(0),
         stride_lb_l=down_b.stride(0),
         stride_lb_e=down_b.stride(1),
         stride_lb_n=down_b.stride(2),
