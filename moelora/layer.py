@@ -25,7 +25,7 @@ from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
 
-PATHS = ("auto", "fused", "split", "staged", "torch")
+PATHS = ("auto", "fused", "split", "wide", "staged", "torch")
 
 
 def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int, hidden: int) -> str:
@@ -110,7 +110,7 @@ class FusedMoEWithLoRA(nn.Module):
 
     def resolve_path(self, x: torch.Tensor, topk_ids: torch.Tensor, batch: MoELoRABatchInfo) -> str:
         if self.path == "torch" or not _triton_can_run(x):
-            if self.path in ("fused", "split", "staged"):
+            if self.path in ("fused", "split", "wide", "staged"):
                 raise ValueError(f"path={self.path!r} needs CUDA tensors or TRITON_INTERPRET=1")
             return "torch"
         if self.path != "auto":

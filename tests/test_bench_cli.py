@@ -33,7 +33,7 @@ def test_dry_run_writes_json_png_and_a_table(tmp_path, capsys):
 
     payload = _load(out)
     records = payload["records"]
-    assert {r["path"] for r in records} == {"naive", "base", "fused", "split", "staged", "auto"}
+    assert {r["path"] for r in records} == {"naive", "base", "fused", "split", "wide", "staged", "auto"}
     assert {r["M"] for r in records} == {1, 8, 80}  # decode (per-token adapters) and prefill layouts
     assert payload["args"]["dry_run"] is True and payload["resolved"]["dtype"] == "fp16"
     for r in records:
@@ -45,8 +45,8 @@ def test_dry_run_writes_json_png_and_a_table(tmp_path, capsys):
         else:
             assert r["rank"] == 8 and r["n_adapters"] in (1, 4) and r["lora_bytes"] > 0
         if r["path"] == "auto":
-            assert r["resolved_path"] in ("fused", "split")
-        if r["path"] in ("fused", "split", "staged"):  # every Triton path agrees with the naive loop
+            assert r["resolved_path"] in ("fused", "split", "wide")
+        if r["path"] in ("fused", "split", "wide", "staged"):  # every Triton path agrees with the naive loop
             assert r["rel_err_vs_naive"] < 2e-2
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
     assert out.with_suffix(".md").read_text().count("\n| tiny |") == len(records)

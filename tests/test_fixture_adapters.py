@@ -26,7 +26,8 @@ from moelora.reference import softmax_topk  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")
 
 F2_NAMES = ["sql", "chat", "math", "gate-up-only", "down-only", "v4-style"]
-PATHS = ["torch", *(pytest.param(p, marks=pytest.mark.interpreter) for p in ("fused", "split", "staged"))]
+PATHS = ["torch", *(pytest.param(p, marks=pytest.mark.interpreter)
+                    for p in ("fused", "split", "wide", "staged"))]
 TOL = 1e-4
 
 

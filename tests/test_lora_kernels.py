@@ -11,7 +11,7 @@ from triton_ops.configs import GemmConfig
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts
 from triton_ops.moe_lora import shrink_k_splits
 
-PATHS = ("fused", "split", "staged")
+PATHS = ("fused", "split", "wide", "staged")
 
 
 def make_case(m, hidden, inter, num_experts, top_k, ranks, max_rank, num_slots, dtype, gen):

@@ -18,12 +18,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from triton_ops.configs import MoEConfig, get_moe_config
-from triton_ops.fused_moe import _ACTIVATIONS, LoRAOperands, invoke_fused_moe_kernel, lora_rank_block
+from triton_ops.fused_moe import (
+    _ACTIVATIONS,
+    LoRAOperands,
+    invoke_fused_moe_kernel,
+    lora_rank_block,
+    wide_tiles_per_program,
+)
 from triton_ops.moe_align import moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a, moe_lora_down_combine, moe_lora_gate_up_b, shrink_k_splits
 from triton_ops.moe_sum import moe_sum_reduce
 
-LORA_PATHS = ("fused", "split", "staged")
+LORA_PATHS = ("fused", "split", "wide", "staged")
 
 
 @dataclass(frozen=True)
@@ -125,8 +131,9 @@ def fused_experts(
         lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
         lora_path: "fused" (shrink in the GEMM K-loops, expand in their epilogues: the base path's
             launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
-            epilogues: two more launches, no recomputation across N tiles) or "staged" (separate shrink /
-            gate_up+act / down+combine kernels, seed 002's interface).
+            epilogues: two more launches, no recomputation across N tiles), "wide" (the base launches;
+            each GEMM program covers several N tiles and shrinks once for all of them: prefill) or
+            "staged" (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation not in _ACTIVATIONS:
@@ -172,8 +179,8 @@ def fused_experts(
         end = min(start + chunk, num_tokens)
         rows = end - start
         cfg = config or get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device)
-        if lora is not None and lora_path in ("fused", "split"):
-            cfg = _with_lora_tiles(cfg, inline_shrink=lora_path == "fused")
+        if lora is not None and lora_path == "fused":
+            cfg = _with_lora_tiles(cfg)
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
         if not chunk_weights.is_contiguous():
@@ -189,6 +196,12 @@ def fused_experts(
                           rank_block=rank_block, token_slots=chunk_slots)
             gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
+            if lora_path == "wide":
+                max_padded = sorted_ids.shape[0]
+                gemm1_lora = replace(gemm1_lora, tiles_per_program=wide_tiles_per_program(
+                    max_padded, cfg.block_m, intermediate, cfg.gemm1.block_n, x.device))
+                gemm2_lora = replace(gemm2_lora, tiles_per_program=wide_tiles_per_program(
+                    max_padded, cfg.block_m, hidden, cfg.gemm2.block_n, x.device))
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         pairs = rows * top_k
         if split or staged:
