@@ -200,6 +200,17 @@ def main() -> None:
                 )
             ),
         }
+        for sub_m in sorted({16, 32, 64, cfg.block_m}):
+            if sub_m > cfg.block_m:
+                continue
+            for bk in (64, 128):
+                for warps in (2, 4):
+                    for stages in (2, 4):
+                        t = us(lambda: moe_lora_a(
+                            x, lora.gate_up_a, lora.token_slots, lora.slot_ranks, **align,
+                            block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rb, gated=True,
+                            out=sgu, sub_block_m=sub_m, block_k=bk, num_warps=warps, num_stages=stages))
+                        rows[f"shrink gu m{sub_m} k{bk} w{warps} s{stages}"] = t
         print(
             f"{args.model} M={m} rank={args.rank} adapters={args.adapters} "
             f"shrink splits {splits_gu}/{splits_d}"

@@ -35,8 +35,12 @@ from triton_ops.configs import GemmConfig
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
+    load_shrink_partials,
+    lora_expand_b,
     lora_expand_from_partials,
     lora_expand_slots,
+    lora_expand_tile,
+    lora_load_b,
     lora_shrink_tile,
     next_slot,
 )
@@ -172,6 +176,28 @@ def _fused_moe_kernel(
                 )
                 slot = next_slot(row_slot, others, slot)
 
+        if LORA_SHRINK == 1:
+            if LORA_CHUNK_R == LORA_R:
+                # Everything the epilogue reads for the block's first slot is loaded before the K-loop,
+                # so its latency hides behind the loop instead of following it in every tile.
+                shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
+                pre_gate = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
+                                                SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+                pre_up = pre_gate
+                if ACTIVATION != 0:
+                    pre_up = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
+                                                  SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+                slot0 = first_slot(row_slot, has_slot)
+                slot0_safe = tl.where(slot0 < (1 << 30), slot0, 0)
+                rank0 = tl.where(slot0 < (1 << 30), tl.load(slot_ranks_ptr + slot0_safe), 0)
+                scaling0 = tl.load(slot_scalings_ptr + slot0_safe)
+                lb0 = lora_b_ptr + tl.cast(slot0_safe, tl.int64) * stride_lb_l + expert * stride_lb_e
+                b0_gate = lora_load_b(lb0, offs_n, col_valid, rank0, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
+                b0_up = b0_gate
+                if ACTIVATION != 0:
+                    b0_up = lora_load_b(lb0 + N * stride_lb_n, offs_n, col_valid, rank0, stride_lb_n,
+                                        stride_lb_r, LORA_R=LORA_R)
+
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
     b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn
@@ -233,9 +259,29 @@ def _fused_moe_kernel(
                     col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
                     stride_lb_n, stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
                 )
+        # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
+        elif LORA_CHUNK_R == LORA_R:
+            if slot0 < (1 << 30):
+                in_slot0 = has_slot & (row_slot == slot0)
+                acc = lora_expand_b(acc, pre_gate, in_slot0, b0_gate, scaling0, FP32_IEEE=FP32_IEEE)
+                if ACTIVATION != 0:
+                    acc_up = lora_expand_b(acc_up, pre_up, in_slot0, b0_up, scaling0, FP32_IEEE=FP32_IEEE)
+                slot = next_slot(row_slot, has_slot, slot0)
+                while slot < (1 << 30):
+                    in_slot = has_slot & (row_slot == slot)
+                    rank = tl.load(slot_ranks_ptr + slot)
+                    scaling = tl.load(slot_scalings_ptr + slot)
+                    lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+                    acc = lora_expand_tile(acc, pre_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
+                                           stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R)
+                    if ACTIVATION != 0:
+                        acc_up = lora_expand_tile(acc_up, pre_up, in_slot, lb_ptr + N * stride_lb_n, offs_n,
+                                                  col_valid, rank, scaling, stride_lb_n, stride_lb_r,
+                                                  FP32_IEEE=FP32_IEEE, LORA_R=LORA_R)
+                    slot = next_slot(row_slot, has_slot, slot)
         else:
-            # Split path: the shrink was precomputed by moe_lora_a as split-K partials, read only here
-            # (no registers held through the K-loop) and a rank chunk at a time.
+            # Wide rank tiles: partials and B a rank chunk at a time, after the K-loop (few registers
+            # held through it).
             shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
             slot = first_slot(row_slot, has_slot)
             while slot < (1 << 30):

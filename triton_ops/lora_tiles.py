@@ -78,12 +78,32 @@ def lora_expand_tile(
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
 ):
+    b = lora_load_b(lb_ptr, offs_n, col_valid, rank, stride_ln, stride_lr, LORA_R=LORA_R)
+    return lora_expand_b(acc, shrunk, rows_in_slot, b, scaling, FP32_IEEE=FP32_IEEE)
+
+
+@triton.jit
+def lora_load_b(
+    lb_ptr,  # B[s, e] base: (N, R) rows of this slot and expert
+    offs_n,  # (BLOCK_N,) output columns
+    col_valid,  # (BLOCK_N,) int1
+    rank,  # rank rows at or past it are not loaded (0: nothing is)
+    stride_ln,
+    stride_lr,
+    LORA_R: tl.constexpr,
+):
+    """(LORA_R, BLOCK_N) tile of B[s, e]^T."""
     offs_r = tl.arange(0, LORA_R)
     b_ptrs = lb_ptr + offs_n.to(tl.int64)[None, :] * stride_ln + offs_r[:, None] * stride_lr
-    b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
-    # The scaling goes on the (BLOCK_M, R) shrink, not on a (BLOCK_M, BLOCK_N) delta, so the dot
-    # accumulates straight into acc: no second output-sized register tile in the epilogue (that tile
-    # cost the base GEMM half its occupancy). Rounded to the weights' dtype as PEFT's lora_B input is.
+    return tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
+
+
+@triton.jit
+def lora_expand_b(acc, shrunk, rows_in_slot, b, scaling, FP32_IEEE: tl.constexpr):
+    """``acc += scaling * shrunk @ b`` for the rows in the slot. The scaling goes on the (BLOCK_M, R)
+    shrink, not on a (BLOCK_M, BLOCK_N) delta, so the dot accumulates straight into acc: no second
+    output-sized register tile in the epilogue (that tile cost the base GEMM half its occupancy).
+    Rounded to the weights' dtype as PEFT's lora_B input is."""
     r = tl.where(rows_in_slot[:, None], shrunk * scaling, 0.0).to(b.dtype)
     return _dot(r, b, acc, FP32_IEEE)
 

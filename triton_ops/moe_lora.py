@@ -275,13 +275,19 @@ def moe_lora_a(
     rank_block: int,
     gated: bool,
     out: torch.Tensor,
+    sub_block_m: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """LoRA shrink over the base alignment: ``sum_s out[p, s] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
 
     ``lora_a`` is gate_up_a (L, E, 2R, K) with ``gated`` (out is (numel, splits, 2*rank_block): gate then
     up) or down_a (L, E, R, K) (out is (numel, splits, rank_block)). Each of the ``splits`` slices of K
     writes its own partial (consumers sum them: deterministic, no atomics); rows of tokens without an
-    adapter are not written. Grid: (cdiv(max_padded, shrink_block_m), splits).
+    adapter are not written. ``sub_block_m`` (a divisor of ``block_m``; default ``shrink_block_m``),
+    ``block_k``, ``num_warps`` and ``num_stages`` override the launch config (benchmarks/micro_lora.py).
+    Grid: (cdiv(max_padded, sub_block_m), splits).
     """
     numel, splits, width = out.shape
     max_rank = lora_a.shape[2] // (2 if gated else 1)
@@ -292,9 +298,11 @@ def moe_lora_a(
         raise ValueError(f"out must be fp32 (numel, splits, {expected}), got {out.dtype} {tuple(out.shape)}")
     if numel == 0:
         return out
-    block_k = 32 if x.dtype == torch.float32 else 64
+    block_k = block_k or (32 if x.dtype == torch.float32 else 64)
     k_per_split = triton.cdiv(triton.cdiv(x.shape[1], block_k), splits) * block_k
-    sub_m = shrink_block_m(block_m)
+    sub_m = sub_block_m or shrink_block_m(block_m)
+    if block_m % sub_m:
+        raise ValueError(f"sub_block_m {sub_m} must divide the alignment's block_m {block_m}")
     grid = (triton.cdiv(sorted_ids.shape[0], sub_m), splits)
     _moe_lora_shrink_kernel[grid](
         x_ptr=x,
@@ -325,6 +333,8 @@ def moe_lora_a(
         ALIGN_M=block_m,
         BLOCK_M=sub_m,
         BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
