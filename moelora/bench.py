@@ -391,6 +391,7 @@ class Settings:
     naive_max_s: float
     seed: int
     peaks: dict[str, float | None]
+    pool_rank: int = 0  # > rank: adapters of `rank` in buffers sized for this max rank
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -447,7 +448,7 @@ def bench_model(shape: ModelShape, ms: list[int], ranks: list[int], adapters: li
     n_slots = max(8, max(adapters))
     if device.type == "cuda":
         need = shape.E * 3 * shape.H * shape.I * dtype.itemsize
-        need += n_slots * shape.E * 3 * max(ranks) * (shape.H + shape.I) * dtype.itemsize
+        need += n_slots * shape.E * 3 * max(*ranks, cfg.pool_rank) * (shape.H + shape.I) * dtype.itemsize
         free = torch.cuda.mem_get_info()[0]
         if need > 0.9 * free:
             print(f"[skip] {shape.name}: needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free",
@@ -457,7 +458,8 @@ def bench_model(shape: ModelShape, ms: list[int], ranks: list[int], adapters: li
             return []
 
     w13, w2 = make_weights(shape, dtype, device, cfg.seed)
-    buffers = {r: make_lora_buffers(shape, r, n_slots, dtype, device, cfg.seed + r) for r in ranks}
+    buffers = {r: make_lora_buffers(shape, max(r, cfg.pool_rank), n_slots, dtype, device, cfg.seed + r)
+               for r in ranks}
     records: list[dict[str, Any]] = []
     for m in ms:
         records += _bench_tokens(shape, m, w13, w2, buffers, n_slots, adapters, popularities, cfg, progress)
@@ -519,7 +521,8 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                     slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
                 )
                 auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H)
-                point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs)
+                point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs,
+                             pool_rank=max(rank, cfg.pool_rank))
                 label = f"{shape.name} M={m} r={rank} n={n_adapters} {popularity}"
                 timed: dict[str, tuple[float, bool]] = {}
                 errs: dict[str, float] = {}
@@ -561,6 +564,12 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _rank_cell(r: dict[str, Any]) -> str:
+    if r.get("pool_rank") and r["rank"] is not None and r["pool_rank"] > r["rank"]:
+        return f"{r['rank']} (pool {r['pool_rank']})"
+    return _fmt(r["rank"], "d")
+
+
 def markdown_table(records: list[dict[str, Any]]) -> str:
     lines = [
         "| model | M | rank | n_adapters | popularity | path | base µs | base+LoRA µs | overhead | TB/s | "
@@ -571,7 +580,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         path = r["path"] if r.get("resolved_path") is None else f"{r['path']} ({r['resolved_path']})"
         lora_us = _fmt(r["base_lora_us"], ".1f") if r["base_lora_us"] is not None else "skipped"
         lines.append(
-            f"| {r['model']} | {r['M']} | {_fmt(r['rank'], 'd')} | {_fmt(r['n_adapters'], 'd')} | "
+            f"| {r['model']} | {r['M']} | {_rank_cell(r)} | {_fmt(r['n_adapters'], 'd')} | "
             f"{r['popularity'] or '-'} | {path} | {r['base_us']:.1f} | {lora_us} | "
             f"{_fmt(r['overhead'], '+.1%')} | {_fmt(r['tbps'], '.3f')} | {_fmt(r['pct_hbm_peak'], '.1f')} | "
             f"{_fmt(r['tflops'], '.2f')} | {_fmt(r['pct_tc_peak'], '.1f')} |"
@@ -704,6 +713,7 @@ def run_bench(args: argparse.Namespace) -> int:
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1)"
     cfg = Settings(device=device, device_name=device_name, dtype_name=dtype_name, paths=paths,
                    warmup_ms=warmup, rep_ms=rep, cpu_reps=1, naive_max_s=args.naive_max_s, seed=args.seed,
+                   pool_rank=getattr(args, "pool_rank", None) or 0,
                    peaks=device_peaks(device_name) if on_gpu else device_peaks(""))
 
     import triton

@@ -196,6 +196,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--naive-max-s", type=float, default=0.5,
                        help="skip the naive path when one call is estimated slower (GPU; default 0.5 s)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--pool-rank", type=int, default=None,
+                       help="size the LoRA buffers for this max rank (adapters keep --ranks): the cost of a "
+                            "small adapter in a big pool")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     bench.set_defaults(func=cmd_bench)
 

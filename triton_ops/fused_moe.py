@@ -111,6 +111,7 @@ def _fused_moe_kernel(
     LORA_R: tl.constexpr,
     LORA_CHUNK_R: tl.constexpr,
     LORA_SPLITS: tl.constexpr,
+    LORA_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -177,7 +178,7 @@ def _fused_moe_kernel(
                 slot = next_slot(row_slot, others, slot)
 
         if LORA_SHRINK == 1:
-            if LORA_CHUNK_R == LORA_R:
+            if LORA_PREFETCH:
                 # Everything the epilogue reads for the block's first slot is loaded before the K-loop,
                 # so its latency hides behind the loop instead of following it in every tile.
                 shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
@@ -260,7 +261,7 @@ def _fused_moe_kernel(
                     stride_lb_n, stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
                 )
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
-        elif LORA_CHUNK_R == LORA_R:
+        elif LORA_PREFETCH:
             if slot0 < (1 << 30):
                 in_slot0 = has_slot & (row_slot == slot0)
                 acc = lora_expand_b(acc, pre_gate, in_slot0, b0_gate, scaling0, FP32_IEEE=FP32_IEEE)
@@ -550,6 +551,10 @@ def invoke_fused_moe_kernel(
             )
         la, lb = lora.lora_a, lora.lora_b
     shrunk_splits = lora.shrunk.shape[1] if lora is not None and lora.shrunk is not None else 0
+    # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
+    lora_chunk_r = 16
+    if lora is not None:
+        lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
     if lora is not None and lora.tiles_per_program > 0:
         if gated_raw or shrunk_splits:
             raise ValueError("the wide LoRA kernel computes its own shrink and applies the activation")
@@ -599,10 +604,12 @@ def invoke_fused_moe_kernel(
         HAS_LORA=lora is not None,
         LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
         LORA_R=lora.rank_block if lora is not None else 16,
-        # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
-        LORA_CHUNK_R=min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
-        if lora is not None else 16,
+        LORA_CHUNK_R=lora_chunk_r,
         LORA_SPLITS=triton.next_power_of_2(max(shrunk_splits, 1)),
+        # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
+        # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
+        # M=1024 GEMM1 256 -> 328 us on an H200).
+        LORA_PREFETCH=bool(shrunk_splits) and config.block_m <= 32 and lora.rank_block <= lora_chunk_r,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         FP32_IEEE=a.dtype == torch.float32,
