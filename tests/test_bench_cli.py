@@ -29,7 +29,7 @@ def test_dry_run_writes_json_png_and_a_table(tmp_path, capsys):
     assert main(["bench", "--dry-run", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "| model | M | rank | n_adapters | popularity | path | base µs |" in captured.out
-    assert "/33" in captured.err  # the progress bar
+    assert "/39" in captured.err  # the progress bar: 3 M x (base + 2 adapter counts x 6 paths)
 
     payload = _load(out)
     records = payload["records"]
