@@ -520,7 +520,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                     down_a=buf.down_a, down_b=buf.down_b, slot_ranks=slot_ranks.to(device),
                     slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
                 )
-                auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H)
+                auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H, shape.I)
                 point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs,
                              pool_rank=max(rank, cfg.pool_rank))
                 label = f"{shape.name} M={m} r={rank} n={n_adapters} {popularity}"

@@ -28,14 +28,17 @@ from moelora.torch_path import moe_lora_forward_torch
 PATHS = ("auto", "fused", "split", "wide", "staged", "torch")
 
 
-def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int, hidden: int) -> str:
+def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int, hidden: int,
+                     intermediate: int | None = None) -> str:
     """Triton path by shape, from benchmarks/results/bench_lora_NVIDIA_H200.md: "split" (shrink once per
     pair, expands in the GEMM epilogues) is the fastest or within a few percent nearly everywhere. The
-    inline "fused" shrink wins only at decode with a short K and a small rank (DeepSeek-V2-Lite and
-    Qwen3 at M=1, rank 16: about 31% vs 39% overhead), where the split path's two extra launches dominate."""
+    inline "fused" shrink wins at decode with a short K: DeepSeek-V2-Lite at rank 16 (+23.5% vs +25.4%
+    at M=1) and Qwen3-30B-A3B (I=768) at rank 64 (+20.6% vs +36.6%), where the split path's two extra
+    launches dominate. "wide" is never chosen (slower than split in every measured point)."""
     pairs_per_expert = num_tokens * top_k / num_experts
-    if pairs_per_expert < 1 and hidden <= 2048 and max_rank <= 16:
-        return "fused"
+    if pairs_per_expert < 1 and hidden <= 2048:
+        if max_rank <= 16 or (intermediate is not None and intermediate <= 1024):
+            return "fused"
     return "split"
 
 
@@ -115,7 +118,8 @@ class FusedMoEWithLoRA(nn.Module):
             return "torch"
         if self.path != "auto":
             return self.path
-        return choose_lora_path(x.shape[0], topk_ids.shape[1], self.w13.shape[0], batch.max_rank, x.shape[1])
+        return choose_lora_path(x.shape[0], topk_ids.shape[1], self.w13.shape[0], batch.max_rank, x.shape[1],
+                                self.w2.shape[2])
 
     def forward(
         self,
