@@ -26,7 +26,13 @@ from triton_ops.fused_moe import (
     wide_tiles_per_program,
 )
 from triton_ops.moe_align import moe_align_block_size
-from triton_ops.moe_lora import moe_lora_a, moe_lora_down_combine, moe_lora_gate_up_b, shrink_k_splits
+from triton_ops.moe_lora import (
+    moe_lora_a,
+    moe_lora_down_combine,
+    moe_lora_gate_up_b,
+    shrink_block_k,
+    shrink_k_splits,
+)
 from triton_ops.moe_sum import moe_sum_reduce
 
 LORA_PATHS = ("fused", "split", "wide", "staged")
@@ -206,12 +212,13 @@ def fused_experts(
         pairs = rows * top_k
         if split or staged:
             max_padded = sorted_ids.shape[0]
+            block_k = shrink_block_k(x.dtype)
             shrunk_gate_up = torch.empty(
-                (pairs, shrink_k_splits(max_padded, cfg.block_m, hidden), 2 * rank_block),
+                (pairs, shrink_k_splits(max_padded, cfg.block_m, hidden, block_k), 2 * rank_block),
                 dtype=torch.float32, device=x.device,
             )
             shrunk_down = torch.empty(
-                (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate), rank_block),
+                (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
                 dtype=torch.float32, device=x.device,
             )
         if split:
