@@ -71,6 +71,25 @@ def test_dry_run_with_a_custom_config(tmp_path, capsys):
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.interpreter
+def test_pool_rank_runs_small_adapters_in_big_buffers(tmp_path, capsys):
+    # Rank 4 in buffers of rank 32 whose rows past rank 4 hold random values: the kernels must never read
+    # them (the naive loop slices each slot to its real rank), and the records say which pool it was.
+    config = tmp_path / "mini.json"
+    config.write_text(json.dumps({"name": "mini-moe", "E": 4, "top_k": 2, "H": 32, "I": 16}))
+    out = tmp_path / "pool.json"
+    argv = ["bench", "--dry-run", "--config", str(config), "--M", "3", "70", "--ranks", "4", "--pool-rank",
+            "32", "--adapters", "2", "--paths", "naive", "base", "fused", "split", "wide", "--out", str(out),
+            "--no-progress"]
+    assert main(argv) == 0
+    assert "4 (pool 32)" in capsys.readouterr().out
+    lora = [r for r in _load(out)["records"] if r["path"] not in ("base", "naive")]
+    assert len(lora) == 2 * 3
+    for r in lora:
+        assert r["rank"] == 4 and r["pool_rank"] == 32
+        assert r["rel_err_vs_naive"] < 2e-2
+
+
 def test_unknown_model_is_a_clear_error(tmp_path, capsys):
     assert main(["bench", "--dry-run", "--models", "gpt-moe-9000", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err

@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from moelora.layer import FusedMoEWithLoRA
+from moelora.layer import FusedMoEWithLoRA, choose_lora_path
 from moelora.pool import MoELoRAMemoryPool
 from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
 from triton_ops import fused_experts
@@ -747,3 +747,14 @@ def test_from_base_shares_the_module_weights():
         assert layer.w13.data_ptr() == w13.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
     with pytest.raises(TypeError, match="no \\(w13_weight, w2_weight\\)"):
         FusedMoEWithLoRA.from_base(torch.nn.Linear(2, 2), pool=pool, layer_id=LAYER)
+
+
+def test_auto_path_rule():
+    # Decode on small-hidden models takes the inline shrink: at rank <= 16, or any rank with I <= 1024
+    # (Qwen3-30B-A3B); DeepSeek-V2-Lite at rank 64, big-hidden models and prefill take the split path.
+    assert choose_lora_path(1, 8, 128, 16, 2048, 768) == "fused"
+    assert choose_lora_path(1, 8, 128, 64, 2048, 768) == "fused"
+    assert choose_lora_path(1, 6, 64, 16, 2048, 1408) == "fused"
+    assert choose_lora_path(1, 6, 64, 64, 2048, 1408) == "split"
+    assert choose_lora_path(1, 8, 256, 16, 7168, 2048) == "split"
+    assert choose_lora_path(1024, 8, 128, 16, 2048, 768) == "split"
