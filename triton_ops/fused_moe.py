@@ -39,7 +39,6 @@ from triton_ops.lora_tiles import (
     lora_expand_b,
     lora_expand_from_partials,
     lora_expand_slots,
-    lora_expand_tile,
     lora_load_b,
     lora_shrink_tile,
     next_slot,
@@ -267,19 +266,20 @@ def _fused_moe_kernel(
                 acc = lora_expand_b(acc, pre_gate, in_slot0, b0_gate, scaling0, FP32_IEEE=FP32_IEEE)
                 if ACTIVATION != 0:
                     acc_up = lora_expand_b(acc_up, pre_up, in_slot0, b0_up, scaling0, FP32_IEEE=FP32_IEEE)
-                slot = next_slot(row_slot, has_slot, slot0)
-                while slot < (1 << 30):
-                    in_slot = has_slot & (row_slot == slot)
-                    rank = tl.load(slot_ranks_ptr + slot)
-                    scaling = tl.load(slot_scalings_ptr + slot)
-                    lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
-                    acc = lora_expand_tile(acc, pre_gate, in_slot, lb_ptr, offs_n, col_valid, rank, scaling,
-                                           stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R)
-                    if ACTIVATION != 0:
-                        acc_up = lora_expand_tile(acc_up, pre_up, in_slot, lb_ptr + N * stride_lb_n, offs_n,
-                                                  col_valid, rank, scaling, stride_lb_n, stride_lb_r,
-                                                  FP32_IEEE=FP32_IEEE, LORA_R=LORA_R)
-                    slot = next_slot(row_slot, has_slot, slot)
+                # Any other slot of the block: the shared per-slot expand over the rows left.
+                rest = row_valid & (row_slot != slot0)
+                if ACTIVATION != 0:
+                    acc, acc_up = lora_expand_slots(
+                        acc, acc_up, pre_gate, pre_up, rest, row_slot, lora_b_ptr, expert, offs_n, col_valid,
+                        N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+                        stride_lb_r, GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                    )
+                else:
+                    acc, _ = lora_expand_slots(
+                        acc, acc, pre_gate, pre_gate, rest, row_slot, lora_b_ptr, expert, offs_n, col_valid,
+                        N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+                        stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                    )
         else:
             # Wide rank tiles: partials and B a rank chunk at a time, after the K-loop (few registers
             # held through it).
