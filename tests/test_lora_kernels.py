@@ -2,16 +2,22 @@
 reference: covers tile shapes the layer's default configs never pick at test sizes (large BLOCK_N, which
 makes the split path expand in 16-column rank chunks) and split-K shrinks with several partials."""
 
+import importlib
+
 import pytest
 import torch
 
 from moelora.reference import reference_moe_from_pool
 from triton_ops import MoEConfig
 from triton_ops.configs import GemmConfig
+from triton_ops.decode_shrink import decode_shrink_splits, moe_align_with_gate_up_shrink
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
 from triton_ops.moe_lora import shrink_k_splits
 
 PATHS = ("fused", "split", "wide", "staged")
+# The module (the package re-exports the function under the same name).
+fused_experts_module = importlib.import_module("triton_ops.fused_experts")
 
 
 def make_case(m, hidden, inter, num_experts, top_k, ranks, max_rank, num_slots, dtype, gen):
@@ -46,10 +52,14 @@ def make_case(m, hidden, inter, num_experts, top_k, ranks, max_rank, num_slots, 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
-    "block_m,block_n",
-    [(16, 32), (32, 256)],  # 32x256 > 32x128: the split path expands 16 rank columns at a time
+    "block_m,block_n,warps",
+    [
+        (16, 32, 4),  # two GEMM1 N tiles of I=40 (the last ragged): two down partials per pair
+        (32, 256, 4),  # 32x256 > 32x128: the split path expands 16 rank columns at a time
+        (32, 16, 1),  # three down partials, one warp: the partial sums go one split per 3-D load
+    ],
 )
-def test_forced_tiles_and_rank_chunks(path, block_m, block_n):
+def test_forced_tiles_and_rank_chunks(path, block_m, block_n, warps):
     gen = torch.Generator().manual_seed(7)
     # H=100: four fp32 K tiles of 32 with a ragged tail, so shrinks split K into several partials;
     # ranks 3 and 29 in a max-rank-32 pool: two rank chunks, the second one partly past a rank.
@@ -58,8 +68,76 @@ def test_forced_tiles_and_rank_chunks(path, block_m, block_n):
         dtype=torch.float32, gen=gen,
     )
     assert shrink_k_splits(9 * 2 + 5 * (block_m - 1), block_m, 100, block_k=32) > 1
-    gemm = GemmConfig(block_m, block_n, 32, 1, 4, 2)
+    gemm = GemmConfig(block_m, block_n, 32, 1, warps, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=MoEConfig(gemm, gemm))
     scale = ref.abs().max()
     assert (ref - base).abs().max() > 0.1 * scale  # the adapters matter in this case
     torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_down_shrink_without_gemm1_epilogue(path, monkeypatch):
+    """Past MAX_DOWN_PARTIALS GEMM1 tiles (Mixtral's I) GEMM2's shrink runs in its own K-loop (fused) or
+    launch (split): forced here with a limit of 1 on two GEMM1 tiles."""
+    monkeypatch.setattr(fused_experts_module, "MAX_DOWN_PARTIALS", 1)
+    gen = torch.Generator().manual_seed(11)
+    (x, w13, w2), weights, ids, lora, ref, base = make_case(
+        m=7, hidden=64, inter=40, num_experts=4, top_k=2, ranks=(5, 16), max_rank=16, num_slots=3,
+        dtype=torch.float32, gen=gen,
+    )
+    gemm = GemmConfig(16, 32, 32, 1, 4, 2)
+    out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=MoEConfig(gemm, gemm))
+    scale = ref.abs().max()
+    assert (ref - base).abs().max() > 0.1 * scale
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_prefill_sized_batch(path):
+    """67 tokens x top-2 = 134 pairs: past SINGLE_PROGRAM_MAX_PAIRS, so the three-launch alignment and
+    (split) moe_lora_a's gate/up shrink run instead of the decode launch."""
+    gen = torch.Generator().manual_seed(5)
+    (x, w13, w2), weights, ids, lora, ref, base = make_case(
+        m=67, hidden=48, inter=40, num_experts=7, top_k=2, ranks=(16, 6), max_rank=16, num_slots=2,
+        dtype=torch.float32, gen=gen,
+    )
+    assert 67 * 2 > SINGLE_PROGRAM_MAX_PAIRS
+    out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path)
+    scale = ref.abs().max()
+    assert (ref - base).abs().max() > 0.1 * scale
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_align_with_gate_up_shrink(dtype):
+    """The decode launch: program 0's alignment equals ``moe_align_block_size`` bit for bit, and the
+    shrink partials sum to A_gate/up x per pair (ranks 5 and 16 in a max-rank-24 pool read with a rank
+    tile of 16; tokens without an adapter are left unwritten)."""
+    gen = torch.Generator().manual_seed(3)
+    m, hidden, num_experts, top_k, pool_rank, rank_block = 5, 300, 6, 3, 24, 16
+    x = torch.randn(m, hidden, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(m)]).int()
+    gate_up_a = torch.randn(3, num_experts, 2 * pool_rank, hidden, generator=gen).to(dtype)
+    slots = torch.tensor([0, -1, 2, 0, 2], dtype=torch.int32)
+    ranks = torch.tensor([5, 0, 16], dtype=torch.int32)
+    splits = decode_shrink_splits(m * top_k, hidden, 64)
+    assert splits > 1  # 300 = 4 K tiles of 64 + a ragged one
+    out = torch.full((m * top_k, splits, 2 * rank_block), float("nan"))
+    got = moe_align_with_gate_up_shrink(ids, 16, num_experts, x, gate_up_a, slots, ranks,
+                                        rank_block=rank_block, out=out)
+    for g, e in zip(got, moe_align_block_size(ids, 16, num_experts), strict=True):
+        assert torch.equal(g, e)
+    summed = out.sum(1)
+    for p in range(m * top_k):
+        slot = int(slots[p // top_k])
+        if slot < 0:
+            assert out[p].isnan().all()
+            continue
+        rank, a = int(ranks[slot]), gate_up_a[slot, ids.view(-1)[p]].float()
+        expected = torch.zeros(2 * rank_block)
+        expected[:rank] = a[:rank] @ x[p // top_k].float()
+        expected[rank_block:rank_block + rank] = a[pool_rank:pool_rank + rank] @ x[p // top_k].float()
+        torch.testing.assert_close(summed[p], expected, atol=1e-4, rtol=1e-4)

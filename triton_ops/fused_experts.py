@@ -16,8 +16,14 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from triton_ops.configs import MoEConfig, get_moe_config
+from triton_ops.decode_shrink import (
+    decode_shrink_block_k,
+    decode_shrink_splits,
+    moe_align_with_gate_up_shrink,
+)
 from triton_ops.fused_moe import (
     _ACTIVATIONS,
     LoRAOperands,
@@ -25,7 +31,7 @@ from triton_ops.fused_moe import (
     lora_rank_block,
     wide_tiles_per_program,
 )
-from triton_ops.moe_align import moe_align_block_size
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
 from triton_ops.moe_lora import (
     moe_lora_a,
     moe_lora_down_combine,
@@ -36,6 +42,11 @@ from triton_ops.moe_lora import (
 from triton_ops.moe_sum import moe_sum_reduce
 
 LORA_PATHS = ("fused", "split", "wide", "staged")
+
+# GEMM1's epilogue writes GEMM2's LoRA shrink as one partial per GEMM1 N tile when there are at most
+# this many (GEMM2 sums them in its epilogue); past it (Mixtral's I = 14336) the sums would cost more
+# than the separate shrink launch they replace.
+MAX_DOWN_PARTIALS = 64
 
 
 @dataclass(frozen=True)
@@ -135,9 +146,11 @@ def fused_experts(
         no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
         config: force a launch config (default: ``triton_ops.configs.get_moe_config``).
         lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
-        lora_path: "fused" (shrink in the GEMM K-loops, expand in their epilogues: the base path's
-            launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
-            epilogues: two more launches, no recomputation across N tiles), "wide" (the base launches;
+        lora_path: "fused" (gate/up shrink in GEMM1's K-loop, expands in the epilogues: the base path's
+            launches), "split" (gate/up shrink once per pair by ``moe_lora_a``, expands in the GEMM
+            epilogues: one more launch, no recomputation across N tiles). On both, GEMM2's shrink is
+            written by GEMM1's epilogue (one partial per N tile, ``MAX_DOWN_PARTIALS``) or else runs in
+            GEMM2's K-loop (fused) / in a second ``moe_lora_a`` launch (split); "wide" (the base launches;
             each GEMM program covers several N tiles and shrinks once for all of them: prefill) or
             "staged" (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
     """
@@ -191,8 +204,21 @@ def fused_experts(
         chunk_weights = topk_weights[start:end].reshape(-1)
         if not chunk_weights.is_contiguous():
             chunk_weights = chunk_weights.contiguous()
-        sorted_ids, expert_ids, num_post_padded = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
-        align = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post_padded)
+        pairs = rows * top_k
+        # Decode on the split path: GEMM1's shrink rides in the alignment's launch.
+        decode_shrink = split and pairs <= SINGLE_PROGRAM_MAX_PAIRS
+        if decode_shrink:
+            shrunk_gate_up = torch.empty(
+                (pairs, decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype)), 2 * rank_block),
+                dtype=torch.float32, device=x.device,
+            )
+            alignment = moe_align_with_gate_up_shrink(
+                chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a,
+                lora.token_slots[start:end], lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up)
+        else:
+            alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
+        sorted_ids = alignment[0]
+        align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), alignment, strict=True))
 
         chunk_activated = activated[: rows * top_k]
         gemm1_lora = gemm2_lora = None
@@ -209,22 +235,31 @@ def fused_experts(
                 gemm2_lora = replace(gemm2_lora, tiles_per_program=wide_tiles_per_program(
                     max_padded, cfg.block_m, hidden, cfg.gemm2.block_n, x.device))
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
-        pairs = rows * top_k
-        if split or staged:
-            max_padded = sorted_ids.shape[0]
-            block_k = shrink_block_k(x.dtype)
+        # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
+        down_in_gemm1 = (lora is not None and lora_path in ("fused", "split")
+                         and triton.cdiv(intermediate, cfg.gemm1.block_n) <= MAX_DOWN_PARTIALS)
+        max_padded = sorted_ids.shape[0]
+        block_k = shrink_block_k(x.dtype)
+        if (split or staged) and not decode_shrink:
             shrunk_gate_up = torch.empty(
                 (pairs, shrink_k_splits(max_padded, cfg.block_m, hidden, block_k), 2 * rank_block),
                 dtype=torch.float32, device=x.device,
             )
+        if down_in_gemm1:
+            shrunk_down = torch.empty((pairs, triton.cdiv(intermediate, cfg.gemm1.block_n), rank_block),
+                                      dtype=torch.float32, device=x.device)
+            gemm1_lora = replace(gemm1_lora, down_a=lora.down_a, down_shrunk=shrunk_down)
+            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
+        elif split or staged:
             shrunk_down = torch.empty(
                 (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
                 dtype=torch.float32, device=x.device,
             )
-        if split:
+        if split and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
                        out=shrunk_gate_up)
+        if split:
             gemm1_lora = replace(gemm1_lora, shrunk=shrunk_gate_up)
         if staged:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
@@ -249,7 +284,7 @@ def fused_experts(
                 **align,
             )
 
-        if split:
+        if split and not down_in_gemm1:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        block_m=cfg.block_m, top_k=top_k, x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down)

@@ -16,7 +16,8 @@ With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delt
             with a = token_slots[p // slot_row_div] (-1: no delta). The shrink runs over the slots present
             in the block inside the base K-loop (the block's main slot) or before it (other slots; rows of
             other slots are masked out of those loads), or is precomputed by ``moe_lora_a`` (``shrunk``);
-            the expand runs in the epilogue.
+            the expand runs in the epilogue. With DOWN_SHRINK, GEMM1's epilogue also writes GEMM2's shrink
+            A_down[a,e] h as one partial per N tile (``down_shrunk``), which GEMM2 then reads as ``shrunk``.
 
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
@@ -41,6 +42,7 @@ from triton_ops.lora_tiles import (
     lora_expand_slots,
     lora_load_b,
     lora_shrink_tile,
+    lora_store_down_partials,
     next_slot,
 )
 
@@ -76,6 +78,8 @@ def _fused_moe_kernel(
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
     shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
+    down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
+    down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile (DOWN_SHRINK)
     # Sizes
     N,
     K,
@@ -104,13 +108,21 @@ def _fused_moe_kernel(
     stride_lb_r,
     stride_ss,
     stride_sm,
+    stride_da_l,
+    stride_da_e,
+    stride_da_r,
+    stride_da_k,
+    stride_ds,
+    stride_dm,
     # Meta-parameters
     HAS_LORA: tl.constexpr,
     LORA_SHRINK: tl.constexpr,
     LORA_R: tl.constexpr,
     LORA_CHUNK_R: tl.constexpr,
     LORA_SPLITS: tl.constexpr,
+    LORA_SPLIT_CHUNK: tl.constexpr,
     LORA_PREFETCH: tl.constexpr,
+    DOWN_SHRINK: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -182,11 +194,13 @@ def _fused_moe_kernel(
                 # so its latency hides behind the loop instead of following it in every tile.
                 shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
                 pre_gate = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
-                                                SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+                                                SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
+                                                SPLIT_CHUNK=LORA_SPLIT_CHUNK)
                 pre_up = pre_gate
                 if ACTIVATION != 0:
                     pre_up = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
-                                                  SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+                                                  SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
+                                                  SPLIT_CHUNK=LORA_SPLIT_CHUNK)
                 slot0 = first_slot(row_slot, has_slot)
                 slot0_safe = tl.where(slot0 < (1 << 30), slot0, 0)
                 rank0 = tl.where(slot0 < (1 << 30), tl.load(slot_ranks_ptr + slot0_safe), 0)
@@ -294,13 +308,14 @@ def _fused_moe_kernel(
                     acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
                     rank, scaling, stride_lb_n, stride_lb_r,
                     FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, SPLITS=LORA_SPLITS,
+                    SPLIT_CHUNK=LORA_SPLIT_CHUNK,
                 )
                 if ACTIVATION != 0:
                     acc_up = lora_expand_from_partials(
                         acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
                         lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
                         stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
-                        SPLITS=LORA_SPLITS,
+                        SPLITS=LORA_SPLITS, SPLIT_CHUNK=LORA_SPLIT_CHUNK,
                     )
                 slot = next_slot(row_slot, has_slot, slot)
 
@@ -316,6 +331,14 @@ def _fused_moe_kernel(
             tl.store(up_ptrs, acc_up.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
         else:
             acc = _gated_activation(acc, acc_up, ACTIVATION)
+            if DOWN_SHRINK:
+                # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
+                lora_store_down_partials(
+                    acc.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid,
+                    pid_n, down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, stride_da_l, stride_da_e, stride_da_r,
+                    stride_da_k, stride_ds, stride_dm,
+                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
+                )
 
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
@@ -485,6 +508,10 @@ class LoRAOperands:
     rank_block: int
     shrunk: torch.Tensor | None = None  # (numel, splits, 2*rank_block or rank_block) fp32 partials
     tiles_per_program: int = 0  # > 0: the "wide" kernel, each program covering this many BLOCK_N tiles
+    # GEMM1 only: down_a (L, E, R, N) and its partials out, (numel, cdiv(N, BLOCK_N), rank_block) fp32,
+    # written by the epilogue (GEMM2's shrink without a launch of its own).
+    down_a: torch.Tensor | None = None
+    down_shrunk: torch.Tensor | None = None
 
 
 def lora_rank_block(max_rank: int) -> int:
@@ -551,12 +578,21 @@ def invoke_fused_moe_kernel(
             )
         la, lb = lora.lora_a, lora.lora_b
     shrunk_splits = lora.shrunk.shape[1] if lora is not None and lora.shrunk is not None else 0
+    down_shrink = lora is not None and lora.down_shrunk is not None
+    if down_shrink:
+        _check_down_shrink(lora, activation_code, numel, out_n, config.block_n)
+    da = lora.down_a if down_shrink else None
+    ds = lora.down_shrunk if down_shrink else None
     # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
     lora_chunk_r = 16
     if lora is not None:
         lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
+    lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
+    # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
+    split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
+                                                                  // (config.block_m * lora_chunk_r))))
     if lora is not None and lora.tiles_per_program > 0:
-        if gated_raw or shrunk_splits:
+        if gated_raw or shrunk_splits or down_shrink:
             raise ValueError("the wide LoRA kernel computes its own shrink and applies the activation")
         _launch_wide(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, out_n, K, a_row_div,
                      scale, config, activation_code, lora)
@@ -575,6 +611,8 @@ def invoke_fused_moe_kernel(
         slot_ranks_ptr=lora.slot_ranks if lora is not None else sorted_ids,
         slot_scalings_ptr=lora.slot_scalings if lora is not None else c,
         shrunk_ptr=lora.shrunk if lora is not None and lora.shrunk is not None else c,
+        down_a_ptr=da if down_shrink else c,
+        down_shrunk_ptr=ds if down_shrink else c,
         N=out_n,
         K=K,
         numel=numel,
@@ -601,15 +639,23 @@ def invoke_fused_moe_kernel(
         stride_lb_r=lb.stride(3) if lora is not None else 0,
         stride_ss=lora.shrunk.stride(1) if shrunk_splits else 0,
         stride_sm=lora.shrunk.stride(0) if shrunk_splits else 0,
+        stride_da_l=da.stride(0) if down_shrink else 0,
+        stride_da_e=da.stride(1) if down_shrink else 0,
+        stride_da_r=da.stride(2) if down_shrink else 0,
+        stride_da_k=da.stride(3) if down_shrink else 0,
+        stride_ds=ds.stride(1) if down_shrink else 0,
+        stride_dm=ds.stride(0) if down_shrink else 0,
         HAS_LORA=lora is not None,
         LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
         LORA_R=lora.rank_block if lora is not None else 16,
         LORA_CHUNK_R=lora_chunk_r,
-        LORA_SPLITS=triton.next_power_of_2(max(shrunk_splits, 1)),
+        LORA_SPLITS=lora_splits,
+        LORA_SPLIT_CHUNK=split_chunk,
         # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
         # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
         # M=1024 GEMM1 256 -> 328 us on an H200).
         LORA_PREFETCH=bool(shrunk_splits) and config.block_m <= 32 and lora.rank_block <= lora_chunk_r,
+        DOWN_SHRINK=down_shrink,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         FP32_IEEE=a.dtype == torch.float32,
@@ -621,6 +667,20 @@ def invoke_fused_moe_kernel(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out_n: int,
+                       block_n: int) -> None:
+    if activation_code not in (ACTIVATION_SILU, ACTIVATION_GELU):
+        raise ValueError("down_shrunk is written by GEMM1's activated epilogue: activation must be silu/gelu")
+    rank = lora.lora_b.shape[3]
+    if lora.down_a is None or lora.down_a.shape[2:] != (rank, out_n):
+        got = None if lora.down_a is None else tuple(lora.down_a.shape)
+        raise ValueError(f"down_a must be (L, E, {rank}, {out_n}) beside down_shrunk, got {got}")
+    expected = (numel, triton.cdiv(out_n, block_n), lora.rank_block)
+    if lora.down_shrunk.dtype != torch.float32 or tuple(lora.down_shrunk.shape) != expected:
+        raise ValueError(f"down_shrunk must be fp32 {expected} (pairs, N tiles of GEMM1, rank_block), got "
+                         f"{lora.down_shrunk.dtype} {tuple(lora.down_shrunk.shape)}")
 
 
 def _launch_wide(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,

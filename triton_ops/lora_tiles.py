@@ -117,14 +117,19 @@ def load_shrink_partials(
     rows_in_slot,  # (BLOCK_M,) int1
     SPLITS: tl.constexpr,  # power of two >= num_splits
     CHUNK_R: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,  # power of two <= SPLITS: splits per 3-D load (bounds the registers)
 ):
-    """(BLOCK_M, CHUNK_R) fp32 sum of the split-K partials of these rows: one 3-D load, so the splits
-    cost one memory latency, not one each; the sum runs in split order (deterministic)."""
-    offs_s = tl.arange(0, SPLITS)
+    """(BLOCK_M, CHUNK_R) fp32 sum of the split-K partials of these rows: 3-D loads of SPLIT_CHUNK
+    splits each (independent, so they share one memory latency); the sum runs in split order
+    (deterministic)."""
     offs_r = col_offset + tl.arange(0, CHUNK_R)
-    ptrs = shrunk_rows_ptr[:, None, None] + offs_s[None, :, None] * stride_ss + offs_r[None, None, :]
-    mask = rows_in_slot[:, None, None] & (offs_s < num_splits)[None, :, None]
-    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=1)
+    total = tl.zeros((shrunk_rows_ptr.shape[0], CHUNK_R), dtype=tl.float32)
+    for s0 in tl.static_range(0, SPLITS, SPLIT_CHUNK):
+        offs_s = s0 + tl.arange(0, SPLIT_CHUNK)
+        ptrs = shrunk_rows_ptr[:, None, None] + offs_s[None, :, None] * stride_ss + offs_r[None, None, :]
+        mask = rows_in_slot[:, None, None] & (offs_s < num_splits)[None, :, None]
+        total += tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=1)
+    return total
 
 
 @triton.jit
@@ -146,6 +151,7 @@ def lora_expand_from_partials(
     LORA_R: tl.constexpr,
     CHUNK_R: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
     """Expand from split-K shrink partials kept in memory, CHUNK_R rank columns at a time: few live
     registers beside the accumulators, and chunks past the slot's real rank are skipped."""
@@ -153,7 +159,8 @@ def lora_expand_from_partials(
         if r0 < rank:
             offs_r = r0 + tl.arange(0, CHUNK_R)
             shrunk = load_shrink_partials(shrunk_rows_ptr, col_offset + r0, num_splits, stride_ss,
-                                          rows_in_slot, SPLITS=SPLITS, CHUNK_R=CHUNK_R)
+                                          rows_in_slot, SPLITS=SPLITS, CHUNK_R=CHUNK_R,
+                                          SPLIT_CHUNK=SPLIT_CHUNK)
             b_ptrs = lb_ptr + offs_n.to(tl.int64)[None, :] * stride_ln + offs_r[:, None] * stride_lr
             b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
             acc = _dot((shrunk * scaling).to(b.dtype), b, acc, FP32_IEEE)
@@ -214,3 +221,47 @@ def lora_expand_slots(
             )
         slot = next_slot(row_slot, has_slot, slot)
     return acc, acc_up
+
+
+@triton.jit
+def lora_store_down_partials(
+    h,  # (BLOCK_M, BLOCK_N) the activated GEMM1 tile, in the dtype GEMM2 reads it in
+    row_slot,  # (BLOCK_M,) int32, -1 = no adapter
+    has_slot,  # (BLOCK_M,) int1: valid row with an adapter
+    pair,  # (BLOCK_M,) int32 routed pair of each row
+    expert,  # int64 expert of the block
+    offs_n,  # (BLOCK_N,) columns of h: the down projection's K
+    col_valid,  # (BLOCK_N,) int1
+    tile,  # this tile's index along N: which partial it writes
+    down_a_ptr,  # (L, E, R, N) LoRA A of the down projection
+    out_ptr,  # (numel, tiles, LORA_R) fp32 partials, out
+    slot_ranks_ptr,  # (L,) int32
+    stride_da_l,
+    stride_da_e,
+    stride_da_r,
+    stride_da_k,
+    stride_ds,
+    stride_dm,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+    CHUNK_R: tl.constexpr,
+):
+    """GEMM2's shrink from GEMM1's epilogue: ``out[p, tile, :] = A_down[a_p, e][:, cols] @ h[p, cols]``
+    for the tile's columns, so GEMM2 sums ``tiles`` partials instead of a separate launch re-reading h.
+    Every rank column of a row with an adapter is written (zeros past the slot's rank, where A is not
+    read), so the consumers never see uninitialised partials."""
+    out_rows = out_ptr + pair.to(tl.int64) * stride_dm + tile * stride_ds
+    slot = first_slot(row_slot, has_slot)
+    while slot < (1 << 30):
+        in_slot = has_slot & (row_slot == slot)
+        rank = tl.load(slot_ranks_ptr + slot)
+        da_ptr = down_a_ptr + tl.cast(slot, tl.int64) * stride_da_l + expert * stride_da_e
+        for r0 in tl.static_range(0, LORA_R, CHUNK_R):
+            offs_r = r0 + tl.arange(0, CHUNK_R)
+            part = tl.zeros((h.shape[0], CHUNK_R), dtype=tl.float32)
+            if r0 < rank:
+                a_ptrs = da_ptr + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k
+                a = tl.load(a_ptrs, mask=col_valid[:, None] & (offs_r < rank)[None, :], other=0.0)
+                part = _dot(h, a, part, FP32_IEEE)
+            tl.store(out_rows[:, None] + offs_r[None, :], part, mask=in_slot[:, None])
+        slot = next_slot(row_slot, has_slot, slot)

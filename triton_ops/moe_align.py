@@ -171,25 +171,23 @@ def _scatter_kernel(
 
 
 @triton.jit
-def _align_single_kernel(
-    # Pointers
-    topk_ids_ptr,  # (numel,) int32/int64, numel <= CHUNK
-    expert_start_ptr,  # (E,) int32, scratch
-    expert_ids_ptr,  # (max_blocks,) int32, out
-    sorted_ids_ptr,  # (max_padded,) int32, out
-    num_post_padded_ptr,  # (1,) int32, out
-    # Sizes
+def align_single_program(
+    topk_ids_ptr,
+    expert_start_ptr,
+    expert_ids_ptr,
+    sorted_ids_ptr,
+    num_post_padded_ptr,
     numel,
     num_experts,
     max_padded,
     max_blocks,
-    # Meta-parameters
     CHUNK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """Decode-sized batches: the whole alignment in one program, one launch."""
+    """The whole alignment of a decode-sized batch (numel <= CHUNK) by one program: the body of
+    ``_align_single_kernel``, also run by program 0 of the LoRA decode shrink (``moe_lora.py``)."""
     offs = tl.arange(0, CHUNK)
     valid = offs < numel
     ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
@@ -221,11 +219,91 @@ def _align_single_kernel(
                  mask=(pos >= total_padded) & (pos < max_padded))
 
 
+@triton.jit
+def _align_single_kernel(
+    # Pointers
+    topk_ids_ptr,  # (numel,) int32/int64, numel <= CHUNK
+    expert_start_ptr,  # (E,) int32, scratch
+    expert_ids_ptr,  # (max_blocks,) int32, out
+    sorted_ids_ptr,  # (max_padded,) int32, out
+    num_post_padded_ptr,  # (1,) int32, out
+    # Sizes
+    numel,
+    num_experts,
+    max_padded,
+    max_blocks,
+    # Meta-parameters
+    CHUNK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Decode-sized batches: the whole alignment in one program, one launch."""
+    align_single_program(
+        topk_ids_ptr, expert_start_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_padded_ptr, numel,
+        num_experts, max_padded, max_blocks, CHUNK=CHUNK, BLOCK_SIZE=BLOCK_SIZE, BLOCK_E=BLOCK_E,
+        BLOCK_B=BLOCK_B,
+    )
+
+
 def max_padded_size(numel: int, num_experts: int, block_size: int) -> int:
     """Upper bound on ``num_post_padded``: every expert that gets a pair (at most min(E, numel) of them)
     wastes at most block_size - 1 slots. Keeping it tight matters at decode: the GEMM grids are sized
     from it, and every block past the real end is a program that starts only to exit."""
     return numel + min(num_experts, numel) * (block_size - 1)
+
+
+SINGLE_PROGRAM_MAX_PAIRS = _CHUNK
+
+
+def _check_align_args(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> torch.Tensor:
+    """Validates the arguments; returns the flat contiguous ids."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D (num_tokens, top_k), got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    flat_ids = topk_ids.reshape(-1)
+    return flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
+
+
+def single_program_align_args(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict, int]:
+    """Outputs and keyword arguments of ``align_single_program`` for a batch of at most
+    ``SINGLE_PROGRAM_MAX_PAIRS`` pairs: ((sorted_ids, expert_ids, num_post_padded), kwargs, num_warps)."""
+    flat_ids = _check_align_args(topk_ids, block_size, num_experts)
+    numel = flat_ids.numel()
+    if numel > SINGLE_PROGRAM_MAX_PAIRS:
+        raise ValueError(f"one program aligns at most {SINGLE_PROGRAM_MAX_PAIRS} pairs, got {numel}")
+    device = topk_ids.device
+    max_padded = max_padded_size(numel, num_experts, block_size)
+    max_blocks = triton.cdiv(max_padded, block_size)
+    block_e = triton.next_power_of_2(num_experts)
+    outputs = (
+        torch.empty((max_padded,), dtype=torch.int32, device=device),
+        torch.empty((max_blocks,), dtype=torch.int32, device=device),
+        torch.empty((1,), dtype=torch.int32, device=device),
+    )
+    kwargs = dict(
+        topk_ids_ptr=flat_ids,
+        expert_start_ptr=torch.empty((num_experts,), dtype=torch.int32, device=device),
+        sorted_ids_ptr=outputs[0],
+        expert_ids_ptr=outputs[1],
+        num_post_padded_ptr=outputs[2],
+        numel=numel,
+        num_experts=num_experts,
+        max_padded=max_padded,
+        max_blocks=max_blocks,
+        CHUNK=max(16, triton.next_power_of_2(numel)),
+        BLOCK_SIZE=block_size,
+        BLOCK_E=block_e,
+        BLOCK_B=max(16, min(256, 8192 // block_e)),
+    )
+    return outputs, kwargs, 8 if block_e >= 256 else 4
 
 
 def moe_align_block_size(
@@ -244,19 +322,13 @@ def moe_align_block_size(
         num_post_padded (1,) int32, all on topk_ids' device;
         max_padded = numel + min(E, numel) * (block_size - 1).
     """
-    if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be 2-D (num_tokens, top_k), got shape {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-
-    flat_ids = topk_ids.reshape(-1)
-    if not flat_ids.is_contiguous():
-        flat_ids = flat_ids.contiguous()
+    flat_ids = _check_align_args(topk_ids, block_size, num_experts)
     numel = flat_ids.numel()
+    if numel <= SINGLE_PROGRAM_MAX_PAIRS:
+        outputs, kwargs, num_warps = single_program_align_args(topk_ids, block_size, num_experts)
+        _align_single_kernel[(1,)](**kwargs, num_warps=num_warps)
+        return outputs
+
     device = topk_ids.device
     max_padded = max_padded_size(numel, num_experts, block_size)
     max_blocks = triton.cdiv(max_padded, block_size)
@@ -267,26 +339,6 @@ def moe_align_block_size(
     expert_start = torch.empty((num_experts,), dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
     block_b = max(16, min(256, 8192 // block_e))
-
-    if numel <= _CHUNK:
-        sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
-        _align_single_kernel[(1,)](
-            topk_ids_ptr=flat_ids,
-            expert_start_ptr=expert_start,
-            expert_ids_ptr=expert_ids,
-            sorted_ids_ptr=sorted_ids,
-            num_post_padded_ptr=num_post_padded,
-            numel=numel,
-            num_experts=num_experts,
-            max_padded=max_padded,
-            max_blocks=max_blocks,
-            CHUNK=max(16, triton.next_power_of_2(numel)),
-            BLOCK_SIZE=block_size,
-            BLOCK_E=block_e,
-            BLOCK_B=block_b,
-            num_warps=8 if block_e >= 256 else 4,
-        )
-        return sorted_ids, expert_ids, num_post_padded
 
     # Positions past num_post_padded must hold the sentinel too, so start from it.
     sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)

@@ -1,0 +1,170 @@
+"""Decode: the routing alignment and GEMM1's LoRA shrink in one launch.
+
+Semantics:  program 0:     the alignment of ``moe_align_block_size`` (one program, numel <= 128 pairs)
+            programs 1 ..: out[p, s, :R]  = A_gate[a, e_p, :rank_a, ks] @ x[t, ks]
+                           out[p, s, R:]  = A_up[a, e_p, :rank_a, ks] @ x[t, ks]
+            for every routed pair p = t*top_k + j with a = token_slots[t] >= 0, e_p = topk_ids[t, j] and
+            split s of K (ks = its columns); columns past rank_a hold 0, so every column GEMM1 reads is
+            written. Pairs of tokens without an adapter are not written (nobody reads them).
+Grid:       (1 + numel * splits,)
+
+The shrink needs only the routing and x, not the sorted order, so at decode it rides in the alignment's
+launch instead of following it: the layer then has the base path's launches (the down shrink is written
+by GEMM1's epilogue). Each shrink program is a GEMV on one pair's K slice (fp32 products and sums, no
+tensor cores at one row); the split partials are summed by GEMM1 in a fixed order (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
+
+
+@triton.jit
+def _align_and_gate_up_shrink_kernel(
+    # Pointers: alignment
+    topk_ids_ptr,  # (numel,) int32/int64 flat routed expert ids
+    expert_start_ptr,  # (E,) int32 scratch
+    expert_ids_ptr,  # (max_blocks,) int32 out
+    sorted_ids_ptr,  # (max_padded,) int32 out
+    num_post_padded_ptr,  # (1,) int32 out
+    # Pointers: shrink
+    x_ptr,  # (M, K) fp16/bf16/fp32 activations
+    lora_a_ptr,  # (L, E, 2R_pool, K) gate_up_a: gate rows, then up rows from lora_up_offset
+    token_slots_ptr,  # (M,) int32 slot per token, -1 = no adapter
+    slot_ranks_ptr,  # (L,) int32 real rank per slot
+    out_ptr,  # (numel, splits, 2 * LORA_R) fp32 out: [gate | up] partials
+    # Sizes
+    numel,
+    num_experts,
+    max_padded,
+    max_blocks,
+    K,
+    k_per_split,
+    num_splits,
+    top_k,
+    lora_up_offset,
+    # Strides
+    stride_xm,
+    stride_xk,
+    stride_la_l,
+    stride_la_e,
+    stride_la_r,
+    stride_la_k,
+    stride_os,
+    stride_om,
+    # Meta-parameters
+    CHUNK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    LORA_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid == 0:
+        align_single_program(
+            topk_ids_ptr, expert_start_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_padded_ptr, numel,
+            num_experts, max_padded, max_blocks, CHUNK=CHUNK, BLOCK_SIZE=BLOCK_SIZE, BLOCK_E=BLOCK_E,
+            BLOCK_B=BLOCK_B,
+        )
+    else:
+        pair = (pid - 1) // num_splits
+        split = (pid - 1) % num_splits
+        token = pair // top_k
+        slot = tl.load(token_slots_ptr + token)
+        if slot >= 0:
+            expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+            rank = tl.load(slot_ranks_ptr + slot)
+            offs_r = tl.arange(0, LORA_R)
+            offs_k = tl.arange(0, BLOCK_K)
+            rank_valid = offs_r < rank
+            la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+            x_row = x_ptr + token.to(tl.int64) * stride_xm
+            k_start = split * k_per_split
+            k_end = tl.minimum(k_start + k_per_split, K)
+            gate = tl.zeros((LORA_R, BLOCK_K), dtype=tl.float32)
+            up = tl.zeros((LORA_R, BLOCK_K), dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                cols = k0 + offs_k
+                k_valid = cols < k_end
+                xv = tl.load(x_row + cols * stride_xk, mask=k_valid, other=0.0).to(tl.float32)
+                a_ptrs = la_ptr + offs_r[:, None] * stride_la_r + cols[None, :] * stride_la_k
+                mask = rank_valid[:, None] & k_valid[None, :]
+                gate += tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
+                up += tl.load(a_ptrs + lora_up_offset, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
+            out_row = out_ptr + pair.to(tl.int64) * stride_om + split * stride_os
+            tl.store(out_row + offs_r, tl.sum(gate, axis=1))
+            tl.store(out_row + LORA_R + offs_r, tl.sum(up, axis=1))
+
+
+def decode_shrink_splits(numel: int, k: int, block_k: int, target_programs: int = 256,
+                         max_splits: int = 8) -> int:
+    """Splits of K for the decode shrink: about ``target_programs`` GEMVs in all (one pair's whole K is
+    a long serial walk), at most ``max_splits`` (GEMM1 sums them: registers)."""
+    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, max(numel, 1)), max_splits))
+
+
+def decode_shrink_block_k(dtype: torch.dtype) -> int:
+    return 64 if dtype == torch.float32 else 128
+
+
+def moe_align_with_gate_up_shrink(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    x: torch.Tensor,
+    gate_up_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    *,
+    rank_block: int,
+    out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_align_block_size`` plus GEMM1's LoRA shrink into ``out`` (numel, splits, 2 * rank_block) fp32,
+    in one launch; at most ``SINGLE_PROGRAM_MAX_PAIRS`` routed pairs. Returns the alignment."""
+    (sorted_ids, expert_ids, num_post_padded), align_kwargs, num_warps = single_program_align_args(
+        topk_ids, block_size, num_experts)
+    numel, splits, width = out.shape
+    num_tokens, hidden = x.shape
+    if numel != topk_ids.numel() or width != 2 * rank_block or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 ({topk_ids.numel()}, splits, {2 * rank_block}), got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if gate_up_a.dim() != 4 or gate_up_a.shape[3] != hidden or gate_up_a.shape[2] % 2:
+        raise ValueError(f"gate_up_a must be (L, E, 2R, {hidden}), got {tuple(gate_up_a.shape)}")
+    if token_slots.shape != (num_tokens,):
+        raise ValueError(f"token_slots must be ({num_tokens},), got {tuple(token_slots.shape)}")
+    pool_rank = gate_up_a.shape[2] // 2
+    block_k = decode_shrink_block_k(x.dtype)
+    k_per_split = triton.cdiv(triton.cdiv(hidden, block_k), splits) * block_k
+    _align_and_gate_up_shrink_kernel[(1 + numel * splits,)](
+        **align_kwargs,
+        x_ptr=x,
+        lora_a_ptr=gate_up_a,
+        token_slots_ptr=token_slots,
+        slot_ranks_ptr=slot_ranks,
+        out_ptr=out,
+        K=hidden,
+        k_per_split=k_per_split,
+        num_splits=splits,
+        top_k=topk_ids.shape[1],
+        lora_up_offset=pool_rank * gate_up_a.stride(2),
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        stride_la_l=gate_up_a.stride(0),
+        stride_la_e=gate_up_a.stride(1),
+        stride_la_r=gate_up_a.stride(2),
+        stride_la_k=gate_up_a.stride(3),
+        stride_os=out.stride(1),
+        stride_om=out.stride(0),
+        LORA_R=rank_block,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    return sorted_ids, expert_ids, num_post_padded
+
+
+__all__ = ["SINGLE_PROGRAM_MAX_PAIRS", "decode_shrink_splits", "moe_align_with_gate_up_shrink"]
