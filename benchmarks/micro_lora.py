@@ -20,9 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moelora.bench import MODELS, make_lora_buffers, token_slots_for  # noqa: E402
 from triton_ops.configs import get_moe_config  # noqa: E402
+from triton_ops.decode_shrink import (  # noqa: E402
+    decode_shrink_block_k,
+    decode_shrink_splits,
+    moe_align_with_gate_up_shrink,
+)
 from triton_ops.fused_experts import MoELoRAInputs, _with_lora_tiles  # noqa: E402
 from triton_ops.fused_moe import LoRAOperands, invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
-from triton_ops.moe_align import moe_align_block_size  # noqa: E402
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size  # noqa: E402
 from triton_ops.moe_lora import moe_lora_a, shrink_k_splits  # noqa: E402
 
 
@@ -49,6 +54,7 @@ def main() -> None:
     parser.add_argument("--M", type=int, nargs="+", default=[1])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=1)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the shrink launch-config sweep")
     args = parser.parse_args()
     shape = MODELS[args.model]
     num_experts, top_k, hidden, inter = shape.E, shape.top_k, shape.H, shape.I
@@ -200,7 +206,25 @@ def main() -> None:
                 )
             ),
         }
-        for sub_m in sorted({16, 32, 64, cfg.block_m}):
+        # GEMM2's shrink in GEMM1's epilogue: one partial per GEMM1 N tile, summed by GEMM2.
+        sdt = torch.zeros(m * top_k, triton.cdiv(inter, cfg.gemm1.block_n), rb, device="cuda",
+                          dtype=torch.float32)
+        rows["gemm1 split+down"] = us(lambda: invoke_fused_moe_kernel(
+            x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg.gemm1, activation="silu",
+            lora=replace(l1, shrunk=sgu, down_a=lora.down_a, down_shrunk=sdt), **align))
+        rows[f"gemm2 split ({sdt.shape[1]} partials)"] = us(lambda: invoke_fused_moe_kernel(
+            act, w2, out, topk_weights=weights, a_row_div=1, config=cfg.gemm2, lora=replace(l2, shrunk=sdt),
+            **align))
+        if m * top_k <= SINGLE_PROGRAM_MAX_PAIRS:
+            dsplits = decode_shrink_splits(m * top_k, hidden, decode_shrink_block_k(dtype))
+            dgu = torch.empty(m * top_k, dsplits, 2 * rb, device="cuda", dtype=torch.float32)
+            rows[f"align+shrink ({dsplits} splits)"] = us(lambda: moe_align_with_gate_up_shrink(
+                ids, cfg.block_m, num_experts, x, lora.gate_up_a, lora.token_slots, lora.slot_ranks,
+                rank_block=rb, out=dgu))
+            rows["gemm1 split (decode partials)"] = us(lambda: invoke_fused_moe_kernel(
+                x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg.gemm1, activation="silu",
+                lora=replace(l1, shrunk=dgu), **align))
+        for sub_m in sorted({16, 32, 64, cfg.block_m}) if not args.no_sweep else ():
             if sub_m > cfg.block_m:
                 continue
             for bk in (64, 128):

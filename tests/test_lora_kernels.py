@@ -76,10 +76,10 @@ def test_forced_tiles_and_rank_chunks(path, block_m, block_n, warps):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_down_shrink_without_gemm1_epilogue(path, monkeypatch):
-    """Past MAX_DOWN_PARTIALS GEMM1 tiles (Mixtral's I) GEMM2's shrink runs in its own K-loop (fused) or
-    launch (split): forced here with a limit of 1 on two GEMM1 tiles."""
+def test_down_shrink_without_gemm1_epilogue(monkeypatch):
+    """Decode past MAX_DOWN_PARTIALS GEMM1 tiles: GEMM2's shrink gets its own launch (forced here with a
+    limit of 1 on two GEMM1 tiles), beside the gate/up shrink in the alignment's launch."""
+    path = "split"
     monkeypatch.setattr(fused_experts_module, "MAX_DOWN_PARTIALS", 1)
     gen = torch.Generator().manual_seed(11)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(

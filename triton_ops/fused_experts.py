@@ -43,10 +43,12 @@ from triton_ops.moe_sum import moe_sum_reduce
 
 LORA_PATHS = ("fused", "split", "wide", "staged")
 
-# GEMM1's epilogue writes GEMM2's LoRA shrink as one partial per GEMM1 N tile when there are at most
-# this many (GEMM2 sums them in its epilogue); past it (Mixtral's I = 14336) the sums would cost more
-# than the separate shrink launch they replace.
-MAX_DOWN_PARTIALS = 64
+# At decode on the split path GEMM1's epilogue writes GEMM2's LoRA shrink, one partial per GEMM1 N tile,
+# when there are at most this many (GEMM2 sums them): that saves the shrink launch (~3 us in a graph) for
+# about 1 us of GEMM1 epilogue. With more partials GEMM2's sums cost more than the launch (DeepSeek-V3
+# M=16, 64 partials: GEMM2 710 -> 839 us), and at prefill GEMM1's epilogue does (Qwen3-30B M=1024, 128-row
+# tiles: GEMM1 272 -> 437 us); H200, benchmarks/micro_lora.py.
+MAX_DOWN_PARTIALS = 16
 
 
 @dataclass(frozen=True)
@@ -146,12 +148,12 @@ def fused_experts(
         no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
         config: force a launch config (default: ``triton_ops.configs.get_moe_config``).
         lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
-        lora_path: "fused" (gate/up shrink in GEMM1's K-loop, expands in the epilogues: the base path's
-            launches), "split" (gate/up shrink once per pair by ``moe_lora_a``, expands in the GEMM
-            epilogues: one more launch, no recomputation across N tiles). On both, GEMM2's shrink is
-            written by GEMM1's epilogue (one partial per N tile, ``MAX_DOWN_PARTIALS``) or else runs in
-            GEMM2's K-loop (fused) / in a second ``moe_lora_a`` launch (split); "wide" (the base launches;
-            each GEMM program covers several N tiles and shrinks once for all of them: prefill) or
+        lora_path: "fused" (shrinks in the GEMM K-loops, expands in their epilogues: the base path's
+            launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
+            epilogues: two more launches, no recomputation across N tiles; at decode the gate/up
+            shrink rides in the alignment's launch and, up to ``MAX_DOWN_PARTIALS`` GEMM1 N tiles, the
+            down shrink in GEMM1's epilogue, so decode has the base path's launches), "wide" (the base
+            launches; each GEMM program covers several N tiles and shrinks once for all of them) or
             "staged" (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -236,8 +238,7 @@ def fused_experts(
                     max_padded, cfg.block_m, hidden, cfg.gemm2.block_n, x.device))
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
-        down_in_gemm1 = (lora is not None and lora_path in ("fused", "split")
-                         and triton.cdiv(intermediate, cfg.gemm1.block_n) <= MAX_DOWN_PARTIALS)
+        down_in_gemm1 = (decode_shrink and triton.cdiv(intermediate, cfg.gemm1.block_n) <= MAX_DOWN_PARTIALS)
         max_padded = sorted_ids.shape[0]
         block_k = shrink_block_k(x.dtype)
         if (split or staged) and not decode_shrink:
