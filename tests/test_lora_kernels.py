@@ -94,13 +94,22 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_prefill_sized_batch(path):
+@pytest.mark.parametrize("path", ["fused", "split", "staged"])
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        (16, 6),
+        # Six adapters of rank <= 16 over 7 experts: blocks hold more slots than moe_lora_a's group of
+        # 64 // 16 = 4, so its shrink walks K twice (two slot groups), one of them partly empty.
+        (3, 16, 5, 9, 12, 7),
+    ],
+)
+def test_prefill_sized_batch(path, ranks):
     """67 tokens x top-2 = 134 pairs: past SINGLE_PROGRAM_MAX_PAIRS, so the three-launch alignment and
     (split) moe_lora_a's gate/up shrink run instead of the decode launch."""
     gen = torch.Generator().manual_seed(5)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
-        m=67, hidden=48, inter=40, num_experts=7, top_k=2, ranks=(16, 6), max_rank=16, num_slots=2,
+        m=67, hidden=48, inter=40, num_experts=7, top_k=2, ranks=ranks, max_rank=16, num_slots=len(ranks),
         dtype=torch.float32, gen=gen,
     )
     assert 67 * 2 > SINGLE_PROGRAM_MAX_PAIRS

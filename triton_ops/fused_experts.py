@@ -47,7 +47,9 @@ LORA_PATHS = ("fused", "split", "wide", "staged")
 # when there are at most this many (GEMM2 sums them): that saves the shrink launch (~3 us in a graph) for
 # about 1 us of GEMM1 epilogue. With more partials GEMM2's sums cost more than the launch (DeepSeek-V3
 # M=16, 64 partials: GEMM2 710 -> 839 us), and at prefill GEMM1's epilogue does (Qwen3-30B M=1024, 128-row
-# tiles: GEMM1 272 -> 437 us); H200, benchmarks/micro_lora.py.
+# tiles: GEMM1 272 -> 437 us); H200, benchmarks/micro_lora.py. With at most 32 pairs (a few decode
+# tokens) GEMM2 has few programs and 64 partials are still cheap (DeepSeek-V2-Lite M=1, 44 partials:
+# +14.1 % vs +17.0 % with the launch, moelora bench).
 MAX_DOWN_PARTIALS = 16
 
 
@@ -238,7 +240,9 @@ def fused_experts(
                     max_padded, cfg.block_m, hidden, cfg.gemm2.block_n, x.device))
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
-        down_in_gemm1 = (decode_shrink and triton.cdiv(intermediate, cfg.gemm1.block_n) <= MAX_DOWN_PARTIALS)
+        down_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
+        down_in_gemm1 = decode_shrink and (down_tiles <= MAX_DOWN_PARTIALS
+                                           or (pairs <= 32 and down_tiles <= 64))
         max_padded = sorted_ids.shape[0]
         block_k = shrink_block_k(x.dtype)
         if (split or staged) and not decode_shrink:

@@ -265,3 +265,38 @@ def lora_store_down_partials(
                 part = _dot(h, a, part, FP32_IEEE)
             tl.store(out_rows[:, None] + offs_r[None, :], part, mask=in_slot[:, None])
         slot = next_slot(row_slot, has_slot, slot)
+
+
+@triton.jit
+def slot_group(
+    row_slot,  # (BLOCK_M,) int32, -1 = no adapter
+    has_slot,  # (BLOCK_M,) int1
+    slot,  # first slot of the group (present in the block)
+    GROUP: tl.constexpr,  # slots per group
+    LORA_R: tl.constexpr,
+):
+    """Up to GROUP slots present in the block, from ``slot`` on, side by side: column c of a
+    (., GROUP * LORA_R) tile belongs to slot ``col_slot[c]`` (2**30: none) and rank column c % LORA_R;
+    ``row_group[m]`` is the group column block of row m (-1: not in this group). Returns
+    (col_slot, row_group, the first slot after the group or 2**30)."""
+    cols = tl.arange(0, GROUP * LORA_R)
+    col_slot = tl.full((GROUP * LORA_R,), 1 << 30, tl.int32)
+    row_group = tl.full(row_slot.shape, -1, tl.int32)
+    for j in tl.static_range(GROUP):
+        col_slot = tl.where(cols // LORA_R == j, slot, col_slot)
+        row_group = tl.where(has_slot & (row_slot == slot), j, row_group)
+        slot = next_slot(row_slot, has_slot, slot)
+    return col_slot, row_group, slot
+
+
+@triton.jit
+def select_group_columns(
+    tile,  # (BLOCK_M, GROUP * LORA_R) fp32: every row against every slot of the group
+    row_group,  # (BLOCK_M,) int32 column block of each row's own slot
+    GROUP: tl.constexpr,
+    LORA_R: tl.constexpr,
+):
+    """(BLOCK_M, LORA_R): each row's own slot's columns."""
+    blocks = tl.reshape(tile, (tile.shape[0], GROUP, LORA_R))
+    own = tl.arange(0, GROUP)[None, :, None] == row_group[:, None, None]
+    return tl.sum(tl.where(own, blocks, 0.0), axis=1)

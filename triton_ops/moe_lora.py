@@ -9,8 +9,9 @@ Staged path, around the base GEMMs of ``fused_moe.py``:
                          (a grouped shrink, then a gather-form expand that sums the top-k in registers:
                          no atomics, one writer per output element)
 Shrinks and the gate_up expand run on the base alignment's blocks (one expert per block) and loop over
-the adapter slots present in each block; rows of other slots are masked out of every load, so tokens
-with slot -1 cost nothing and a slot's rank rows beyond its real rank are never read.
+the adapter slots present in each block (the shrink up to 64 // R of them at a time, side by side in one
+A tile, so a block of several adapters' tokens walks K once); rows of other slots are masked out of every
+load, so tokens with slot -1 cost nothing and a slot's rank rows beyond its real rank are never read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import triton
 import triton.language as tl
 
 from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation
-from triton_ops.lora_tiles import first_slot, lora_expand_slots, lora_shrink_tile, next_slot
+from triton_ops.lora_tiles import (
+    _dot,
+    first_slot,
+    lora_expand_slots,
+    select_group_columns,
+    slot_group,
+)
 
 
 @triton.jit
@@ -57,6 +64,7 @@ def _moe_lora_shrink_kernel(
     ALIGN_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SLOT_GROUP: tl.constexpr,
 ):
     """One BLOCK_M slice of an alignment block (one expert) times one K slice."""
     pid_m = tl.program_id(0)
@@ -74,23 +82,40 @@ def _moe_lora_shrink_kernel(
     x_row = (pair // x_row_div).to(tl.int64)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, SLOT_GROUP * LORA_R)
+    col_r = cols % LORA_R
+    out_rows = out_ptr + pid_k * stride_os + pair.to(tl.int64) * stride_om
+    # SLOT_GROUP slots at a time side by side in one (BLOCK_K, SLOT_GROUP * R) A tile: one pass over K
+    # for all of them (a block of a few adapters' tokens walks K once, not once per adapter).
     slot = first_slot(row_slot, has_slot)
     while slot < (1 << 30):
-        in_slot = has_slot & (row_slot == slot)
-        la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
-        acc, acc_up = lora_shrink_tile(
-            acc, acc_up, x_ptr, x_row, in_slot, la_ptr, lora_up_offset, tl.load(slot_ranks_ptr + slot),
-            k_start, k_end, stride_xm, stride_xk, stride_la_r, stride_la_k,
-            GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
-        )
-        slot = next_slot(row_slot, has_slot, slot)
-    offs_r = tl.arange(0, LORA_R)
-    out_ptrs = out_ptr + pid_k * stride_os + pair.to(tl.int64)[:, None] * stride_om + offs_r[None, :]
-    tl.store(out_ptrs, acc, mask=has_slot[:, None])
-    if GATED:
-        tl.store(out_ptrs + LORA_R, acc_up, mask=has_slot[:, None])
+        col_slot, row_group, slot = slot_group(row_slot, has_slot, slot, GROUP=SLOT_GROUP, LORA_R=LORA_R)
+        in_group = row_group >= 0
+        col_present = col_slot < (1 << 30)
+        col_safe = tl.where(col_present, col_slot, 0)
+        col_rank = tl.load(slot_ranks_ptr + col_safe, mask=col_present, other=0)
+        col_valid = col_present & (col_r < col_rank)
+        a_cols = lora_a_ptr + col_safe.to(tl.int64) * stride_la_l + expert * stride_la_e + col_r * stride_la_r
+        x_ptrs = x_ptr + x_row[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+        a_ptrs = a_cols[None, :] + (k_start + offs_k).to(tl.int64)[:, None] * stride_la_k
+        acc = tl.zeros((BLOCK_M, SLOT_GROUP * LORA_R), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, SLOT_GROUP * LORA_R), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_valid = offs_k < k_end - k0
+            x = tl.load(x_ptrs, mask=in_group[:, None] & k_valid[None, :], other=0.0)
+            a_mask = k_valid[:, None] & col_valid[None, :]
+            acc = _dot(x, tl.load(a_ptrs, mask=a_mask, other=0.0), acc, FP32_IEEE)
+            if GATED:
+                acc_up = _dot(x, tl.load(a_ptrs + lora_up_offset, mask=a_mask, other=0.0), acc_up, FP32_IEEE)
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K * stride_la_k
+        offs_r = tl.arange(0, LORA_R)
+        own = select_group_columns(acc, row_group, GROUP=SLOT_GROUP, LORA_R=LORA_R)
+        tl.store(out_rows[:, None] + offs_r[None, :], own, mask=in_group[:, None])
+        if GATED:
+            own_up = select_group_columns(acc_up, row_group, GROUP=SLOT_GROUP, LORA_R=LORA_R)
+            tl.store(out_rows[:, None] + LORA_R + offs_r[None, :], own_up, mask=in_group[:, None])
 
 
 @triton.jit
@@ -342,6 +367,7 @@ def moe_lora_a(
         ALIGN_M=block_m,
         BLOCK_M=sub_m,
         BLOCK_K=block_k,
+        SLOT_GROUP=max(1, 64 // rank_block),
         num_warps=num_warps,
         num_stages=num_stages,
     )
