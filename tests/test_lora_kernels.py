@@ -104,7 +104,10 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
         (3, 16, 5, 9, 12, 7),
     ],
 )
-def test_prefill_sized_batch(path, ranks):
+# None: the default config (32-row tiles: the split epilogue prefetches the first slot group); 64-row
+# tiles: no prefetch, every row's partials in one load after the K-loop, then a dot per slot group.
+@pytest.mark.parametrize("block_m", [None, 64])
+def test_prefill_sized_batch(path, ranks, block_m):
     """67 tokens x top-2 = 134 pairs: past SINGLE_PROGRAM_MAX_PAIRS, so the three-launch alignment and
     (split) moe_lora_a's gate/up shrink run instead of the decode launch."""
     gen = torch.Generator().manual_seed(5)
@@ -113,7 +116,11 @@ def test_prefill_sized_batch(path, ranks):
         dtype=torch.float32, gen=gen,
     )
     assert 67 * 2 > SINGLE_PROGRAM_MAX_PAIRS
-    out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path)
+    config = None
+    if block_m is not None:
+        gemm = GemmConfig(block_m, 32, 32, 1, 4, 2)
+        config = MoEConfig(gemm, gemm)
+    out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=config)
     scale = ref.abs().max()
     assert (ref - base).abs().max() > 0.1 * scale
     torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)

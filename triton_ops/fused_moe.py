@@ -36,14 +36,16 @@ from triton_ops.configs import GemmConfig
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
+    load_group_b,
     load_shrink_partials,
-    lora_expand_b,
     lora_expand_from_partials,
+    lora_expand_groups,
     lora_expand_slots,
-    lora_load_b,
     lora_shrink_tile,
     lora_store_down_partials,
     next_slot,
+    slot_group,
+    spread_to_group,
 )
 
 ACTIVATION_NONE = 0
@@ -121,6 +123,7 @@ def _fused_moe_kernel(
     LORA_CHUNK_R: tl.constexpr,
     LORA_SPLITS: tl.constexpr,
     LORA_SPLIT_CHUNK: tl.constexpr,
+    LORA_GROUP: tl.constexpr,
     LORA_PREFETCH: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -189,28 +192,31 @@ def _fused_moe_kernel(
                 slot = next_slot(row_slot, others, slot)
 
         if LORA_SHRINK == 1:
+            shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
+            row_scaling = tl.load(slot_scalings_ptr + tl.where(has_slot, row_slot, 0), mask=has_slot,
+                                  other=0.0)
             if LORA_PREFETCH:
-                # Everything the epilogue reads for the block's first slot is loaded before the K-loop,
-                # so its latency hides behind the loop instead of following it in every tile.
-                shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
+                # Everything the epilogue reads for the block's first slot group is loaded before the
+                # K-loop, so its latency hides behind the loop instead of following it in every tile.
                 pre_gate = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
                                                 SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                                SPLIT_CHUNK=LORA_SPLIT_CHUNK)
+                                                SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
                 pre_up = pre_gate
                 if ACTIVATION != 0:
                     pre_up = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
                                                   SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                                  SPLIT_CHUNK=LORA_SPLIT_CHUNK)
+                                                  SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
                 slot0 = first_slot(row_slot, has_slot)
-                slot0_safe = tl.where(slot0 < (1 << 30), slot0, 0)
-                rank0 = tl.where(slot0 < (1 << 30), tl.load(slot_ranks_ptr + slot0_safe), 0)
-                scaling0 = tl.load(slot_scalings_ptr + slot0_safe)
-                lb0 = lora_b_ptr + tl.cast(slot0_safe, tl.int64) * stride_lb_l + expert * stride_lb_e
-                b0_gate = lora_load_b(lb0, offs_n, col_valid, rank0, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
+                col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
+                                                                LORA_R=LORA_R)
+                b0_gate = load_group_b(lora_b_ptr, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
+                                       stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R,
+                                       GROUP=LORA_GROUP)
                 b0_up = b0_gate
                 if ACTIVATION != 0:
-                    b0_up = lora_load_b(lb0 + N * stride_lb_n, offs_n, col_valid, rank0, stride_lb_n,
-                                        stride_lb_r, LORA_R=LORA_R)
+                    b0_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot0, expert, offs_n, col_valid,
+                                         slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                                         LORA_R=LORA_R, GROUP=LORA_GROUP)
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
@@ -276,28 +282,50 @@ def _fused_moe_kernel(
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
         elif LORA_PREFETCH:
             if slot0 < (1 << 30):
-                in_slot0 = has_slot & (row_slot == slot0)
-                acc = lora_expand_b(acc, pre_gate, in_slot0, b0_gate, scaling0, FP32_IEEE=FP32_IEEE)
+                acc = _dot(
+                    spread_to_group(pre_gate, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_gate.dtype),
+                    b0_gate, acc, FP32_IEEE)
                 if ACTIVATION != 0:
-                    acc_up = lora_expand_b(acc_up, pre_up, in_slot0, b0_up, scaling0, FP32_IEEE=FP32_IEEE)
-                # Any other slot of the block: the shared per-slot expand over the rows left.
-                rest = row_valid & (row_slot != slot0)
+                    acc_up = _dot(
+                        spread_to_group(pre_up, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_up.dtype),
+                        b0_up, acc_up, FP32_IEEE)
+                # Slots past the first group (more adapters in the block than LORA_GROUP).
                 if ACTIVATION != 0:
-                    acc, acc_up = lora_expand_slots(
-                        acc, acc_up, pre_gate, pre_up, rest, row_slot, lora_b_ptr, expert, offs_n, col_valid,
-                        N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
-                        stride_lb_r, GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                    acc, acc_up = lora_expand_groups(
+                        acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
+                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+                        stride_lb_r, GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
                     )
                 else:
-                    acc, _ = lora_expand_slots(
-                        acc, acc, pre_gate, pre_gate, rest, row_slot, lora_b_ptr, expert, offs_n, col_valid,
-                        N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
-                        stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                    acc, _ = lora_expand_groups(
+                        acc, acc, pre_gate, pre_gate, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
+                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+                        stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
                     )
+        elif LORA_CHUNK_R >= LORA_R:
+            # One rank chunk: every row's partials in one load, then one dot per group of slots.
+            u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
+                                     SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
+                                     SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
+            slot = first_slot(row_slot, has_slot)
+            if ACTIVATION != 0:
+                u_up = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
+                                            SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
+                                            SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
+                acc, acc_up = lora_expand_groups(
+                    acc, acc_up, u, u_up, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, N,
+                    slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                    GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
+                )
+            else:
+                acc, _ = lora_expand_groups(
+                    acc, acc, u, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, N,
+                    slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                    GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
+                )
         else:
             # Wide rank tiles: partials and B a rank chunk at a time, after the K-loop (few registers
             # held through it).
-            shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
             slot = first_slot(row_slot, has_slot)
             while slot < (1 << 30):
                 in_slot = has_slot & (row_slot == slot)
@@ -651,6 +679,8 @@ def invoke_fused_moe_kernel(
         LORA_CHUNK_R=lora_chunk_r,
         LORA_SPLITS=lora_splits,
         LORA_SPLIT_CHUNK=split_chunk,
+        # Slots expanded side by side per dot in the split epilogue: 64 stacked rank rows.
+        LORA_GROUP=max(1, 64 // lora.rank_block) if lora is not None else 1,
         # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
         # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
         # M=1024 GEMM1 256 -> 328 us on an H200).

@@ -300,3 +300,83 @@ def select_group_columns(
     blocks = tl.reshape(tile, (tile.shape[0], GROUP, LORA_R))
     own = tl.arange(0, GROUP)[None, :, None] == row_group[:, None, None]
     return tl.sum(tl.where(own, blocks, 0.0), axis=1)
+
+
+@triton.jit
+def load_group_b(
+    lora_b_ptr,  # (L, E, N or 2N, R) B buffer (already offset to the up rows for the up half)
+    col_slot,  # (GROUP * LORA_R,) int32 from ``slot_group``
+    expert,  # int64
+    offs_n,  # (BLOCK_N,) output columns
+    col_valid,  # (BLOCK_N,) int1
+    slot_ranks_ptr,  # (L,) int32
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_n,
+    stride_lb_r,
+    LORA_R: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """(GROUP * LORA_R, BLOCK_N): the B^T tiles of the group's slots stacked, rank rows past each slot's
+    real rank (and absent slots) not loaded."""
+    rank_col = tl.arange(0, GROUP * LORA_R) % LORA_R
+    present = col_slot < (1 << 30)
+    safe = tl.where(present, col_slot, 0)
+    valid = present & (rank_col < tl.load(slot_ranks_ptr + safe, mask=present, other=0))
+    rows = lora_b_ptr + safe.to(tl.int64) * stride_lb_l + expert * stride_lb_e + rank_col * stride_lb_r
+    ptrs = rows[:, None] + offs_n.to(tl.int64)[None, :] * stride_lb_n
+    return tl.load(ptrs, mask=valid[:, None] & col_valid[None, :], other=0.0)
+
+
+@triton.jit
+def spread_to_group(
+    u,  # (BLOCK_M, LORA_R) fp32 each row's scaled shrink
+    row_group,  # (BLOCK_M,) int32 from ``slot_group`` (-1: not in the group)
+    GROUP: tl.constexpr,
+    LORA_R: tl.constexpr,
+):
+    """(BLOCK_M, GROUP * LORA_R): row m's u in its own slot's column block, zeros elsewhere, so one dot
+    with ``load_group_b``'s stacked tile expands every row of the group with its own adapter."""
+    own = tl.arange(0, GROUP)[None, :, None] == row_group[:, None, None]
+    return tl.reshape(tl.where(own, u[:, None, :], 0.0), (u.shape[0], GROUP * LORA_R))
+
+
+@triton.jit
+def lora_expand_groups(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 gate (or only) output tile
+    acc_up,  # (BLOCK_M, BLOCK_N) fp32 up tile when GATED
+    u,  # (BLOCK_M, LORA_R) fp32 shrink of each row, times its slot's scaling
+    u_up,  # (BLOCK_M, LORA_R) up shrink when GATED
+    row_slot,  # (BLOCK_M,) int32
+    has_slot,  # (BLOCK_M,) int1
+    slot,  # first slot to expand (2**30: none)
+    lora_b_ptr,  # (L, E, N or 2N, R)
+    expert,
+    offs_n,
+    col_valid,
+    N,
+    slot_ranks_ptr,
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_n,
+    stride_lb_r,
+    GATED: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """``acc += u @ B[a_m, e]^T`` for every row from ``slot`` on, GROUP slots per dot (one B load and
+    one dot for a block of up to GROUP adapters instead of one dependent round per adapter).
+    u is rounded to B's dtype, as PEFT's lora_B input is."""
+    while slot < (1 << 30):
+        col_slot, row_group, slot = slot_group(row_slot, has_slot, slot, GROUP=GROUP, LORA_R=LORA_R)
+        b = load_group_b(lora_b_ptr, col_slot, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
+                         stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=GROUP)
+        acc = _dot(spread_to_group(u, row_group, GROUP=GROUP, LORA_R=LORA_R).to(b.dtype), b, acc, FP32_IEEE)
+        if GATED:
+            b_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot, expert, offs_n, col_valid,
+                                slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                                LORA_R=LORA_R, GROUP=GROUP)
+            acc_up = _dot(spread_to_group(u_up, row_group, GROUP=GROUP, LORA_R=LORA_R).to(b_up.dtype), b_up,
+                          acc_up, FP32_IEEE)
+    return acc, acc_up

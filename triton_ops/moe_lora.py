@@ -336,7 +336,9 @@ def moe_lora_a(
     if block_m % sub_m:
         raise ValueError(f"sub_block_m {sub_m} must divide the alignment's block_m {block_m}")
     if num_warps is None:
-        num_warps = 2 if sub_m <= 16 else 4
+        # 4 even for 16-row programs: the slot group's gathered A pointers need the registers (2 warps
+        # spilled on an H200).
+        num_warps = 4
     grid = (triton.cdiv(sorted_ids.shape[0], sub_m), splits)
     _moe_lora_shrink_kernel[grid](
         x_ptr=x,
