@@ -41,10 +41,12 @@ def make_lora(shape, rank: int, n_adapters: int, m: int, dtype: torch.dtype) -> 
     buf = make_lora_buffers(shape, rank, slots, dtype, torch.device("cuda"), seed=rank)
     ranks = torch.zeros(slots, dtype=torch.int32)
     ranks[:n_adapters] = rank
+    token_slots = token_slots_for(m, n_adapters, "uniform", seed=m)
     return MoELoRAInputs(
-        token_slots=token_slots_for(m, n_adapters, "uniform", seed=m).cuda(), gate_up_a=buf.gate_up_a,
+        token_slots=token_slots.cuda(), gate_up_a=buf.gate_up_a,
         gate_up_b=buf.gate_up_b, down_a=buf.down_a, down_b=buf.down_b, slot_ranks=ranks.cuda(),
         slot_scalings=torch.full((slots,), 2.0, device="cuda"), max_rank=rank,
+        num_adapters=int(torch.unique(token_slots).numel()),
     )
 
 
@@ -86,6 +88,7 @@ def main() -> None:
             slot_scalings=lora.slot_scalings,
             top_k=top_k,
             rank_block=rb,
+            num_adapters=lora.num_adapters,
         )
         l1 = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
         l2 = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
@@ -139,6 +142,7 @@ def main() -> None:
                     top_k=top_k,
                     x_row_div=top_k,
                     rank_block=rb,
+                    num_adapters=lora.num_adapters,
                     gated=True,
                     out=sgu,
                 )
@@ -183,6 +187,7 @@ def main() -> None:
                     top_k=top_k,
                     x_row_div=1,
                     rank_block=rb,
+                    num_adapters=lora.num_adapters,
                     gated=False,
                     out=sd,
                 )

@@ -519,6 +519,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                     token_slots=slots_host.to(device), gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b,
                     down_a=buf.down_a, down_b=buf.down_b, slot_ranks=slot_ranks.to(device),
                     slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
+                    num_adapters=int(torch.unique(slots_host).numel()),
                 )
                 auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H, shape.I)
                 point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs,

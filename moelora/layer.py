@@ -156,6 +156,7 @@ class FusedMoEWithLoRA(nn.Module):
                 slot_ranks=batch.slot_ranks,
                 slot_scalings=batch.slot_scalings,
                 max_rank=batch.max_rank,
+                num_adapters=len(batch.slots_used),
             )
         return fused_experts(
             x, self.w13, self.w2, topk_weights, topk_ids,

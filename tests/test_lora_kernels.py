@@ -3,6 +3,7 @@ reference: covers tile shapes the layer's default configs never pick at test siz
 makes the split path expand in 16-column rank chunks) and split-K shrinks with several partials."""
 
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from triton_ops import MoEConfig
 from triton_ops.configs import GemmConfig
 from triton_ops.decode_shrink import decode_shrink_splits, moe_align_with_gate_up_shrink
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+from triton_ops.fused_moe import lora_slot_group
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
 from triton_ops.moe_lora import shrink_k_splits
 
@@ -157,3 +159,31 @@ def test_align_with_gate_up_shrink(dtype):
         expected[:rank] = a[:rank] @ x[p // top_k].float()
         expected[rank_block:rank_block + rank] = a[pool_rank:pool_rank + rank] @ x[p // top_k].float()
         torch.testing.assert_close(summed[p], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_m", [None, 64])
+def test_adapter_count_hint_is_only_a_hint(block_m):
+    """``num_adapters`` sizes the slot groups; a stale hint (1, with six adapters in the batch: a CUDA
+    graph captured for one mapping and replayed with another) costs speed, never correctness."""
+    gen = torch.Generator().manual_seed(9)
+    (x, w13, w2), weights, ids, lora, ref, base = make_case(
+        m=67, hidden=48, inter=40, num_experts=7, top_k=2, ranks=(3, 16, 5, 9, 12, 7), max_rank=16,
+        num_slots=6, dtype=torch.float32, gen=gen,
+    )
+    config = None
+    if block_m is not None:
+        gemm = GemmConfig(block_m, 32, 32, 1, 4, 2)
+        config = MoEConfig(gemm, gemm)
+    out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=1), lora_path="split",
+                        config=config)
+    scale = ref.abs().max()
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+def test_slot_group_rule():
+    assert lora_slot_group(16, 0, 64) == 4  # unknown adapter count: 64 stacked rank columns
+    assert lora_slot_group(16, 1, 64) == 1  # one adapter: nothing to stack
+    assert lora_slot_group(16, 3, 64) == 4  # three adapters: the next power of two
+    assert lora_slot_group(16, 8, 1) == 1  # decode: one row per block holds one slot
+    assert lora_slot_group(32, 8, 64) == 2 and lora_slot_group(64, 8, 64) == 1

@@ -69,6 +69,9 @@ class MoELoRAInputs:
     slot_ranks: torch.Tensor  # (L,) int32
     slot_scalings: torch.Tensor  # (L,) fp32
     max_rank: int
+    # Distinct adapters in the batch (host-known; 0 = unknown). Only a launch hint: how many slots the
+    # kernels set side by side per pass (one adapter: one, so no stacked tile is wasted).
+    num_adapters: int = 0
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -229,7 +232,7 @@ def fused_experts(
         if lora is not None:
             chunk_slots = lora.token_slots[start:end]
             common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
-                          rank_block=rank_block, token_slots=chunk_slots)
+                          rank_block=rank_block, token_slots=chunk_slots, num_adapters=lora.num_adapters)
             gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
             if lora_path == "wide":
@@ -262,13 +265,15 @@ def fused_experts(
             )
         if split and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
-                       block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
+                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
+                       x_row_div=top_k, rank_block=rank_block, gated=True,
                        out=shrunk_gate_up)
         if split:
             gemm1_lora = replace(gemm1_lora, shrunk=shrunk_gate_up)
         if staged:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
-                       block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rank_block, gated=True,
+                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
+                       x_row_div=top_k, rank_block=rank_block, gated=True,
                        out=shrunk_gate_up)
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
@@ -291,7 +296,8 @@ def fused_experts(
 
         if split and not down_in_gemm1:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
-                       block_m=cfg.block_m, top_k=top_k, x_row_div=1, rank_block=rank_block, gated=False,
+                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
+                       x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
         if no_combine:
@@ -315,7 +321,8 @@ def fused_experts(
             moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
         if staged:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
-                       block_m=cfg.block_m, top_k=top_k, x_row_div=1, rank_block=rank_block, gated=False,
+                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
+                       x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down)
             moe_lora_down_combine(shrunk_down, lora.down_b, chunk_slots, chunk_ids.contiguous(),
                                   None if apply_router_weight_on_input else chunk_weights.view(rows, top_k),

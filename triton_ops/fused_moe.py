@@ -536,6 +536,7 @@ class LoRAOperands:
     rank_block: int
     shrunk: torch.Tensor | None = None  # (numel, splits, 2*rank_block or rank_block) fp32 partials
     tiles_per_program: int = 0  # > 0: the "wide" kernel, each program covering this many BLOCK_N tiles
+    num_adapters: int = 0  # distinct adapters in the batch (0: unknown): sizes the slot groups
     # GEMM1 only: down_a (L, E, R, N) and its partials out, (numel, cdiv(N, BLOCK_N), rank_block) fp32,
     # written by the epilogue (GEMM2's shrink without a launch of its own).
     down_a: torch.Tensor | None = None
@@ -545,6 +546,16 @@ class LoRAOperands:
 def lora_rank_block(max_rank: int) -> int:
     """Rank tile width: tl.dot needs >= 16, powers of two."""
     return max(16, triton.next_power_of_2(max(1, max_rank)))
+
+
+def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
+    """Adapter slots set side by side per pass (a stacked tile of 64 rank columns): at most
+    64 // rank_block, and no more than the batch's adapters (0: unknown) or the rows a block holds, since
+    a wider group than the slots present only adds masked work."""
+    group = max(1, 64 // rank_block)
+    if num_adapters > 0:
+        group = min(group, triton.next_power_of_2(num_adapters))
+    return max(1, min(group, triton.next_power_of_2(max(1, rows))))
 
 
 def wide_tiles_per_program(max_padded: int, block_m: int, n: int, block_n: int, device: torch.device,
@@ -616,6 +627,12 @@ def invoke_fused_moe_kernel(
     if lora is not None:
         lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
     lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
+    # Slots expanded side by side per dot in the split epilogue. One at a time on 128x64 tiles and up:
+    # the stacked tiles beside the accumulators spilled there (Qwen3-30B M=1024 GEMM1 272 -> 352 us, H200).
+    lora_group = 1
+    if lora is not None and config.block_m * config.block_n < 128 * 64:
+        rows = min(config.block_m, triton.cdiv(numel, b.shape[0]))
+        lora_group = lora_slot_group(lora.rank_block, lora.num_adapters, rows)
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
@@ -679,8 +696,7 @@ def invoke_fused_moe_kernel(
         LORA_CHUNK_R=lora_chunk_r,
         LORA_SPLITS=lora_splits,
         LORA_SPLIT_CHUNK=split_chunk,
-        # Slots expanded side by side per dot in the split epilogue: 64 stacked rank rows.
-        LORA_GROUP=max(1, 64 // lora.rank_block) if lora is not None else 1,
+        LORA_GROUP=lora_group,
         # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
         # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
         # M=1024 GEMM1 256 -> 328 us on an H200).

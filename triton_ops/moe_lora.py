@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation
+from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation, lora_slot_group
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
@@ -311,6 +311,7 @@ def moe_lora_a(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 4,
+    num_adapters: int = 0,
 ) -> torch.Tensor:
     """LoRA shrink over the base alignment: ``sum_s out[p, s] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
 
@@ -318,7 +319,9 @@ def moe_lora_a(
     up) or down_a (L, E, R, K) (out is (numel, splits, rank_block)). Each of the ``splits`` slices of K
     writes its own partial (consumers sum them: deterministic, no atomics); rows of tokens without an
     adapter are not written. ``sub_block_m`` (a divisor of ``block_m``; default ``shrink_block_m``),
-    ``block_k``, ``num_warps`` and ``num_stages`` override the launch config (benchmarks/micro_lora.py).
+    ``block_k``, ``num_warps`` and ``num_stages`` override the launch config (benchmarks/micro_lora.py);
+    ``num_adapters`` (distinct adapters in the batch, 0 = unknown) bounds the slots a program sets side by
+    side in one A tile (``lora_slot_group``).
     Grid: (cdiv(max_padded, sub_block_m), splits).
     """
     numel, splits, width = out.shape
@@ -335,10 +338,11 @@ def moe_lora_a(
     sub_m = sub_block_m or shrink_block_m(block_m)
     if block_m % sub_m:
         raise ValueError(f"sub_block_m {sub_m} must divide the alignment's block_m {block_m}")
+    slot_group = lora_slot_group(rank_block, num_adapters, min(sub_m, triton.cdiv(numel, lora_a.shape[1])))
     if num_warps is None:
-        # 4 even for 16-row programs: the slot group's gathered A pointers need the registers (2 warps
+        # 4 for 16-row programs with a slot group: its gathered A pointers need the registers (2 warps
         # spilled on an H200).
-        num_warps = 4
+        num_warps = 2 if sub_m <= 16 and slot_group == 1 else 4
     grid = (triton.cdiv(sorted_ids.shape[0], sub_m), splits)
     _moe_lora_shrink_kernel[grid](
         x_ptr=x,
@@ -369,7 +373,7 @@ def moe_lora_a(
         ALIGN_M=block_m,
         BLOCK_M=sub_m,
         BLOCK_K=block_k,
-        SLOT_GROUP=max(1, 64 // rank_block),
+        SLOT_GROUP=slot_group,
         num_warps=num_warps,
         num_stages=num_stages,
     )
