@@ -296,7 +296,9 @@ def select_group_columns(
     GROUP: tl.constexpr,
     LORA_R: tl.constexpr,
 ):
-    """(BLOCK_M, LORA_R): each row's own slot's columns."""
+    """(BLOCK_M, LORA_R): each row's own slot's columns (rows outside the group: anything)."""
+    if GROUP == 1:
+        return tile
     blocks = tl.reshape(tile, (tile.shape[0], GROUP, LORA_R))
     own = tl.arange(0, GROUP)[None, :, None] == row_group[:, None, None]
     return tl.sum(tl.where(own, blocks, 0.0), axis=1)
@@ -337,6 +339,8 @@ def spread_to_group(
 ):
     """(BLOCK_M, GROUP * LORA_R): row m's u in its own slot's column block, zeros elsewhere, so one dot
     with ``load_group_b``'s stacked tile expands every row of the group with its own adapter."""
+    if GROUP == 1:
+        return tl.where((row_group == 0)[:, None], u, 0.0)
     own = tl.arange(0, GROUP)[None, :, None] == row_group[:, None, None]
     return tl.reshape(tl.where(own, u[:, None, :], 0.0), (u.shape[0], GROUP * LORA_R))
 
