@@ -31,7 +31,9 @@ def overhead_table(records: list[dict], limits: dict[int, float]) -> list[str]:
     out = []
     for rank, limit in limits.items():
         out += [f"**rank {rank}** (target ≤ {limit:.0%}; auto path, worst of "
-                f"{sorted({r['n_adapters'] for r in records if r['n_adapters']})} adapters)", "",
+                f"{sorted({r['n_adapters'] for r in records if r['n_adapters']})} adapters; in parentheses "
+                "the byte floor: LoRA weight bytes touched / base expert bytes touched, the overhead if they "
+                "streamed at the base's own rate)", "",
                 "| model | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---:|" * len(ms)]
         for model in models:
             cells = []
@@ -42,7 +44,9 @@ def overhead_table(records: list[dict], limits: dict[int, float]) -> list[str]:
                     cells.append("-")
                     continue
                 w = max(worst)
-                cells.append(f"{w:+.1%} {mark(w <= limit)}")
+                floor = max(r["lora_bytes"] / r["expert_bytes"] for r in records if r["model"] == model
+                            and r["M"] == m and r["path"] == "auto" and r["rank"] == rank)
+                cells.append(f"{w:+.1%} {mark(w <= limit)} ({floor:.1%})")
             out.append(f"| {model} | " + " | ".join(cells) + " |")
         out.append("")
     return out
