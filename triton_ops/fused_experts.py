@@ -44,12 +44,12 @@ from triton_ops.moe_sum import moe_sum_reduce
 LORA_PATHS = ("fused", "split", "wide", "staged")
 
 # At decode on the split path GEMM1's epilogue writes GEMM2's LoRA shrink, one partial per GEMM1 N tile,
-# when there are at most this many (GEMM2 sums them): that saves the shrink launch (~3 us in a graph) for
-# about 1 us of GEMM1 epilogue. With more partials GEMM2's sums cost more than the launch (DeepSeek-V3
-# M=16, 64 partials: GEMM2 710 -> 839 us), and at prefill GEMM1's epilogue does (Qwen3-30B M=1024, 128-row
-# tiles: GEMM1 272 -> 437 us); H200, benchmarks/micro_lora.py. With at most 32 pairs (a few decode
-# tokens) GEMM2 has few programs and 64 partials are still cheap (DeepSeek-V2-Lite M=1, 44 partials:
-# +14.1 % vs +17.0 % with the launch, moelora bench).
+# when there are at most this many at rank 16 (fewer for wider ranks; GEMM2 sums them): that saves the
+# shrink launch (~3 us in a graph) for about 1 us of GEMM1 epilogue. With more partials GEMM2's sums cost
+# more than the launch (DeepSeek-V3 M=16, 64 partials: GEMM2 710 -> 839 us), and at prefill GEMM1's
+# epilogue does (Qwen3-30B M=1024, 128-row tiles: GEMM1 272 -> 437 us); H200, benchmarks/micro_lora.py.
+# With at most 32 pairs (a few decode tokens) GEMM2 has few programs and 64 rank-16 partials are still
+# cheap (DeepSeek-V2-Lite M=1, 44 partials: +14.1 % vs +17.0 % with the launch, moelora bench).
 MAX_DOWN_PARTIALS = 16
 
 
@@ -244,8 +244,11 @@ def fused_experts(
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
         down_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
-        down_in_gemm1 = decode_shrink and (down_tiles <= MAX_DOWN_PARTIALS
-                                           or (pairs <= 32 and down_tiles <= 64))
+        # GEMM2 sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone
+        # (DeepSeek-V2-Lite M=1 rank 64, 44 partials: 48 -> 180 us, spilled).
+        partial_width = down_tiles * rank_block if lora is not None else 0
+        down_in_gemm1 = decode_shrink and (partial_width <= MAX_DOWN_PARTIALS * 16
+                                           or (pairs <= 32 and partial_width <= 64 * 16))
         max_padded = sorted_ids.shape[0]
         block_k = shrink_block_k(x.dtype)
         if (split or staged) and not decode_shrink:
