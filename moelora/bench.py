@@ -74,9 +74,9 @@ MODELS: dict[str, ModelShape] = {
 }
 DRY_RUN_MODEL = ModelShape("tiny", 8, 2, 64, 48)
 
-PATHS = ("naive", "base", "fused", "split", "wide", "staged", "auto")
-LORA_PATHS = ("fused", "split", "wide", "staged")
-DEFAULT_PATHS = ["base", "fused", "split", "wide", "staged", "auto"]
+PATHS = ("naive", "base", "fused", "split", "staged", "auto")
+LORA_PATHS = ("fused", "split", "staged")
+DEFAULT_PATHS = ["base", "fused", "split", "staged", "auto"]
 DEFAULT_M = [1, 16, 64, 256, 1024, 4096]
 DEFAULT_RANKS = [16, 64]
 DEFAULT_ADAPTERS = [1, 4]
@@ -607,7 +607,7 @@ def plot_overhead(records: list[dict[str, Any]], out: Path, title: str) -> bool:
     all_ms = sorted({r["M"] for r in records})
     fig, axes = plt.subplots(len(models), len(ranks), figsize=(max(7.0, 5.5 * len(ranks)), 3.6 * len(models)),
                              squeeze=False)
-    colors = {"fused": "C0", "split": "C1", "staged": "C2", "auto": "C3", "wide": "C4", "naive": "C7"}
+    colors = {"fused": "C0", "split": "C1", "staged": "C2", "auto": "C3", "naive": "C7"}
     for i, model in enumerate(models):
         for j, rank in enumerate(ranks):
             ax = axes[i][j]

@@ -179,8 +179,8 @@ def _add_bench_parser(sub) -> None:
                        "s=1.1")
     bench.add_argument("--dtype", choices=["bf16", "fp16"], help="default bf16 (fp16 in the CPU dry run)")
     bench.add_argument("--paths", nargs="+",
-                       choices=["naive", "base", "fused", "split", "wide", "staged", "auto"],
-                       help="default: base fused split wide staged auto (naive: a PyTorch loop, eager)")
+                       choices=["naive", "base", "fused", "split", "staged", "auto"],
+                       help="default: base fused split staged auto (naive: a PyTorch loop, eager)")
     bench.add_argument("--quick", action="store_true",
                        help="deepseek-v2-lite, qwen3-30b-a3b and deepseek-v3, M 1 64 1024, rank 16, paths "
                        "base split auto, shorter do_bench (about a minute on an H100); explicit flags win")

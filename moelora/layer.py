@@ -27,7 +27,7 @@ from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
 
-PATHS = ("auto", "fused", "split", "wide", "staged", "torch")
+PATHS = ("auto", "fused", "split", "staged", "torch")
 
 
 def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int, hidden: int,
@@ -36,7 +36,7 @@ def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: in
     gate/up shrink rides in the alignment's launch) is the fastest at every measured point since that
     decode launch went in: e.g. Qwen3-30B-A3B M=1 rank 16 +15.0 % vs the inline "fused" shrink's +33.3 %,
     DeepSeek-V3 M=16 +2.7 % vs +53.0 % (H200, moelora bench). The arguments stay so the rule can follow
-    a device's table again; "wide" is never chosen (slower than split in every measured point)."""
+    a device's table again."""
     del num_tokens, top_k, num_experts, max_rank, hidden, intermediate
     return "split"
 
@@ -112,7 +112,7 @@ class FusedMoEWithLoRA(nn.Module):
 
     def resolve_path(self, x: torch.Tensor, topk_ids: torch.Tensor, batch: MoELoRABatchInfo) -> str:
         if self.path == "torch" or not _triton_can_run(x):
-            if self.path in ("fused", "split", "wide", "staged"):
+            if self.path in ("fused", "split", "staged"):
                 raise ValueError(f"path={self.path!r} needs CUDA tensors or TRITON_INTERPRET=1")
             return "torch"
         if self.path != "auto":

@@ -29,11 +29,11 @@ def test_dry_run_writes_json_png_and_a_table(tmp_path, capsys):
     assert main(["bench", "--dry-run", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "| model | M | rank | n_adapters | popularity | path | base µs |" in captured.out
-    assert "/39" in captured.err  # the progress bar: 3 M x (base + 2 adapter counts x 6 paths)
+    assert "/33" in captured.err  # the progress bar: 3 M x (base + 2 adapter counts x 5 paths)
 
     payload = _load(out)
     records = payload["records"]
-    assert {r["path"] for r in records} == {"naive", "base", "fused", "split", "wide", "staged", "auto"}
+    assert {r["path"] for r in records} == {"naive", "base", "fused", "split", "staged", "auto"}
     assert {r["M"] for r in records} == {1, 8, 80}  # decode (per-token adapters) and prefill layouts
     assert payload["args"]["dry_run"] is True and payload["resolved"]["dtype"] == "fp16"
     for r in records:
@@ -45,8 +45,8 @@ def test_dry_run_writes_json_png_and_a_table(tmp_path, capsys):
         else:
             assert r["rank"] == 8 and r["n_adapters"] in (1, 4) and r["lora_bytes"] > 0
         if r["path"] == "auto":
-            assert r["resolved_path"] in ("fused", "split", "wide")
-        if r["path"] in ("fused", "split", "wide", "staged"):  # every Triton path agrees with the naive loop
+            assert r["resolved_path"] in ("fused", "split")
+        if r["path"] in ("fused", "split", "staged"):  # every Triton path agrees with the naive loop
             assert r["rel_err_vs_naive"] < 2e-2
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
     assert out.with_suffix(".md").read_text().count("\n| tiny |") == len(records)
@@ -79,8 +79,8 @@ def test_pool_rank_runs_small_adapters_in_big_buffers(tmp_path, capsys):
     config.write_text(json.dumps({"name": "mini-moe", "E": 4, "top_k": 2, "H": 32, "I": 16}))
     out = tmp_path / "pool.json"
     argv = ["bench", "--dry-run", "--config", str(config), "--M", "3", "70", "--ranks", "4", "--pool-rank",
-            "32", "--adapters", "2", "--paths", "naive", "base", "fused", "split", "wide", "--out", str(out),
-            "--no-progress"]
+            "32", "--adapters", "2", "--paths", "naive", "base", "fused", "split", "staged",
+            "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     assert "4 (pool 32)" in capsys.readouterr().out
     lora = [r for r in _load(out)["records"] if r["path"] not in ("base", "naive")]

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_patte
 
 F2_NAMES = ["sql", "chat", "math", "gate-up-only", "down-only", "v4-style"]
 PATHS = ["torch", *(pytest.param(p, marks=pytest.mark.interpreter)
-                    for p in ("fused", "split", "wide", "staged"))]
+                    for p in ("fused", "split", "staged"))]
 TOL = 1e-4
 
 

@@ -17,7 +17,7 @@ from triton_ops.fused_moe import lora_slot_group
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
 from triton_ops.moe_lora import shrink_k_splits
 
-PATHS = ("fused", "split", "wide", "staged")
+PATHS = ("fused", "split", "staged")
 # The module (the package re-exports the function under the same name).
 fused_experts_module = importlib.import_module("triton_ops.fused_experts")
 

@@ -46,7 +46,7 @@ LAYER = 3
 # GEMM and LoRA tile); E=6 is not a power of two.
 H, INTER, E = 48, 40, 6
 
-TRITON_PATHS = [pytest.param(p, marks=interpreter) for p in ("fused", "split", "wide", "staged")]
+TRITON_PATHS = [pytest.param(p, marks=interpreter) for p in ("fused", "split", "staged")]
 ALL_PATHS = [*TRITON_PATHS, "torch"]
 
 
@@ -474,7 +474,7 @@ def test_rank_tile_follows_batch_not_pool(pool_rank, monkeypatch):
     batch = pool.prepare_batch(names, lens)
     assert batch.max_rank == 4  # the real rank of the one slot in use, not the pool's 16/64 nor "r16"'s
     outs = {}
-    for path in ("fused", "split", "wide", "staged"):
+    for path in ("fused", "split", "staged"):
         outs[path], _, _ = run_and_check(
             pool, adapters, names, lens, x, w13, w2, topk_weights, topk_ids, path=path, tol=TOL[dtype]
         )
@@ -525,7 +525,7 @@ def test_errors_are_clear(monkeypatch):
     # imported are not re-created, and none is launched here.)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     batch5 = pool.prepare_batch(["a", None], [3, 2])
-    for path in ("fused", "split", "wide", "staged"):
+    for path in ("fused", "split", "staged"):
         layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path=path)
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             layer(x, topk_weights, topk_ids, batch5)

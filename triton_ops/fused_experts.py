@@ -29,7 +29,6 @@ from triton_ops.fused_moe import (
     LoRAOperands,
     invoke_fused_moe_kernel,
     lora_rank_block,
-    wide_tiles_per_program,
 )
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
 from triton_ops.moe_lora import (
@@ -41,7 +40,7 @@ from triton_ops.moe_lora import (
 )
 from triton_ops.moe_sum import moe_sum_reduce
 
-LORA_PATHS = ("fused", "split", "wide", "staged")
+LORA_PATHS = ("fused", "split", "staged")
 
 # At decode on the split path GEMM1's epilogue writes GEMM2's LoRA shrink, one partial per GEMM1 N tile,
 # when there are at most this many at rank 16 (fewer for wider ranks; GEMM2 sums them): that saves the
@@ -157,9 +156,8 @@ def fused_experts(
             launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
             epilogues: two more launches, no recomputation across N tiles; at decode the gate/up
             shrink rides in the alignment's launch and, up to ``MAX_DOWN_PARTIALS`` GEMM1 N tiles, the
-            down shrink in GEMM1's epilogue, so decode has the base path's launches), "wide" (the base
-            launches; each GEMM program covers several N tiles and shrinks once for all of them) or
-            "staged" (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
+            down shrink in GEMM1's epilogue, so decode has the base path's launches) or "staged"
+            (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation not in _ACTIVATIONS:
@@ -235,12 +233,6 @@ def fused_experts(
                           rank_block=rank_block, token_slots=chunk_slots, num_adapters=lora.num_adapters)
             gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
-            if lora_path == "wide":
-                max_padded = sorted_ids.shape[0]
-                gemm1_lora = replace(gemm1_lora, tiles_per_program=wide_tiles_per_program(
-                    max_padded, cfg.block_m, intermediate, cfg.gemm1.block_n, x.device))
-                gemm2_lora = replace(gemm2_lora, tiles_per_program=wide_tiles_per_program(
-                    max_padded, cfg.block_m, hidden, cfg.gemm2.block_n, x.device))
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
         down_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)

@@ -373,152 +373,6 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
 
-@triton.jit
-def _fused_moe_wide_kernel(
-    # Pointers
-    a_ptr,  # (rows, K) fp16/bf16/fp32: x for GEMM1, the activated intermediate for GEMM2
-    b_ptr,  # (E, N or 2N, K) same dtype: w13 for GEMM1 (gate rows then up rows), w2 for GEMM2
-    c_ptr,  # (numel, N) same dtype, row per routed pair
-    topk_weights_ptr,  # (numel,) fp32, read when MUL_ROUTED_WEIGHT
-    sorted_ids_ptr,  # (max_padded,) int32, from moe_align_block_size
-    expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
-    num_post_padded_ptr,  # (1,) int32
-    token_slots_ptr,  # (M,) int32 adapter slot per token, -1 = none
-    lora_a_ptr,  # (L, E, R or 2R, K) LoRA A: gate_up_a (gate rows, then up rows) or down_a
-    lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
-    slot_ranks_ptr,  # (L,) int32 real rank per slot
-    slot_scalings_ptr,  # (L,) fp32 scaling per slot
-    # Sizes
-    N,
-    K,
-    numel,
-    max_padded,
-    a_row_div,
-    scale,
-    slot_row_div,
-    lora_up_offset,
-    tiles_per_program,
-    # Strides
-    stride_am,
-    stride_ak,
-    stride_be,
-    stride_bn,
-    stride_bk,
-    stride_cm,
-    stride_cn,
-    stride_la_l,
-    stride_la_e,
-    stride_la_r,
-    stride_la_k,
-    stride_lb_l,
-    stride_lb_e,
-    stride_lb_n,
-    stride_lb_r,
-    # Meta-parameters
-    LORA_R: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    FP32_IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """The "wide" LoRA GEMM: the same math as ``_fused_moe_kernel`` with HAS_LORA, but each program
-    covers ``tiles_per_program`` consecutive BLOCK_N tiles of its block's rows. The shrink of every slot
-    present in the block runs once per program, before the tiles (one pass over K per slot, rows of other
-    slots masked out of the loads), and its (BLOCK_M, R) result stays in registers for the expands in
-    every tile's epilogue: no shrink launch, no partials in memory, and the shrink's cost shrinks with
-    the number of tiles a program covers (prefill, where the blocks alone fill the GPU).
-
-    Grid: (cdiv(max_padded, BLOCK_M) * cdiv(cdiv(N, BLOCK_N), tiles_per_program),), grouped GROUP_M
-    blocks of M at a time.
-    """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_groups_n = tl.cdiv(num_pid_n, tiles_per_program)
-    pids_per_group = GROUP_M * num_groups_n
-    group_id = pid // pids_per_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
-    pid_group_n = (pid % pids_per_group) // group_size_m
-
-    num_post_padded = tl.load(num_post_padded_ptr)
-    if pid_m * BLOCK_M >= num_post_padded:
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_valid = pair < numel
-    a_row = (pair // a_row_div).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-
-    row_slot = tl.load(token_slots_ptr + pair // slot_row_div, mask=row_valid, other=-1)
-    has_slot = row_valid & (row_slot >= 0)
-    lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-    lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-    slot = first_slot(row_slot, has_slot)
-    while slot < (1 << 30):
-        in_slot = has_slot & (row_slot == slot)
-        la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
-        lora_gate, lora_up = lora_shrink_tile(
-            lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
-            tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, stride_la_r, stride_la_k,
-            GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
-        )
-        slot = next_slot(row_slot, has_slot, slot)
-
-    row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
-    if MUL_ROUTED_WEIGHT:
-        row_scale *= tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
-    first_tile = pid_group_n * tiles_per_program
-    last_tile = tl.minimum(first_tile + tiles_per_program, num_pid_n)
-    for pid_n in range(first_tile, last_tile):
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_valid = offs_n < N
-        a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
-        b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn
-        up_ptrs = b_base + (offs_n + N).to(tl.int64)[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
-            else:
-                k_valid = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-            acc = _dot(a, b, acc, FP32_IEEE)
-            if ACTIVATION != 0:
-                if EVEN_K:
-                    b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
-                else:
-                    b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-                acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
-                up_ptrs += BLOCK_K * stride_bk
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-
-        acc, acc_up = lora_expand_slots(
-            acc, acc_up, lora_gate, lora_up, row_valid, row_slot, lora_b_ptr, expert, offs_n, col_valid, N,
-            slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-            GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-        )
-        acc *= row_scale[:, None]
-        if ACTIVATION != 0:
-            acc = _gated_activation(acc, acc_up * row_scale[:, None], ACTIVATION)
-        c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
-
-
 @dataclass(frozen=True)
 class LoRAOperands:
     """The adapter side of one all-in-one GEMM: which slot each token uses and one projection's A/B.
@@ -536,7 +390,6 @@ class LoRAOperands:
     top_k: int
     rank_block: int
     shrunk: torch.Tensor | None = None  # (numel, splits, 2*rank_block or rank_block) fp32 partials
-    tiles_per_program: int = 0  # > 0: the "wide" kernel, each program covering this many BLOCK_N tiles
     num_adapters: int = 0  # distinct adapters in the batch (0: unknown): sizes the slot groups
     # GEMM1 only: down_a (L, E, R, N) and its partials out, (numel, cdiv(N, BLOCK_N), rank_block) fp32,
     # written by the epilogue (GEMM2's shrink without a launch of its own).
@@ -557,18 +410,6 @@ def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
     if num_adapters > 0:
         group = min(group, triton.next_power_of_2(num_adapters))
     return max(1, min(group, triton.next_power_of_2(max(1, rows))))
-
-
-def wide_tiles_per_program(max_padded: int, block_m: int, n: int, block_n: int, device: torch.device,
-                           programs_per_sm: int = 2) -> int:
-    """BLOCK_N tiles per program for the wide kernel: as many as keep about ``programs_per_sm`` programs
-    per SM over the alignment's upper bound of blocks (more tiles per program: fewer repeated shrinks;
-    fewer: more parallelism)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    blocks = triton.cdiv(max(max_padded, 1), block_m)
-    tiles = triton.cdiv(n, block_n)
-    groups = max(1, min(tiles, triton.cdiv(programs_per_sm * sms, blocks)))
-    return triton.cdiv(tiles, groups)
 
 
 def invoke_fused_moe_kernel(
@@ -637,12 +478,6 @@ def invoke_fused_moe_kernel(
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
-    if lora is not None and lora.tiles_per_program > 0:
-        if gated_raw or shrunk_splits or down_shrink:
-            raise ValueError("the wide LoRA kernel computes its own shrink and applies the activation")
-        _launch_wide(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, out_n, K, a_row_div,
-                     scale, config, activation_code, lora)
-        return
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
@@ -728,62 +563,3 @@ def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out
     if lora.down_shrunk.dtype != torch.float32 or tuple(lora.down_shrunk.shape) != expected:
         raise ValueError(f"down_shrunk must be fp32 {expected} (pairs, N tiles of GEMM1, rank_block), got "
                          f"{lora.down_shrunk.dtype} {tuple(lora.down_shrunk.shape)}")
-
-
-def _launch_wide(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
-                 sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
-                 out_n: int, K: int, a_row_div: int, scale: float, config: GemmConfig, activation_code: int,
-                 lora: LoRAOperands) -> None:
-    la, lb = lora.lora_a, lora.lora_b
-    max_padded = sorted_ids.shape[0]
-    groups_n = triton.cdiv(triton.cdiv(out_n, config.block_n), lora.tiles_per_program)
-    grid = (triton.cdiv(max_padded, config.block_m) * groups_n,)
-    _fused_moe_wide_kernel[grid](
-        a_ptr=a,
-        b_ptr=b,
-        c_ptr=c,
-        topk_weights_ptr=topk_weights if topk_weights is not None else c,
-        sorted_ids_ptr=sorted_ids,
-        expert_ids_ptr=expert_ids,
-        num_post_padded_ptr=num_post_padded,
-        token_slots_ptr=lora.token_slots,
-        lora_a_ptr=la,
-        lora_b_ptr=lb,
-        slot_ranks_ptr=lora.slot_ranks,
-        slot_scalings_ptr=lora.slot_scalings,
-        N=out_n,
-        K=K,
-        numel=c.shape[0],
-        max_padded=max_padded,
-        a_row_div=a_row_div,
-        scale=float(scale),
-        slot_row_div=lora.top_k,
-        lora_up_offset=lb.shape[3] * la.stride(2) if activation_code != ACTIVATION_NONE else 0,
-        tiles_per_program=lora.tiles_per_program,
-        stride_am=a.stride(0),
-        stride_ak=a.stride(1),
-        stride_be=b.stride(0),
-        stride_bn=b.stride(1),
-        stride_bk=b.stride(2),
-        stride_cm=c.stride(0),
-        stride_cn=c.stride(1),
-        stride_la_l=la.stride(0),
-        stride_la_e=la.stride(1),
-        stride_la_r=la.stride(2),
-        stride_la_k=la.stride(3),
-        stride_lb_l=lb.stride(0),
-        stride_lb_e=lb.stride(1),
-        stride_lb_n=lb.stride(2),
-        stride_lb_r=lb.stride(3),
-        LORA_R=lora.rank_block,
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
-        ACTIVATION=activation_code,
-        FP32_IEEE=a.dtype == torch.float32,
-        EVEN_K=K % config.block_k == 0,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
