@@ -402,6 +402,11 @@ def lora_rank_block(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max(1, max_rank)))
 
 
+# 128x64 tiles and up: four stacked slots spilled there (Qwen3-30B M=1024 GEMM1 272 -> 352 us, H200).
+BIG_TILE = 128 * 64
+BIG_TILE_SLOT_GROUP = 1
+
+
 def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
     """Adapter slots set side by side per pass (a stacked tile of 64 rank columns): at most
     64 // rank_block, and no more than the batch's adapters (0: unknown) or the rows a block holds, since
@@ -469,12 +474,14 @@ def invoke_fused_moe_kernel(
     if lora is not None:
         lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
     lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
-    # Slots expanded side by side per dot in the split epilogue. One at a time on 128x64 tiles and up:
-    # the stacked tiles beside the accumulators spilled there (Qwen3-30B M=1024 GEMM1 272 -> 352 us, H200).
+    # Slots expanded side by side per dot in the split epilogue; at most BIG_TILE_SLOT_GROUP on tiles of
+    # BIG_TILE elements and up, where the stacked tiles beside the accumulators spill.
     lora_group = 1
-    if lora is not None and config.block_m * config.block_n < 128 * 64:
+    if lora is not None:
         rows = min(config.block_m, triton.cdiv(numel, b.shape[0]))
         lora_group = lora_slot_group(lora.rank_block, lora.num_adapters, rows)
+        if config.block_m * config.block_n >= BIG_TILE:
+            lora_group = min(lora_group, BIG_TILE_SLOT_GROUP)
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
