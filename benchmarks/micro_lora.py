@@ -212,16 +212,17 @@ def main() -> None:
                 )
             ),
         }
-        # The split epilogue's slot groups on big tiles (BIG_TILE_SLOT_GROUP), where they may spill.
-        for group in (2, 4):
-            fused_moe.BIG_TILE_SLOT_GROUP = group
+        # The split epilogue's slot groups on big tiles (BIG_TILE_SLOT_GROUP*), where they may spill.
+        saved = fused_moe.BIG_TILE_SLOT_GROUP, fused_moe.BIG_TILE_SLOT_GROUP_GATED
+        for group in (1, 2, 4):
+            fused_moe.BIG_TILE_SLOT_GROUP = fused_moe.BIG_TILE_SLOT_GROUP_GATED = group
             rows[f"gemm1 split (big-tile group {group})"] = us(lambda: invoke_fused_moe_kernel(
                 x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg.gemm1, activation="silu",
                 lora=replace(l1, shrunk=sgu), **align))
             rows[f"gemm2 split (big-tile group {group})"] = us(lambda: invoke_fused_moe_kernel(
                 act, w2, out, topk_weights=weights, a_row_div=1, config=cfg.gemm2,
                 lora=replace(l2, shrunk=sd), **align))
-        fused_moe.BIG_TILE_SLOT_GROUP = 1
+        fused_moe.BIG_TILE_SLOT_GROUP, fused_moe.BIG_TILE_SLOT_GROUP_GATED = saved
         # GEMM2's shrink in GEMM1's epilogue: one partial per GEMM1 N tile, summed by GEMM2.
         sdt = torch.zeros(m * top_k, triton.cdiv(inter, cfg.gemm1.block_n), rb, device="cuda",
                           dtype=torch.float32)

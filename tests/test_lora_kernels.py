@@ -106,10 +106,11 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
         (3, 16, 5, 9, 12, 7),
     ],
 )
-# None: the default config (32-row tiles: the split epilogue prefetches the first slot group); 64-row
-# tiles: no prefetch, every row's partials in one load after the K-loop, then a dot per slot group.
-@pytest.mark.parametrize("block_m", [None, 64])
-def test_prefill_sized_batch(path, ranks, block_m):
+# None: the default config (32-row tiles: the split epilogue prefetches the first slot group); 64x32
+# tiles: no prefetch, every row's partials in one load after the K-loop, then a dot per slot group;
+# 128x64 ("big" tiles): GEMM1 expands a slot at a time, GEMM2 two slots per dot.
+@pytest.mark.parametrize("tile", [None, (64, 32), (128, 64)], ids=str)
+def test_prefill_sized_batch(path, ranks, tile):
     """67 tokens x top-2 = 134 pairs: past SINGLE_PROGRAM_MAX_PAIRS, so the three-launch alignment and
     (split) moe_lora_a's gate/up shrink run instead of the decode launch."""
     gen = torch.Generator().manual_seed(5)
@@ -119,8 +120,8 @@ def test_prefill_sized_batch(path, ranks, block_m):
     )
     assert 67 * 2 > SINGLE_PROGRAM_MAX_PAIRS
     config = None
-    if block_m is not None:
-        gemm = GemmConfig(block_m, 32, 32, 1, 4, 2)
+    if tile is not None:
+        gemm = GemmConfig(*tile, 32, 1, 4, 2)
         config = MoEConfig(gemm, gemm)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=config)
     scale = ref.abs().max()

@@ -402,9 +402,12 @@ def lora_rank_block(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max(1, max_rank)))
 
 
-# 128x64 tiles and up: four stacked slots spilled there (Qwen3-30B M=1024 GEMM1 272 -> 352 us, H200).
+# Slot groups on 128x64 tiles and up, where stacked slots beside the accumulators spill: two for the
+# single-accumulator GEMM2 (Qwen3-30B M=1024 4 adapters 181 -> 175 us, Mixtral 718 -> 691 us), one for
+# the gated GEMM1 (Qwen3-30B 277 -> 366 us with two); H200, benchmarks/micro_lora.py.
 BIG_TILE = 128 * 64
-BIG_TILE_SLOT_GROUP = 1
+BIG_TILE_SLOT_GROUP = 2
+BIG_TILE_SLOT_GROUP_GATED = 1
 
 
 def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
@@ -474,14 +477,13 @@ def invoke_fused_moe_kernel(
     if lora is not None:
         lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
     lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
-    # Slots expanded side by side per dot in the split epilogue; at most BIG_TILE_SLOT_GROUP on tiles of
-    # BIG_TILE elements and up, where the stacked tiles beside the accumulators spill.
+    # Slots expanded side by side per dot in the split epilogue (capped on big tiles, see BIG_TILE).
     lora_group = 1
     if lora is not None:
         rows = min(config.block_m, triton.cdiv(numel, b.shape[0]))
         lora_group = lora_slot_group(lora.rank_block, lora.num_adapters, rows)
         if config.block_m * config.block_n >= BIG_TILE:
-            lora_group = min(lora_group, BIG_TILE_SLOT_GROUP)
+            lora_group = min(lora_group, BIG_TILE_SLOT_GROUP_GATED if gated else BIG_TILE_SLOT_GROUP)
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
