@@ -626,9 +626,11 @@ def test_gpu_torch_path_oracle_matches_reference(dsv2, fp32_highest):
 
 
 @gpu
-@pytest.mark.parametrize("path", ["fused", "staged"])
+@pytest.mark.parametrize("path", ["split", "fused", "staged"])
 @pytest.mark.parametrize("max_rank", [16, 64])  # 64: rank-16 adapters in a max-rank-64 pool (padded)
-@pytest.mark.parametrize("m", [1, 16, 300])  # decode, small batch, prefill-sized
+# decode (split: gate/up shrink in the alignment's launch, down shrink in GEMM1's epilogue), small batch
+# (its own down shrink launch), prefill-sized (moe_lora_a with slot groups, stacked-slot epilogues).
+@pytest.mark.parametrize("m", [1, 16, 300])
 def test_gpu_deepseek_v2_lite_bf16(dsv2, fp32_highest, path, max_rank, m):
     pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(max_rank)
     x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
@@ -650,7 +652,7 @@ def test_gpu_deepseek_v2_lite_bf16(dsv2, fp32_highest, path, max_rank, m):
 
 
 @gpu
-@pytest.mark.parametrize("path", ["fused", "staged"])
+@pytest.mark.parametrize("path", ["split", "fused", "staged"])
 def test_gpu_cuda_graph_replay_with_new_mapping(fp32_highest, path):
     dtype, m = BF16, 8
     # DeepSeek-V2-Lite shapes, ranks 4/8/32 and a late-loaded rank 8 in a max-rank-64 pool.
