@@ -15,7 +15,7 @@ from triton_ops.decode_shrink import decode_shrink_splits, moe_align_with_gate_u
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts
 from triton_ops.fused_moe import lora_slot_group
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
-from triton_ops.moe_lora import shrink_k_splits
+from triton_ops.moe_lora import moe_lora_a, shrink_k_splits
 
 PATHS = ("fused", "split", "staged")
 # The module (the package re-exports the function under the same name).
@@ -188,3 +188,14 @@ def test_slot_group_rule():
     assert lora_slot_group(16, 3, 64) == 4  # three adapters: the next power of two
     assert lora_slot_group(16, 8, 1) == 1  # decode: one row per block holds one slot
     assert lora_slot_group(32, 8, 64) == 2 and lora_slot_group(64, 8, 64) == 1
+
+
+def test_moe_lora_a_launch_overrides_are_checked():
+    """A sub-block that does not divide the alignment's block would mix experts in one program."""
+    ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, 32, 3)
+    with pytest.raises(ValueError, match="sub_block_m 48 must divide the alignment's block_m 32"):
+        moe_lora_a(torch.zeros(2, 8), torch.zeros(1, 3, 32, 8), torch.zeros(2, dtype=torch.int32),
+                   torch.zeros(1, dtype=torch.int32), sorted_ids=sorted_ids, expert_ids=expert_ids,
+                   num_post_padded=num_post_padded, block_m=32, top_k=2, x_row_div=2, rank_block=16,
+                   gated=True, out=torch.zeros(4, 1, 32), sub_block_m=48)
