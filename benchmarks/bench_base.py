@@ -40,7 +40,6 @@ import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -53,17 +52,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from moelora.bench import ModelShape  # noqa: E402
 from triton_ops import fused_experts  # noqa: E402
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    E: int
-    top_k: int
-    H: int
-    I: int  # noqa: E741
-
 
 MODELS: dict[str, ModelShape] = {
     m.name.lower(): m

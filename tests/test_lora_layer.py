@@ -656,25 +656,10 @@ def test_gpu_deepseek_v2_lite_bf16(dsv2, fp32_highest, path, max_rank, m):
 def test_gpu_cuda_graph_replay_with_new_mapping(fp32_highest, path):
     dtype, m = BF16, 8
     # DeepSeek-V2-Lite shapes, ranks 4/8/32 and a late-loaded rank 8 in a max-rank-64 pool.
-    pool = make_pool(
-        dtype,
-        max_loras=4,
-        max_rank=64,
-        num_experts=DSV2_E,
-        hidden=DSV2_H,
-        inter=DSV2_I,
-        layer_ids=(LAYER,),
-        device="cuda",
-    )
-    pool32 = make_pool(
-        F32,
-        max_loras=4,
-        max_rank=64,
-        num_experts=DSV2_E,
-        hidden=DSV2_H,
-        inter=DSV2_I,
-        layer_ids=(LAYER,),
-        device="cuda",
+    pool, pool32 = (
+        make_pool(pool_dtype, max_loras=4, max_rank=64, num_experts=DSV2_E, hidden=DSV2_H, inter=DSV2_I,
+                  layer_ids=(LAYER,), device="cuda")
+        for pool_dtype in (dtype, F32)
     )
     dims = dict(layers=(LAYER,), num_experts=DSV2_E, hidden=DSV2_H, inter=DSV2_I)
     adapters = {

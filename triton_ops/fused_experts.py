@@ -210,6 +210,8 @@ def fused_experts(
         if not chunk_weights.is_contiguous():
             chunk_weights = chunk_weights.contiguous()
         pairs = rows * top_k
+        if lora is not None:
+            chunk_slots = lora.token_slots[start:end]
         # Decode on the split path: GEMM1's shrink rides in the alignment's launch.
         decode_shrink = split and pairs <= SINGLE_PROGRAM_MAX_PAIRS
         if decode_shrink:
@@ -218,8 +220,8 @@ def fused_experts(
                 dtype=torch.float32, device=x.device,
             )
             alignment = moe_align_with_gate_up_shrink(
-                chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a,
-                lora.token_slots[start:end], lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up)
+                chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a, chunk_slots,
+                lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up)
         else:
             alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
         sorted_ids = alignment[0]
@@ -228,7 +230,6 @@ def fused_experts(
         chunk_activated = activated[: rows * top_k]
         gemm1_lora = gemm2_lora = None
         if lora is not None:
-            chunk_slots = lora.token_slots[start:end]
             common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
                           rank_block=rank_block, token_slots=chunk_slots, num_adapters=lora.num_adapters)
             gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
@@ -249,8 +250,7 @@ def fused_experts(
                 dtype=torch.float32, device=x.device,
             )
         if down_in_gemm1:
-            shrunk_down = torch.empty((pairs, triton.cdiv(intermediate, cfg.gemm1.block_n), rank_block),
-                                      dtype=torch.float32, device=x.device)
+            shrunk_down = torch.empty((pairs, down_tiles, rank_block), dtype=torch.float32, device=x.device)
             gemm1_lora = replace(gemm1_lora, down_a=lora.down_a, down_shrunk=shrunk_down)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
         elif split or staged:
@@ -258,7 +258,7 @@ def fused_experts(
                 (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
                 dtype=torch.float32, device=x.device,
             )
-        if split and not decode_shrink:
+        if (split or staged) and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=top_k, rank_block=rank_block, gated=True,
@@ -266,10 +266,6 @@ def fused_experts(
         if split:
             gemm1_lora = replace(gemm1_lora, shrunk=shrunk_gate_up)
         if staged:
-            moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
-                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
-                       x_row_div=top_k, rank_block=rank_block, gated=True,
-                       out=shrunk_gate_up)
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
             moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, chunk_slots,

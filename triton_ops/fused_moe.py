@@ -264,21 +264,17 @@ def _fused_moe_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     if HAS_LORA:
+        if ACTIVATION == 0:
+            # One accumulator: the expand helpers take and hand back an up tile they leave alone.
+            acc_up = acc
         if LORA_SHRINK == 0:
             lora_gate = tl.where(in_main[:, None], main_gate, lora_gate)
             lora_up = tl.where(in_main[:, None], main_up, lora_up)
-            if ACTIVATION != 0:
-                acc, acc_up = lora_expand_slots(
-                    acc, acc_up, lora_gate, lora_up, row_valid, row_slot, lora_b_ptr, expert, offs_n,
-                    col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
-                    stride_lb_n, stride_lb_r, GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                )
-            else:
-                acc, _ = lora_expand_slots(
-                    acc, acc, lora_gate, lora_gate, row_valid, row_slot, lora_b_ptr, expert, offs_n,
-                    col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
-                    stride_lb_n, stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                )
+            acc, acc_up = lora_expand_slots(
+                acc, acc_up, lora_gate, lora_up, row_valid, row_slot, lora_b_ptr, expert, offs_n,
+                col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
+                stride_lb_n, stride_lb_r, GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+            )
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
         elif LORA_PREFETCH:
             if slot0 < (1 << 30):
@@ -290,39 +286,26 @@ def _fused_moe_kernel(
                         spread_to_group(pre_up, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_up.dtype),
                         b0_up, acc_up, FP32_IEEE)
                 # Slots past the first group (more adapters in the block than LORA_GROUP).
-                if ACTIVATION != 0:
-                    acc, acc_up = lora_expand_groups(
-                        acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
-                        stride_lb_r, GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
-                    )
-                else:
-                    acc, _ = lora_expand_groups(
-                        acc, acc, pre_gate, pre_gate, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
-                        stride_lb_r, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
-                    )
+                acc, acc_up = lora_expand_groups(
+                    acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
+                    offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
+                )
         elif LORA_CHUNK_R >= LORA_R and LORA_GROUP > 1:
             # One rank chunk: every row's partials in one load, then one dot per group of slots.
             u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
                                      SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
                                      SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-            slot = first_slot(row_slot, has_slot)
+            u_up = u
             if ACTIVATION != 0:
                 u_up = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
                                             SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
                                             SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-                acc, acc_up = lora_expand_groups(
-                    acc, acc_up, u, u_up, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, N,
-                    slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                    GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
-                )
-            else:
-                acc, _ = lora_expand_groups(
-                    acc, acc, u, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, N,
-                    slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                    GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
-                )
+            acc, acc_up = lora_expand_groups(
+                acc, acc_up, u, u_up, row_slot, has_slot, first_slot(row_slot, has_slot), lora_b_ptr, expert,
+                offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
+            )
         else:
             # Big tiles or wide ranks: partials and B a slot and a rank chunk at a time, after the K-loop
             # (few registers beside the accumulators: the grouped form spilled at 128x64, Qwen3-30B

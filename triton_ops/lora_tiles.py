@@ -157,12 +157,11 @@ def lora_expand_from_partials(
     registers beside the accumulators, and chunks past the slot's real rank are skipped."""
     for r0 in tl.static_range(0, LORA_R, CHUNK_R):
         if r0 < rank:
-            offs_r = r0 + tl.arange(0, CHUNK_R)
             shrunk = load_shrink_partials(shrunk_rows_ptr, col_offset + r0, num_splits, stride_ss,
                                           rows_in_slot, SPLITS=SPLITS, CHUNK_R=CHUNK_R,
                                           SPLIT_CHUNK=SPLIT_CHUNK)
-            b_ptrs = lb_ptr + offs_n.to(tl.int64)[None, :] * stride_ln + offs_r[:, None] * stride_lr
-            b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & col_valid[None, :], other=0.0)
+            b = lora_load_b(lb_ptr + r0 * stride_lr, offs_n, col_valid, rank - r0, stride_ln, stride_lr,
+                            LORA_R=CHUNK_R)
             acc = _dot((shrunk * scaling).to(b.dtype), b, acc, FP32_IEEE)
     return acc
 
