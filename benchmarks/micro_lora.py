@@ -71,11 +71,11 @@ def main() -> None:
         weights = weights.reshape(-1).contiguous()
         lora = make_lora(shape, args.rank, args.adapters, m, dtype)
         cfg = get_moe_config(m, num_experts, hidden, inter, top_k, dtype, x.device)
-        lcfg = _with_lora_tiles(cfg)
+        rb = lora_rank_block(args.rank)
+        lcfg = _with_lora_tiles(cfg, rank_block=rb)
         scfg = _with_lora_tiles(cfg, inline_shrink=False)
         s, e, n = moe_align_block_size(ids, cfg.block_m, num_experts)
         align = dict(sorted_ids=s, expert_ids=e, num_post_padded=n)
-        rb = lora_rank_block(args.rank)
         act = torch.empty(m * top_k, inter, device="cuda", dtype=dtype)
         out = torch.empty(m * top_k, hidden, device="cuda", dtype=dtype)
         max_padded = s.shape[0]

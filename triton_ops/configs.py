@@ -83,6 +83,18 @@ class MoEConfig:
         return cls(gemm1, gemm2)
 
 
+# Shared memory one block may use on Hopper (H100/H200: 227 KiB) and Ada/Ampere data-centre parts; the
+# pipeline estimate below leaves room under it for the epilogue's layout-conversion scratch.
+MAX_SHARED_BYTES = 227 * 1024
+
+
+def pipeline_smem_bytes(gemm: GemmConfig, *, b_tiles: int, lora_cols: int = 0, elem_bytes: int = 2) -> int:
+    """Shared memory of a GEMM's software pipeline: ``num_stages`` copies of the A tile, ``b_tiles`` B
+    tiles (2 for gate/up) and, with an inline LoRA shrink, ``lora_cols`` columns of LoRA A per stage."""
+    per_stage = gemm.block_m * gemm.block_k + b_tiles * gemm.block_k * gemm.block_n + gemm.block_k * lora_cols
+    return gemm.num_stages * per_stage * elem_bytes
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from triton_ops.configs import MoEConfig, get_moe_config
+from triton_ops.configs import MAX_SHARED_BYTES, MoEConfig, get_moe_config, pipeline_smem_bytes
 from triton_ops.decode_shrink import (
     decode_shrink_block_k,
     decode_shrink_splits,
@@ -204,7 +204,7 @@ def fused_experts(
         rows = end - start
         cfg = config or get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device)
         if lora is not None and lora_path == "fused":
-            cfg = _with_lora_tiles(cfg)
+            cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=x.element_size())
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
         if not chunk_weights.is_contiguous():
@@ -322,17 +322,30 @@ def fused_experts(
     return out
 
 
-def _with_lora_tiles(cfg: MoEConfig, inline_shrink: bool = True) -> MoEConfig:
+def _with_lora_tiles(cfg: MoEConfig, inline_shrink: bool = True, rank_block: int = 16,
+                     elem_bytes: int = 2) -> MoEConfig:
     """Fit a config tuned for the base GEMMs to their LoRA variants: the epilogue expand needs registers
     beside the accumulators (BLOCK_N <= 128), and the inline shrink also stages LoRA A tiles (BLOCK_K x
-    rank, twice for gate/up) in shared memory (BLOCK_K <= 128, at most 3 stages)."""
-    def capped(gemm):
+    rank, twice for gate/up) in shared memory (BLOCK_K <= 128, at most 3 stages, then fewer stages and a
+    shorter BLOCK_K until the pipeline fits: a config tuned without LoRA may leave no room for them,
+    e.g. H100 Mixtral M=256 128x64x128 x 3 stages at rank 64 asked for 288 KiB)."""
+    def capped(gemm, gated: bool):
         gemm = replace(gemm, block_n=min(gemm.block_n, 128))
-        if inline_shrink:
-            gemm = replace(gemm, block_k=min(gemm.block_k, 128), num_stages=min(gemm.num_stages, 3))
+        if not inline_shrink:
+            return gemm
+        gemm = replace(gemm, block_k=min(gemm.block_k, 128), num_stages=min(gemm.num_stages, 3))
+        tiles = 2 if gated else 1
+        while pipeline_smem_bytes(gemm, b_tiles=tiles, lora_cols=tiles * rank_block,
+                                  elem_bytes=elem_bytes) > MAX_SHARED_BYTES:
+            if gemm.num_stages > 2:
+                gemm = replace(gemm, num_stages=gemm.num_stages - 1)
+            elif gemm.block_k > 32:
+                gemm = replace(gemm, block_k=gemm.block_k // 2)
+            else:
+                break
         return gemm
 
-    return MoEConfig(capped(cfg.gemm1), capped(cfg.gemm2))
+    return MoEConfig(capped(cfg.gemm1, gated=True), capped(cfg.gemm2, gated=False))
 
 
 def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, lora_path: str) -> None:

@@ -1,0 +1,178 @@
+"""Shared memory, registers and spills of the fused MoE GEMMs for a Hopper GPU, compiled on any machine.
+
+    python benchmarks/resource_report.py --model mixtral-8x7b --M 256 --device-name NVIDIA_H100_80GB_HBM3
+
+No GPU needed: the launch wrapper runs on meta tensors, its launch is caught, and the kernel is compiled
+for sm_90 with Triton's bundled ptxas. For each GEMM (base and every LoRA variant the layer would launch at
+that M) it prints the shared memory the launch asks for against the 227 KiB an H100/H200 block may use,
+and the registers and spill bytes ptxas reports (``cuobjdump --dump-resource-usage``). The Triton here may
+differ from the one on the device; treat the numbers as close, and confirm on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moelora.bench import MODELS  # noqa: E402
+from triton_ops import fused_moe  # noqa: E402
+from triton_ops.configs import MoEConfig, default_moe_config, tuned_moe_config  # noqa: E402
+from triton_ops.fused_experts import _with_lora_tiles  # noqa: E402
+from triton_ops.fused_moe import LoRAOperands, invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_MAX_SHARED = 232448  # bytes a block may use on an H100/H200 (what Triton checks at launch)
+_TORCH_TO_TRITON = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                    torch.int32: "*i32", torch.int64: "*i64"}
+
+
+class _CaughtLaunch:
+    """Stands in for ``_fused_moe_kernel``: records the launch's keyword arguments instead of running."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.launches.append(kwargs)
+        return launch
+
+
+def compile_launch(kernel, kwargs: dict) -> dict:
+    constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
+    signature, constexprs, attrs = {}, {}, {}
+    # As a launch specialises: 16-byte aligned pointers (fresh allocations), ints divisible by 16, ints == 1.
+    aligned = [["tt.divisibility", 16]]
+    for index, name in enumerate(kernel.arg_names):
+        value = kwargs[name]
+        if name in constexpr_names:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _TORCH_TO_TRITON[value.dtype]
+            attrs[(index,)] = aligned
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif int(value) == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:
+            signature[name] = "i64" if abs(int(value)) >= 2**31 else "i32"
+            if int(value) % 16 == 0:
+                attrs[(index,)] = aligned
+    options = {"num_warps": kwargs["num_warps"], "num_stages": kwargs["num_stages"]}
+    binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(binary.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    return {"shared": binary.metadata.shared, "regs": int(regs.group(1)) if regs else -1,
+            "spill_bytes": max(int(stack.group(1)) if stack else 0, int(local.group(1)) if local else 0)}
+
+
+def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig) -> list[tuple[str, dict]]:
+    """The base and LoRA launches of both GEMMs at M tokens, as caught keyword arguments."""
+    shape = MODELS[model]
+    E, k, H, inter = shape.E, shape.top_k, shape.H, shape.I
+    meta = dict(device="meta")
+    bf16 = dict(dtype=torch.bfloat16, **meta)
+    pairs = m * k
+    max_padded = pairs + E * (cfg.block_m - 1)
+    align = dict(sorted_ids=torch.empty(max_padded, dtype=torch.int32, **meta),
+                 expert_ids=torch.empty(triton.cdiv(max_padded, cfg.block_m), dtype=torch.int32, **meta),
+                 num_post_padded=torch.empty(1, dtype=torch.int32, **meta))
+    x = torch.empty(m, H, **bf16)
+    w13, w2 = torch.empty(E, 2 * inter, H, **bf16), torch.empty(E, H, inter, **bf16)
+    act, out = torch.empty(pairs, inter, **bf16), torch.empty(pairs, H, **bf16)
+    weights = torch.empty(pairs, dtype=torch.float32, **meta)
+    rb, slots = lora_rank_block(rank), 8
+    common = dict(token_slots=torch.empty(m, dtype=torch.int32, **meta),
+                  slot_ranks=torch.empty(slots, dtype=torch.int32, **meta),
+                  slot_scalings=torch.empty(slots, dtype=torch.float32, **meta),
+                  top_k=k, rank_block=rb, num_adapters=adapters)
+    splits = 4
+    gate_up = LoRAOperands(lora_a=torch.empty(slots, E, 2 * rank, H, **bf16),
+                           lora_b=torch.empty(slots, E, 2 * inter, rank, **bf16), **common)
+    down = LoRAOperands(lora_a=torch.empty(slots, E, rank, inter, **bf16),
+                        lora_b=torch.empty(slots, E, H, rank, **bf16), **common)
+    split_gate_up = replace(gate_up, shrunk=torch.empty(pairs, splits, 2 * rb, dtype=torch.float32, **meta))
+    split_down = replace(down, shrunk=torch.empty(pairs, splits, rb, dtype=torch.float32, **meta))
+    fused_cfg = _with_lora_tiles(cfg, rank_block=rb)
+    variants = [
+        ("gemm1 base", cfg.gemm1, None), ("gemm2 base", cfg.gemm2, None),
+        ("gemm1 split", cfg.gemm1, split_gate_up), ("gemm2 split", cfg.gemm2, split_down),
+        ("gemm1 fused", fused_cfg.gemm1, gate_up), ("gemm2 fused", fused_cfg.gemm2, down),
+    ]
+    caught = _CaughtLaunch(fused_moe._fused_moe_kernel)
+    real, fused_moe._fused_moe_kernel = fused_moe._fused_moe_kernel, caught
+    try:
+        out_launches = []
+        for name, gemm, lora in variants:
+            if name.startswith("gemm1"):
+                invoke_fused_moe_kernel(x, w13, act, topk_weights=None, a_row_div=k, config=gemm,
+                                        activation="silu", lora=lora, **align)
+            else:
+                invoke_fused_moe_kernel(act, w2, out, topk_weights=weights, a_row_div=1, config=gemm,
+                                        lora=lora, **align)
+            out_launches.append((name, caught.launches[-1]))
+    finally:
+        fused_moe._fused_moe_kernel = real
+    return out_launches
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("resource_report.py compiles kernels for the GPU: unset TRITON_INTERPRET")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--M", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--fused-only", action="store_true", help="only the fused path's GEMMs (the ones "
+                        "that stage LoRA tiles in shared memory)")
+    parser.add_argument("--device-name", default="NVIDIA_H200",
+                        help="whose tuned JSON to read (triton_ops/configs); 'none' for the heuristic")
+    args = parser.parse_args()
+    failures = 0
+    for model in args.model:
+        shape = MODELS[model]
+        for m in args.M:
+            cfg = None if args.device_name == "none" else tuned_moe_config(
+                m, shape.E, shape.I, torch.bfloat16, args.device_name)
+            cfg = cfg or default_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
+            for name, kwargs in gemm_launches(model, m, args.rank, args.adapters, cfg):
+                if args.fused_only and "fused" not in name:
+                    continue
+                report = compile_launch(fused_moe._fused_moe_kernel, kwargs)
+                fits = report["shared"] <= HOPPER_MAX_SHARED
+                failures += not fits
+                print(f"{model:17s} M={m:5d} {name:12s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
+                      f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']}  "
+                      f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "
+                      f"regs {report['regs']:3d}  spill {report['spill_bytes']} B", flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    main()

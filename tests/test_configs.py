@@ -1,0 +1,75 @@
+"""Launch configs: every committed tuned entry, fitted to the LoRA variants, fits a Hopper block's shared
+memory.
+
+A config tuned for the base GEMMs says nothing of the LoRA A tiles the inline shrink stages beside them;
+the H100 table first met this (Mixtral M=256, 128x64x128 x 3 stages, rank 64: 288 KiB asked, 227 KiB
+there). These tests need no GPU: the estimate is checked against every JSON, and one kernel is compiled
+for sm_90 with Triton's bundled ptxas to check the estimate against what the compiler allocates.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from triton_ops.configs import (
+    _CONFIG_DIR,
+    MAX_SHARED_BYTES,
+    GemmConfig,
+    MoEConfig,
+    _load_tuned,
+    pipeline_smem_bytes,
+)
+from triton_ops.fused_experts import _with_lora_tiles
+
+TUNED_FILES = sorted(_CONFIG_DIR.glob("*.json"))
+
+
+def test_there_are_tuned_files_for_both_hopper_parts():
+    names = " ".join(path.name for path in TUNED_FILES)
+    assert "NVIDIA_H100" in names and "NVIDIA_H200" in names
+
+
+@pytest.mark.parametrize("path", TUNED_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("rank_block", [16, 32, 64])  # 64: the widest rank tile the pools use
+def test_fused_lora_configs_fit_shared_memory(path, rank_block):
+    for m, cfg in _load_tuned(str(path)):
+        fitted = _with_lora_tiles(cfg, rank_block=rank_block)
+        for gemm, tiles in ((fitted.gemm1, 2), (fitted.gemm2, 1)):
+            need = pipeline_smem_bytes(gemm, b_tiles=tiles, lora_cols=tiles * rank_block)
+            assert need <= MAX_SHARED_BYTES, (path.name, m, gemm, need)
+            assert gemm.num_stages >= 2 and gemm.block_k >= 32
+
+
+def test_fit_keeps_configs_that_already_fit():
+    small = MoEConfig(GemmConfig(16, 64, 128, 1, 4, 3), GemmConfig(16, 64, 128, 1, 4, 3))
+    assert _with_lora_tiles(small, rank_block=16) == small
+
+
+def test_fit_drops_stages_before_block_k():
+    h100_mixtral = MoEConfig(GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
+    fitted = _with_lora_tiles(h100_mixtral, rank_block=64)
+    # 3 stages x (128x128 + 2x128x64 + 2x128x64) x 2 B = 288 KiB -> 2 stages = 192 KiB.
+    assert fitted.gemm1 == GemmConfig(128, 64, 128, 8, 8, 2)
+    # GEMM2: 3 x (128x128 + 128x128 + 128x64) x 2 B = 240 KiB -> 2 stages = 160 KiB.
+    assert fitted.gemm2 == GemmConfig(128, 128, 128, 8, 8, 2)
+
+
+def test_estimate_matches_the_compiler():
+    """The estimate is what Triton allocates for the fused GEMMs: compiled for sm_90 on this machine (no
+    GPU) by benchmarks/resource_report.py, in a process of its own since the tests run interpreted."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "resource_report.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["--model", "mixtral-8x7b", "--M", "256", "--rank", "64", "--device-name", "NVIDIA_H100_80GB_HBM3",
+            "--fused-only"]
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    reported = dict(re.findall(r"(gemm[12]) fused .* smem +([0-9.]+) KiB", run.stdout))
+    cfg = _load_tuned(str(_CONFIG_DIR / "E=8,N=14336,device_name=NVIDIA_H100_80GB_HBM3,dtype=bf16.json"))
+    fitted = _with_lora_tiles(dict(cfg)[256], rank_block=64)
+    assert float(reported["gemm1"]) * 1024 == pipeline_smem_bytes(fitted.gemm1, b_tiles=2, lora_cols=128)
+    assert float(reported["gemm2"]) * 1024 == pipeline_smem_bytes(fitted.gemm2, b_tiles=1, lora_cols=64)
