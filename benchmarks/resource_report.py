@@ -74,7 +74,7 @@ def compile_launch(kernel, kwargs: dict) -> dict:
             signature[name] = "i64" if abs(int(value)) >= 2**31 else "i32"
             if int(value) % 16 == 0:
                 attrs[(index,)] = aligned
-    options = {"num_warps": kwargs["num_warps"], "num_stages": kwargs["num_stages"]}
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if kwargs.get(k) is not None}
     binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(binary.asm["cubin"])
@@ -167,7 +167,8 @@ def main() -> None:
                 fits = report["shared"] <= HOPPER_MAX_SHARED
                 failures += not fits
                 print(f"{model:17s} M={m:5d} {name:12s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
-                      f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']}  "
+                      f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
+                      f"cap {kwargs['maxnreg'] or '-':3}  "
                       f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "
                       f"regs {report['regs']:3d}  spill {report['spill_bytes']} B", flush=True)
     sys.exit(1 if failures else 0)

@@ -26,13 +26,14 @@ on the host without a sync. Offsets into a, b and c are int64.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from triton_ops.configs import GemmConfig
+from triton_ops.configs import MAX_SHARED_BYTES, GemmConfig, pipeline_smem_bytes
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
@@ -385,6 +386,27 @@ def lora_rank_block(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max(1, max_rank)))
 
 
+# 64K 32-bit registers per SM on the H100/H200 (and A100).
+REGISTERS_PER_SM = 65536
+
+
+def lora_register_cap(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> int | None:
+    """Registers a thread of a LoRA GEMM may use so that it keeps the blocks per SM its shared memory
+    allows (None: no cap). The epilogue's LoRA operands otherwise push prefill tiles over the line: Qwen3-30B
+    M=1024 GEMM1 128x64x64 x 8 warps, 96 KiB, base 118 registers (2 blocks per SM), with 4 rank-16
+    adapters 139 (1 block); capped at 128 it spills 8 bytes (sm_90, benchmarks/resource_report.py). Decode
+    tiles (BLOCK_M < 64) fill less than a wave, where occupancy does not matter: left alone.
+    ``MOELORA_LORA_REGISTER_CAP=0`` turns the cap off (to compare)."""
+    if config.block_m < 64 or os.environ.get("MOELORA_LORA_REGISTER_CAP") == "0":
+        return None
+    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
+    blocks = MAX_SHARED_BYTES // max(smem, 1)
+    if blocks < 2:
+        return None
+    cap = REGISTERS_PER_SM // (blocks * 32 * config.num_warps) // 8 * 8
+    return cap if cap < 255 else None
+
+
 # Slot groups on 128x64 tiles and up, where stacked slots beside the accumulators spill: two for the
 # single-accumulator GEMM2 (Qwen3-30B M=1024 4 adapters 181 -> 175 us, Mixtral 718 -> 691 us), one for
 # the gated GEMM1 (Qwen3-30B 277 -> 366 us with two); H200, benchmarks/micro_lora.py.
@@ -540,6 +562,7 @@ def invoke_fused_moe_kernel(
         GROUP_M=config.group_m,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        maxnreg=None if lora is None else lora_register_cap(config, gated=gated, elem_bytes=a.element_size()),
     )
 
 
