@@ -218,6 +218,15 @@ def _fused_moe_kernel(
                     b0_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot0, expert, offs_n, col_valid,
                                          slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
                                          LORA_R=LORA_R, GROUP=LORA_GROUP)
+                if DOWN_SHRINK:
+                    # The down shrink's A tile for the first slot too: the epilogue's last dependent load.
+                    has0 = slot0 < (1 << 30)
+                    slot0_safe = tl.where(has0, slot0, 0)
+                    rank0 = tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe), 0)
+                    da0 = tl.load(
+                        down_a_ptr + tl.cast(slot0_safe, tl.int64) * stride_da_l + expert * stride_da_e
+                        + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
+                        mask=col_valid[:, None] & (offs_r < rank0)[None, :], other=0.0)
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
@@ -346,11 +355,13 @@ def _fused_moe_kernel(
             acc = _gated_activation(acc, acc_up, ACTIVATION)
             if DOWN_SHRINK:
                 # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
+                if not LORA_PREFETCH:
+                    da0 = tl.zeros((BLOCK_N, LORA_R), dtype=c_ptr.dtype.element_ty)
                 lora_store_down_partials(
                     acc.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid,
-                    pid_n, down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, stride_da_l, stride_da_e, stride_da_r,
-                    stride_da_k, stride_ds, stride_dm,
-                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
+                    pid_n, down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, da0, stride_da_l, stride_da_e,
+                    stride_da_r, stride_da_k, stride_ds, stride_dm,
+                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, FIRST_PREFETCHED=LORA_PREFETCH,
                 )
 
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn

@@ -235,6 +235,7 @@ def lora_store_down_partials(
     down_a_ptr,  # (L, E, R, N) LoRA A of the down projection
     out_ptr,  # (numel, tiles, LORA_R) fp32 partials, out
     slot_ranks_ptr,  # (L,) int32
+    first_a,  # (BLOCK_N, LORA_R) the first slot's A tile, loaded earlier (used when FIRST_PREFETCHED)
     stride_da_l,
     stride_da_e,
     stride_da_r,
@@ -244,6 +245,7 @@ def lora_store_down_partials(
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
     CHUNK_R: tl.constexpr,
+    FIRST_PREFETCHED: tl.constexpr,  # first_a holds the block's first slot's tile (needs CHUNK_R == LORA_R)
 ):
     """GEMM2's shrink from GEMM1's epilogue: ``out[p, tile, :] = A_down[a_p, e][:, cols] @ h[p, cols]``
     for the tile's columns, so GEMM2 sums ``tiles`` partials instead of a separate launch re-reading h.
@@ -251,6 +253,13 @@ def lora_store_down_partials(
     read), so the consumers never see uninitialised partials."""
     out_rows = out_ptr + pair.to(tl.int64) * stride_dm + tile * stride_ds
     slot = first_slot(row_slot, has_slot)
+    if FIRST_PREFETCHED:
+        if slot < (1 << 30):
+            part = _dot(h, first_a, tl.zeros((h.shape[0], LORA_R), dtype=tl.float32), FP32_IEEE)
+            offs_r = tl.arange(0, LORA_R)
+            in_slot = has_slot & (row_slot == slot)
+            tl.store(out_rows[:, None] + offs_r[None, :], part, mask=in_slot[:, None])
+            slot = next_slot(row_slot, has_slot, slot)
     while slot < (1 << 30):
         in_slot = has_slot & (row_slot == slot)
         rank = tl.load(slot_ranks_ptr + slot)
