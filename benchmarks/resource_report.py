@@ -32,6 +32,7 @@ from triton_ops import fused_moe  # noqa: E402
 from triton_ops.configs import MoEConfig, default_moe_config, tuned_moe_config  # noqa: E402
 from triton_ops.fused_experts import _with_lora_tiles  # noqa: E402
 from triton_ops.fused_moe import LoRAOperands, invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes a block may use on an H100/H200 (what Triton checks at launch)
@@ -122,6 +123,11 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig) 
         ("gemm1 split", cfg.gemm1, split_gate_up), ("gemm2 split", cfg.gemm2, split_down),
         ("gemm1 fused", fused_cfg.gemm1, gate_up), ("gemm2 fused", fused_cfg.gemm2, down),
     ]
+    if pairs <= SINGLE_PROGRAM_MAX_PAIRS:  # decode: GEMM1's epilogue may also write GEMM2's shrink
+        tiles = triton.cdiv(inter, cfg.gemm1.block_n)
+        with_down = replace(split_gate_up, down_a=down.lora_a,
+                            down_shrunk=torch.empty(pairs, tiles, rb, dtype=torch.float32, **meta))
+        variants.insert(3, ("gemm1 split+down", cfg.gemm1, with_down))
     caught = _CaughtLaunch(fused_moe._fused_moe_kernel)
     real, fused_moe._fused_moe_kernel = fused_moe._fused_moe_kernel, caught
     try:
@@ -166,7 +172,7 @@ def main() -> None:
                 report = compile_launch(fused_moe._fused_moe_kernel, kwargs)
                 fits = report["shared"] <= HOPPER_MAX_SHARED
                 failures += not fits
-                print(f"{model:17s} M={m:5d} {name:12s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
+                print(f"{model:17s} M={m:5d} {name:16s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
                       f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
                       f"cap {kwargs['maxnreg'] or '-':3}  "
                       f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "

@@ -127,6 +127,7 @@ def _fused_moe_kernel(
     LORA_GROUP: tl.constexpr,
     LORA_PREFETCH: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
+    DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -218,7 +219,7 @@ def _fused_moe_kernel(
                     b0_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot0, expert, offs_n, col_valid,
                                          slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
                                          LORA_R=LORA_R, GROUP=LORA_GROUP)
-                if DOWN_SHRINK:
+                if DOWN_PREFETCH:
                     # The down shrink's A tile for the first slot too: the epilogue's last dependent load.
                     has0 = slot0 < (1 << 30)
                     slot0_safe = tl.where(has0, slot0, 0)
@@ -355,13 +356,13 @@ def _fused_moe_kernel(
             acc = _gated_activation(acc, acc_up, ACTIVATION)
             if DOWN_SHRINK:
                 # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
-                if not LORA_PREFETCH:
+                if not DOWN_PREFETCH:
                     da0 = tl.zeros((BLOCK_N, LORA_R), dtype=c_ptr.dtype.element_ty)
                 lora_store_down_partials(
                     acc.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid,
                     pid_n, down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, da0, stride_da_l, stride_da_e,
                     stride_da_r, stride_da_k, stride_ds, stride_dm,
-                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, FIRST_PREFETCHED=LORA_PREFETCH,
+                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, FIRST_PREFETCHED=DOWN_PREFETCH,
                 )
 
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
@@ -503,6 +504,12 @@ def invoke_fused_moe_kernel(
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
+    # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
+    # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
+    # M=1024 GEMM1 256 -> 328 us on an H200).
+    prefetch = (bool(shrunk_splits) and config.block_m <= 32 and lora is not None
+                and lora.rank_block <= lora_chunk_r)
+    grid_n = triton.cdiv(out_n, config.block_n)
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
@@ -558,11 +565,9 @@ def invoke_fused_moe_kernel(
         LORA_SPLITS=lora_splits,
         LORA_SPLIT_CHUNK=split_chunk,
         LORA_GROUP=lora_group,
-        # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
-        # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
-        # M=1024 GEMM1 256 -> 328 us on an H200).
-        LORA_PREFETCH=bool(shrunk_splits) and config.block_m <= 32 and lora.rank_block <= lora_chunk_r,
+        LORA_PREFETCH=prefetch,
         DOWN_SHRINK=down_shrink,
+        DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         FP32_IEEE=a.dtype == torch.float32,
@@ -575,6 +580,16 @@ def invoke_fused_moe_kernel(
         num_stages=config.num_stages,
         maxnreg=None if lora is None else lora_register_cap(config, gated=gated, elem_bytes=a.element_size()),
     )
+
+
+def _fits_one_wave(programs: int, device: torch.device) -> bool:
+    """At most one program per SM: then a kernel variant that needs a little more shared memory (the
+    down-A prefetch: +2 KiB at 16x64 tiles) cannot cost a wave. Past it, it can: DeepSeek-V2 M=1 on an
+    H200 (16x64x128 x 4 stages, 144 programs) went 112 -> 114 KiB, one block per SM instead of two, and
+    GEMM1+GEMM2 with LoRA 108.5 -> 117.1 us. CPU tensors (the interpreter) take the prefetch."""
+    if device.type != "cuda":
+        return True
+    return programs <= torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out_n: int,
