@@ -5,7 +5,8 @@
 No GPU needed: the launch wrapper runs on meta tensors, its launch is caught, and the kernel is compiled
 for sm_90 with Triton's bundled ptxas. For each GEMM (base and every LoRA variant the layer would launch at
 that M) it prints the shared memory the launch asks for against the 227 KiB an H100/H200 block may use,
-and the registers and spill bytes ptxas reports (``cuobjdump --dump-resource-usage``). The Triton here may
+the registers and spill bytes ptxas reports (``cuobjdump --dump-resource-usage``) and the blocks that
+fit on an SM, flagged where a LoRA variant fits fewer than its base GEMM. The Triton here may
 differ from the one on the device; treat the numbers as close, and confirm on the GPU.
 """
 
@@ -36,6 +37,19 @@ from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes a block may use on an H100/H200 (what Triton checks at launch)
+HOPPER_SM_SHARED = 233472  # bytes of shared memory an SM holds; each resident block also reserves 1 KiB
+HOPPER_SM_REGISTERS = 65536
+HOPPER_SM_WARPS = 64
+HOPPER_SMS = 132  # H100 SXM and H200
+
+
+def blocks_per_sm(shared: int, regs: int, num_warps: int) -> int:
+    """Blocks of a kernel resident per SM on Hopper: the least of what shared memory (plus the 1 KiB each
+    block reserves), registers (allocated per warp in units of 256) and warp slots allow."""
+    by_smem = HOPPER_SM_SHARED // (shared + 1024)
+    regs_per_warp = -(-regs * 32 // 256) * 256
+    by_regs = HOPPER_SM_REGISTERS // (regs_per_warp * num_warps)
+    return min(by_smem, by_regs, HOPPER_SM_WARPS // num_warps)
 _TORCH_TO_TRITON = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                     torch.int32: "*i32", torch.int64: "*i64"}
 
@@ -130,6 +144,8 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig) 
         variants.insert(3, ("gemm1 split+down", cfg.gemm1, with_down))
     caught = _CaughtLaunch(fused_moe._fused_moe_kernel)
     real, fused_moe._fused_moe_kernel = fused_moe._fused_moe_kernel, caught
+    real_wave, fused_moe._fits_one_wave = fused_moe._fits_one_wave, lambda programs, device: (
+        programs <= HOPPER_SMS)
     try:
         out_launches = []
         for name, gemm, lora in variants:
@@ -142,6 +158,7 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig) 
             out_launches.append((name, caught.launches[-1]))
     finally:
         fused_moe._fused_moe_kernel = real
+        fused_moe._fits_one_wave = real_wave
     return out_launches
 
 
@@ -154,12 +171,13 @@ def main() -> None:
     parser.add_argument("--M", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=4)
-    parser.add_argument("--fused-only", action="store_true", help="only the fused path's GEMMs (the ones "
-                        "that stage LoRA tiles in shared memory)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="LoRA variants whose name contains one of "
+                        "these (e.g. fused, split+down); the base GEMMs are always compiled, for comparison")
     parser.add_argument("--device-name", default="NVIDIA_H200",
                         help="whose tuned JSON to read (triton_ops/configs); 'none' for the heuristic")
     args = parser.parse_args()
     failures = 0
+    base_blocks: dict[str, int] = {}
     for model in args.model:
         shape = MODELS[model]
         for m in args.M:
@@ -167,16 +185,23 @@ def main() -> None:
                 m, shape.E, shape.I, torch.bfloat16, args.device_name)
             cfg = cfg or default_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
             for name, kwargs in gemm_launches(model, m, args.rank, args.adapters, cfg):
-                if args.fused_only and "fused" not in name:
+                if args.only and not name.endswith("base") and not any(o in name for o in args.only):
                     continue
                 report = compile_launch(fused_moe._fused_moe_kernel, kwargs)
                 fits = report["shared"] <= HOPPER_MAX_SHARED
                 failures += not fits
+                blocks = blocks_per_sm(report["shared"], report["regs"], kwargs["num_warps"])
+                gemm = name.split()[0]
+                if name.endswith("base"):
+                    base_blocks[gemm] = blocks
+                # A LoRA variant resident fewer times per SM than its base runs more waves at prefill.
+                fewer = blocks < base_blocks.get(gemm, 0)
                 print(f"{model:17s} M={m:5d} {name:16s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
                       f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
                       f"cap {kwargs['maxnreg'] or '-':3}  "
                       f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "
-                      f"regs {report['regs']:3d}  spill {report['spill_bytes']} B", flush=True)
+                      f"regs {report['regs']:3d}  spill {report['spill_bytes']:4d} B  "
+                      f"{blocks} blocks/SM{f' (base: {base_blocks[gemm]})' if fewer else ''}", flush=True)
     sys.exit(1 if failures else 0)
 
 
