@@ -98,3 +98,24 @@ def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
     launch = dict(gemm_launches(model, 1, 16, 1, cfg))["gemm1 split+down"]
     assert launch["DOWN_SHRINK"] and launch["LORA_PREFETCH"]
     assert launch["DOWN_PREFETCH"] is prefetch
+
+
+def test_register_cap_keeps_the_base_blocks_per_sm(monkeypatch):
+    from triton_ops.fused_moe import lora_register_cap
+
+    # Qwen3-30B / DeepSeek-V2-Lite M=1024: 96 KiB, two blocks of 8 warps fit -> 128 registers a thread.
+    two_blocks = GemmConfig(128, 64, 64, 8, 8, 3)
+    assert lora_register_cap(two_blocks, gated=True) == 128
+    # 192 KiB: one block per SM whatever the registers.
+    assert lora_register_cap(GemmConfig(128, 64, 128, 8, 8, 3), gated=True) is None
+    # Four warps at two blocks: 256 registers, no cap needed.
+    assert lora_register_cap(GemmConfig(128, 64, 64, 8, 4, 3), gated=True) is None
+    # 64x128x64 x 3 stages, GEMM2: 72 KiB alone (three blocks: 85 registers, under the floor) ...
+    small = GemmConfig(64, 128, 64, 8, 8, 3)
+    assert lora_register_cap(small, gated=False) is None
+    # ... 78 KiB with the fused path's LoRA A stages: two blocks, 128 registers.
+    assert lora_register_cap(small, gated=False, lora_cols=16) == 128
+    # Decode tiles are left alone, and the switch turns the cap off.
+    assert lora_register_cap(GemmConfig(16, 64, 64, 1, 8, 3), gated=True) is None
+    monkeypatch.setenv("MOELORA_LORA_REGISTER_CAP", "0")
+    assert lora_register_cap(two_blocks, gated=True) is None

@@ -86,6 +86,9 @@ class MoEConfig:
 # Shared memory one block may use on Hopper (H100/H200: 227 KiB) and Ada/Ampere data-centre parts; the
 # pipeline estimate below leaves room under it for the epilogue's layout-conversion scratch.
 MAX_SHARED_BYTES = 227 * 1024
+# What an SM holds (H100/H200: 228 KiB), of which each resident block reserves 1 KiB.
+SM_SHARED_BYTES = 228 * 1024
+BLOCK_RESERVED_SHARED_BYTES = 1024
 
 
 def pipeline_smem_bytes(gemm: GemmConfig, *, b_tiles: int, lora_cols: int = 0, elem_bytes: int = 2) -> int:
