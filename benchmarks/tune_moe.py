@@ -8,6 +8,12 @@ are timed with ``triton.testing.do_bench`` (median). The best pair (summed time)
 ``triton_ops/configs/E=..,N=..,device_name=..,dtype=...json`` (or ``--out-dir``), keyed by M, and the
 heuristic's time is printed beside it. Run with MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic
 shown is always ``default_moe_config``.
+
+    python benchmarks/tune_moe.py --lora-rank 16 --lora-adapters 4 --lora-only
+
+also tunes the tiles of the layer with adapters (split path, prefill M only: decode has its own launch
+structure), timing whole ``fused_experts`` calls, and stores them as each entry's ``"lora"`` object where
+they beat the base's tiles (``--lora-only`` keeps the file's base entries and tunes only those).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,8 +38,9 @@ from triton_ops.configs import (  # noqa: E402
     default_moe_config,
     device_name,
 )
+from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
 from triton_ops.fused_moe import invoke_fused_moe_kernel  # noqa: E402
-from triton_ops.moe_align import moe_align_block_size  # noqa: E402
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size  # noqa: E402
 
 MODELS = {
     "deepseek-v2-lite": (64, 6, 2048, 1408),
@@ -115,21 +123,81 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
     return best, best_us, default_us
 
 
-def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: Path) -> tuple[str, dict]:
+def lora_inputs(m: int, w13: torch.Tensor, rank: int, adapters: int, gen: torch.Generator) -> MoELoRAInputs:
+    """``adapters`` adapters of rank ``rank`` in an 8-slot pool, every token on one of them (uniform)."""
+    num_experts, two_i, hidden = w13.shape
+    inter, slots, dtype = two_i // 2, max(8, adapters), w13.dtype
+    kw = dict(device="cuda", dtype=dtype, generator=gen)
+    ranks = torch.zeros(slots, dtype=torch.int32, device="cuda")
+    ranks[:adapters] = rank
+    return MoELoRAInputs(
+        token_slots=torch.randint(0, adapters, (m,), device="cuda", generator=gen, dtype=torch.int32),
+        gate_up_a=torch.randn(slots, num_experts, 2 * rank, hidden, **kw) / hidden**0.5,
+        gate_up_b=torch.randn(slots, num_experts, two_i, rank, **kw) / rank**0.5,
+        down_a=torch.randn(slots, num_experts, rank, inter, **kw) / inter**0.5,
+        down_b=torch.randn(slots, num_experts, hidden, rank, **kw) / rank**0.5,
+        slot_ranks=ranks, slot_scalings=torch.full((slots,), 2.0, device="cuda"), max_rank=rank,
+        num_adapters=adapters,
+    )
+
+
+def tune_lora_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, base: MoEConfig, rank: int,
+                    adapters: int, gen: torch.Generator) -> tuple[MoEConfig, float, float]:
+    """Best tiles for the whole split LoRA layer at M tokens (alignment, shrinks, both GEMMs with their
+    expands, combine: one ``fused_experts`` call, timed as a whole), with its time and the time of the
+    base-tuned ``base``. GEMM1's tile is chosen with GEMM2's fixed, then GEMM2's, per BLOCK_SIZE_M."""
+    num_experts, _, hidden = w13.shape
+    x = torch.randn(m, hidden, device="cuda", dtype=w13.dtype, generator=gen)
+    logits = torch.randn(m, num_experts, device="cuda", generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    ids = ids.to(torch.int32)
+    lora = lora_inputs(m, w13, rank, adapters, gen)
+
+    def layer_us(cfg: MoEConfig) -> float:
+        return bench_gemm(lambda: fused_experts(x, w13, w2, weights, ids, config=cfg, lora=lora,
+                                                lora_path="split"))
+
+    base_us = layer_us(base)
+    best_us, best = base_us, base
+    block_ms = sorted({c.block_m for c in candidates(m, top_k, num_experts, 1)})
+    for block_m in block_ms:
+        gemm2 = replace(base.gemm2, block_m=block_m)
+        t1, c1 = min(((layer_us(MoEConfig(c, gemm2)), c) for c in candidates(m, top_k, num_experts, 1)
+                      if c.block_m == block_m), key=lambda r: r[0])
+        t2, c2 = min(((layer_us(MoEConfig(c1, c)), c) for c in candidates(m, top_k, num_experts, 2)
+                      if c.block_m == block_m), key=lambda r: r[0])
+        if min(t1, t2) < best_us:
+            best_us, best = (t2, MoEConfig(c1, c2)) if t2 <= t1 else (t1, MoEConfig(c1, gemm2))
+    return best, best_us, base_us
+
+
+def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: Path, lora_rank: int = 0,
+               lora_adapters: int = 4, lora_only: bool = False) -> tuple[str, dict]:
     num_experts, top_k, hidden, inter = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype, generator=gen) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=dtype, generator=gen) / inter**0.5
-    results = {}
-    for m in token_counts:
-        tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen)
-        entry = tuned.gemm1.to_dict()
-        entry["gemm2"] = {k: v for k, v in tuned.gemm2.to_dict().items() if k != "BLOCK_SIZE_M"}
-        results[str(m)] = entry
-        print(f"{name:18s} M={m:5d}  heuristic {default_us:9.1f} us  tuned {tuned_us:9.1f} us  "
-              f"({default_us / tuned_us:.2f}x)  {entry}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / config_file_name(num_experts, inter, device_name(), dtype)
+    results = json.loads(path.read_text()) if lora_only and path.is_file() else {}
+    for m in token_counts:
+        if lora_only and str(m) in results:
+            tuned = MoEConfig.from_dict(results[str(m)])
+        else:
+            tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen)
+            print(f"{name:18s} M={m:5d}  heuristic {default_us:9.1f} us  tuned {tuned_us:9.1f} us  "
+                  f"({default_us / tuned_us:.2f}x)  {tuned.to_dict()}", flush=True)
+        # Decode (<= SINGLE_PROGRAM_MAX_PAIRS pairs) has a path of its own (alignment + shrink in one
+        # launch); only prefill tiles are tuned with adapters.
+        if lora_rank and m * top_k > SINGLE_PROGRAM_MAX_PAIRS:
+            lora_cfg, lora_us, base_cfg_us = tune_lora_point(m, w13, w2, top_k, tuned, lora_rank,
+                                                             lora_adapters, gen)
+            if lora_cfg != tuned:
+                tuned = replace(tuned, lora=lora_cfg)
+            print(f"{name:18s} M={m:5d}  split LoRA r={lora_rank} x{lora_adapters}: base tiles "
+                  f"{base_cfg_us:9.1f} us  tuned {lora_us:9.1f} us ({base_cfg_us / lora_us:.2f}x)  "
+                  f"{lora_cfg.to_dict()}", flush=True)
+        results[str(m)] = tuned.to_dict()
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {path}")
     return path.name, results
@@ -142,6 +210,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--M", nargs="+", type=int, default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--lora-rank", type=int, default=0, help="also tune the split LoRA layer's tiles "
+                        "(prefill M) with adapters of this rank, stored as each entry's \"lora\" object")
+    parser.add_argument("--lora-adapters", type=int, default=4, help="adapters in the LoRA tuning batch")
+    parser.add_argument("--lora-only", action="store_true", help="keep the file's base entries; tune only "
+                        "the LoRA tiles")
     default_dir = Path(__file__).resolve().parents[1] / "triton_ops" / "configs"
     parser.add_argument("--out-dir", type=Path, default=default_dir)
     parser.add_argument("--bundle", type=Path, help="also write every tuned file into one JSON (plain name, "
@@ -159,7 +232,8 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     bundle = {}
     for name in args.models:
-        file_name, entries = tune_shape(name, args.M, dtype, args.out_dir)
+        file_name, entries = tune_shape(name, args.M, dtype, args.out_dir, lora_rank=args.lora_rank,
+                                        lora_adapters=args.lora_adapters, lora_only=args.lora_only)
         bundle[file_name] = entries
         if args.bundle:
             args.bundle.write_text(json.dumps(bundle, indent=1) + "\n")

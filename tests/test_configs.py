@@ -7,10 +7,13 @@ there). These tests need no GPU: the estimate is checked against every JSON, and
 for sm_90 with Triton's bundled ptxas to check the estimate against what the compiler allocates.
 """
 
+import importlib
+import json
 import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,9 +26,10 @@ from triton_ops.configs import (
     MoEConfig,
     _load_tuned,
     default_moe_config,
+    get_moe_config,
     pipeline_smem_bytes,
 )
-from triton_ops.fused_experts import _with_lora_tiles
+from triton_ops.fused_experts import _with_lora_tiles, fused_experts
 
 TUNED_FILES = sorted(_CONFIG_DIR.glob("*.json"))
 
@@ -119,3 +123,50 @@ def test_register_cap_keeps_the_base_blocks_per_sm(monkeypatch):
     assert lora_register_cap(GemmConfig(16, 64, 64, 1, 8, 3), gated=True) is None
     monkeypatch.setenv("MOELORA_LORA_REGISTER_CAP", "0")
     assert lora_register_cap(two_blocks, gated=True) is None
+
+
+def test_lora_entry_round_trip_and_lookup(monkeypatch):
+    base = MoEConfig(GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
+    lora = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
+    entry = replace(base, lora=lora).to_dict()
+    assert entry["lora"]["gemm2"]["BLOCK_SIZE_N"] == 256 and "BLOCK_SIZE_M" not in entry["gemm2"]
+    parsed = MoEConfig.from_dict(entry)
+    assert parsed == replace(base, lora=lora) and parsed.for_lora() == lora and lora.for_lora() == lora
+    with pytest.raises(ValueError, match="lora"):
+        MoEConfig.from_dict({**entry, "lora": {**entry["lora"], "lora": entry["lora"]}})
+    monkeypatch.setenv("MOELORA_MOE_CONFIG", json.dumps(entry))
+    args = (1024, 8, 4096, 14336, 2, torch.bfloat16)
+    assert get_moe_config(*args) == parsed
+    assert get_moe_config(*args, lora=True) == lora
+
+
+@pytest.mark.interpreter
+def test_split_path_launches_the_lora_tiles(monkeypatch):
+    """A config with a ``lora`` entry: the split LoRA path runs its tiles (alignment and both GEMMs), the
+    base path the entry's own; both outputs still match the reference."""
+    fused_experts_module = importlib.import_module("triton_ops.fused_experts")
+    launched = []
+    real_invoke = fused_experts_module.invoke_fused_moe_kernel
+
+    def spy(*args, config, **kwargs):
+        launched.append(config)
+        return real_invoke(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(fused_experts_module, "invoke_fused_moe_kernel", spy)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_lora_kernels import make_case
+
+    (x, w13, w2), weights, ids, lora, ref, base_ref = make_case(
+        m=40, hidden=64, inter=48, num_experts=4, top_k=4, ranks=(5, 16), max_rank=16, num_slots=3,
+        dtype=torch.float32, gen=torch.Generator().manual_seed(5))
+    base_tiles = MoEConfig(GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 32, 32, 1, 4, 2))
+    lora_tiles = MoEConfig(GemmConfig(32, 16, 32, 1, 4, 2), GemmConfig(32, 64, 32, 1, 4, 2))
+    config = replace(base_tiles, lora=lora_tiles)
+    scale = ref.abs().max()
+    out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split", config=config)
+    assert launched == [lora_tiles.gemm1, lora_tiles.gemm2]
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    launched.clear()
+    out = fused_experts(x, w13, w2, weights, ids, config=config)
+    assert launched == [base_tiles.gemm1, base_tiles.gemm2]
+    torch.testing.assert_close(out, base_ref, atol=2e-5 * scale, rtol=1e-4)

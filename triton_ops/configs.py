@@ -10,7 +10,10 @@ Lookup order for ``get_moe_config``:
 
 A config entry holds BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages and may carry a ``"gemm2"``
 object overriding N/K/GROUP/warps/stages for the down projection (BLOCK_SIZE_M is shared, because the
-token alignment is computed once for both GEMMs). For GEMM1 BLOCK_SIZE_N counts columns of the activated
+token alignment is computed once for both GEMMs). It may also carry a ``"lora"`` object, a whole entry of
+its own, for the layer with adapters on the split path (``get_moe_config(..., lora=True)``): a tile tuned
+for the base GEMMs alone need not be the best once every tile also expands adapter deltas
+(``benchmarks/tune_moe.py --lora-rank``). For GEMM1 BLOCK_SIZE_N counts columns of the activated
 output: the program reads gate and up tiles of that width each.
 """
 
@@ -39,7 +42,7 @@ class GemmConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, base: GemmConfig | None = None) -> GemmConfig:
-        unknown = set(raw) - set(_KEYS) - {"gemm2"}
+        unknown = set(raw) - set(_KEYS) - {"gemm2", "lora"}
         if unknown:
             raise ValueError(f"unknown MoE config keys {sorted(unknown)}; expected a subset of {_KEYS}")
         fields = {
@@ -69,6 +72,7 @@ class MoEConfig:
 
     gemm1: GemmConfig
     gemm2: GemmConfig
+    lora: MoEConfig | None = None  # the split LoRA path's own tiles, when tuned apart
 
     @property
     def block_m(self) -> int:
@@ -80,7 +84,22 @@ class MoEConfig:
         gemm2 = GemmConfig.from_dict(raw.get("gemm2", {}), base=gemm1)
         if gemm2.block_m != gemm1.block_m:
             raise ValueError("gemm2 may not change BLOCK_SIZE_M: both GEMMs share one token alignment")
-        return cls(gemm1, gemm2)
+        lora = raw.get("lora")
+        if lora is not None and "lora" in lora:
+            raise ValueError("a \"lora\" config entry may not hold another \"lora\" entry")
+        return cls(gemm1, gemm2, cls.from_dict(lora) if lora is not None else None)
+
+    def to_dict(self) -> dict:
+        """The JSON entry ``from_dict`` reads (gemm2 minus the shared BLOCK_SIZE_M; lora when set)."""
+        entry = self.gemm1.to_dict()
+        entry["gemm2"] = {k: v for k, v in self.gemm2.to_dict().items() if k != "BLOCK_SIZE_M"}
+        if self.lora is not None:
+            entry["lora"] = self.lora.to_dict()
+        return entry
+
+    def for_lora(self) -> MoEConfig:
+        """The tiles for the layer with adapters (split path): the tuned ``lora`` entry, else these."""
+        return self.lora if self.lora is not None else self
 
 
 # Shared memory one block may use on Hopper (H100/H200: 227 KiB) and Ada/Ampere data-centre parts; the
@@ -174,14 +193,16 @@ def get_moe_config(
     top_k: int,
     dtype: torch.dtype,
     device: torch.device | None = None,
+    lora: bool = False,
 ) -> MoEConfig:
-    """Forced config, else tuned JSON for this device, else the heuristic (see the module docstring)."""
+    """Forced config, else tuned JSON for this device, else the heuristic (see the module docstring);
+    with ``lora`` the entry's ``lora`` tiles where it has them."""
     forced = _forced_config()
     if forced is not None:
-        return forced
+        return forced.for_lora() if lora else forced
     on_gpu = device is not None and torch.device(device).type == "cuda"
     if on_gpu:
         tuned = tuned_moe_config(num_tokens, num_experts, intermediate, dtype, device_name(device))
         if tuned is not None:
-            return tuned
+            return tuned.for_lora() if lora else tuned
     return default_moe_config(num_tokens, num_experts, hidden, intermediate, top_k, dtype)

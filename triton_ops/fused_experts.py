@@ -150,7 +150,8 @@ def fused_experts(
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top_k == 1 models).
         routed_scaling_factor: rsf, multiplies the combined output.
         no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
-        config: force a launch config (default: ``triton_ops.configs.get_moe_config``).
+        config: force a launch config (default: ``triton_ops.configs.get_moe_config``); on the split LoRA
+            path its ``lora`` tiles when it has them.
         lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
         lora_path: "fused" (shrinks in the GEMM K-loops, expands in their epilogues: the base path's
             launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
@@ -202,7 +203,11 @@ def fused_experts(
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         rows = end - start
-        cfg = config or get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device)
+        if config is not None:
+            cfg = config.for_lora() if split else config
+        else:
+            cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device,
+                                 lora=split)
         if lora is not None and lora_path == "fused":
             cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=x.element_size())
         chunk_ids = topk_ids[start:end]
