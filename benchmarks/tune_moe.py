@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,36 +127,39 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
 def lora_inputs(m: int, w13: torch.Tensor, rank: int, adapters: int, gen: torch.Generator) -> MoELoRAInputs:
     """``adapters`` adapters of rank ``rank`` in an 8-slot pool, every token on one of them (uniform)."""
     num_experts, two_i, hidden = w13.shape
-    inter, slots, dtype = two_i // 2, max(8, adapters), w13.dtype
-    kw = dict(device="cuda", dtype=dtype, generator=gen)
-    ranks = torch.zeros(slots, dtype=torch.int32, device="cuda")
+    inter, slots, dtype, device = two_i // 2, max(8, adapters), w13.dtype, w13.device
+    kw = dict(device=device, dtype=dtype, generator=gen)
+    ranks = torch.zeros(slots, dtype=torch.int32, device=device)
     ranks[:adapters] = rank
     return MoELoRAInputs(
-        token_slots=torch.randint(0, adapters, (m,), device="cuda", generator=gen, dtype=torch.int32),
+        token_slots=torch.randint(0, adapters, (m,), device=device, generator=gen, dtype=torch.int32),
         gate_up_a=torch.randn(slots, num_experts, 2 * rank, hidden, **kw) / hidden**0.5,
         gate_up_b=torch.randn(slots, num_experts, two_i, rank, **kw) / rank**0.5,
         down_a=torch.randn(slots, num_experts, rank, inter, **kw) / inter**0.5,
         down_b=torch.randn(slots, num_experts, hidden, rank, **kw) / rank**0.5,
-        slot_ranks=ranks, slot_scalings=torch.full((slots,), 2.0, device="cuda"), max_rank=rank,
+        slot_ranks=ranks, slot_scalings=torch.full((slots,), 2.0, device=device), max_rank=rank,
         num_adapters=adapters,
     )
 
 
 def tune_lora_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, base: MoEConfig, rank: int,
-                    adapters: int, gen: torch.Generator) -> tuple[MoEConfig, float, float]:
+                    adapters: int, gen: torch.Generator,
+                    timer: Callable[[Callable[[], object]], float] = bench_gemm,
+                    ) -> tuple[MoEConfig, float, float]:
     """Best tiles for the whole split LoRA layer at M tokens (alignment, shrinks, both GEMMs with their
-    expands, combine: one ``fused_experts`` call, timed as a whole), with its time and the time of the
-    base-tuned ``base``. GEMM1's tile is chosen with GEMM2's fixed, then GEMM2's, per BLOCK_SIZE_M."""
+    expands, combine: one ``fused_experts`` call, timed as a whole by ``timer``), with its time and the
+    time of the base-tuned ``base``. GEMM1's tile is chosen with GEMM2's fixed, then GEMM2's, per
+    BLOCK_SIZE_M."""
     num_experts, _, hidden = w13.shape
-    x = torch.randn(m, hidden, device="cuda", dtype=w13.dtype, generator=gen)
-    logits = torch.randn(m, num_experts, device="cuda", generator=gen)
+    x = torch.randn(m, hidden, device=w13.device, dtype=w13.dtype, generator=gen)
+    logits = torch.randn(m, num_experts, device=w13.device, generator=gen)
     weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
     ids = ids.to(torch.int32)
     lora = lora_inputs(m, w13, rank, adapters, gen)
 
     def layer_us(cfg: MoEConfig) -> float:
-        return bench_gemm(lambda: fused_experts(x, w13, w2, weights, ids, config=cfg, lora=lora,
-                                                lora_path="split"))
+        return timer(lambda: fused_experts(x, w13, w2, weights, ids, config=cfg, lora=lora,
+                                           lora_path="split"))
 
     base_us = layer_us(base)
     best_us, best = base_us, base

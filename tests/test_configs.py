@@ -170,3 +170,40 @@ def test_split_path_launches_the_lora_tiles(monkeypatch):
     out = fused_experts(x, w13, w2, weights, ids, config=config)
     assert launched == [base_tiles.gemm1, base_tiles.gemm2]
     torch.testing.assert_close(out, base_ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.interpreter
+def test_lora_tuner_search(monkeypatch):
+    """tune_moe.py --lora-rank: the search keeps the best of the layer timings it asks for (a fake timer
+    here: the tuner times on a GPU), per BLOCK_SIZE_M GEMM1 first, then GEMM2; its adapters run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune_moe
+
+    gen = torch.Generator().manual_seed(3)
+    num_experts, top_k, hidden, inter, m = 4, 4, 64, 48, 40
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    lora = tune_moe.lora_inputs(m, w13, 16, 3, gen)
+    x = torch.randn(m, hidden, generator=gen)
+    weights, ids = torch.topk(torch.softmax(torch.randn(m, num_experts, generator=gen), -1), top_k, -1)
+    with_lora = fused_experts(x, w13, w2, weights, ids.int(), lora=lora, lora_path="split")
+    assert (with_lora - fused_experts(x, w13, w2, weights, ids.int())).abs().max() > 1e-3
+
+    def small_candidates(num_tokens, k, e, gemm):
+        return [GemmConfig(bm, bn, 32, 1, 4, 2) for bm in (16, 32) for bn in (16, 32)]
+
+    seen = []
+    monkeypatch.setattr(tune_moe, "candidates", small_candidates)
+    monkeypatch.setattr(tune_moe, "fused_experts", lambda *args, config, **kwargs: seen.append(config))
+
+    def cost(cfg):  # fastest: 32-row blocks, GEMM1 16 wide, GEMM2 32 wide
+        return 10.0 + (cfg.block_m != 32) + (cfg.gemm1.block_n != 16) + 0.5 * (cfg.gemm2.block_n != 32)
+
+    def fake_timer(fn):
+        fn()
+        return cost(seen[-1])
+
+    base = MoEConfig(GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 16, 32, 1, 4, 2))
+    best, best_us, base_us = tune_moe.tune_lora_point(m, w13, w2, top_k, base, 16, 3, gen, timer=fake_timer)
+    assert base_us == cost(base) and best_us == 10.0 == cost(best)
+    assert best == MoEConfig(GemmConfig(32, 16, 32, 1, 4, 2), GemmConfig(32, 32, 32, 1, 4, 2))
