@@ -104,6 +104,21 @@ def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
     assert launch["DOWN_PREFETCH"] is prefetch
 
 
+def test_prefetch_switch(monkeypatch):
+    """MOELORA_LORA_PREFETCH=0: no epilogue operand is prefetched (to compare on a GPU)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from resource_report import gemm_launches
+
+    from moelora.bench import MODELS
+
+    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "0")
+    shape = MODELS["qwen3-30b-a3b"]
+    cfg = default_moe_config(1, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
+    launches = dict(gemm_launches("qwen3-30b-a3b", 1, 16, 1, cfg))
+    for name in ("gemm1 split", "gemm1 split+down", "gemm2 split"):
+        assert not launches[name]["LORA_PREFETCH"] and not launches[name]["DOWN_PREFETCH"]
+
+
 def test_register_cap_keeps_the_base_blocks_per_sm(monkeypatch):
     from triton_ops.fused_moe import lora_register_cap
 

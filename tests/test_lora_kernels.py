@@ -96,14 +96,16 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("one_wave", [True, False])
-def test_decode_down_shrink_with_and_without_prefetch(monkeypatch, one_wave):
+@pytest.mark.parametrize("one_wave,prefetch", [(True, True), (False, True), (True, False)])
+def test_decode_down_shrink_with_and_without_prefetch(monkeypatch, one_wave, prefetch):
     """Decode on the split path: GEMM1's epilogue writes GEMM2's shrink; the first slot's down-A tile is
-    prefetched before the K-loop only when the grid fits one wave (forced both ways here). Three slots
-    (ranks 5, 16, 9) and rows without an adapter share 16-row blocks, so the prefetched slot is followed by
-    slots loaded in the epilogue."""
+    prefetched before the K-loop only when the grid fits one wave (forced both ways here), and none of the
+    epilogue operands are with MOELORA_LORA_PREFETCH=0. Three slots (ranks 5, 16, 9) and rows without an
+    adapter share 16-row blocks, so the prefetched slot is followed by slots loaded in the epilogue."""
     fused_moe_module = importlib.import_module("triton_ops.fused_moe")
     monkeypatch.setattr(fused_moe_module, "_fits_one_wave", lambda programs, device: one_wave)
+    if not prefetch:
+        monkeypatch.setenv("MOELORA_LORA_PREFETCH", "0")
     gen = torch.Generator().manual_seed(12)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
         m=9, hidden=64, inter=48, num_experts=3, top_k=2, ranks=(5, 16, 9), max_rank=16, num_slots=4,

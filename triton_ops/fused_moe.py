@@ -518,9 +518,11 @@ def invoke_fused_moe_kernel(
                                                                   // (config.block_m * lora_chunk_r))))
     # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
     # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
-    # M=1024 GEMM1 256 -> 328 us on an H200).
+    # M=1024 GEMM1 256 -> 328 us on an H200). It also takes 4-16 KiB of shared memory, a block per SM
+    # on some 16/32-row tiles (benchmarks/resource_report.py flags them); MOELORA_LORA_PREFETCH=0 turns
+    # it off, to compare.
     prefetch = (bool(shrunk_splits) and config.block_m <= 32 and lora is not None
-                and lora.rank_block <= lora_chunk_r)
+                and lora.rank_block <= lora_chunk_r and os.environ.get("MOELORA_LORA_PREFETCH") != "0")
     grid_n = triton.cdiv(out_n, config.block_n)
     _fused_moe_kernel[grid](
         a_ptr=a,
