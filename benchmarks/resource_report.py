@@ -30,26 +30,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moelora.bench import MODELS  # noqa: E402
 from triton_ops import fused_moe  # noqa: E402
-from triton_ops.configs import MoEConfig, default_moe_config, tuned_moe_config  # noqa: E402
+from triton_ops.configs import (  # noqa: E402
+    BLOCK_RESERVED_SHARED_BYTES,
+    MAX_SHARED_BYTES,
+    SM_SHARED_BYTES,
+    MoEConfig,
+    default_moe_config,
+    tuned_moe_config,
+)
 from triton_ops.fused_experts import _with_lora_tiles  # noqa: E402
-from triton_ops.fused_moe import LoRAOperands, invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
+from triton_ops.fused_moe import (  # noqa: E402
+    REGISTERS_PER_SM,
+    WARPS_PER_SM,
+    LoRAOperands,
+    invoke_fused_moe_kernel,
+    lora_rank_block,
+)
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-HOPPER_MAX_SHARED = 232448  # bytes a block may use on an H100/H200 (what Triton checks at launch)
-HOPPER_SM_SHARED = 233472  # bytes of shared memory an SM holds; each resident block also reserves 1 KiB
-HOPPER_SM_REGISTERS = 65536
-HOPPER_SM_WARPS = 64
 HOPPER_SMS = 132  # H100 SXM and H200
 
 
 def blocks_per_sm(shared: int, regs: int, num_warps: int) -> int:
     """Blocks of a kernel resident per SM on Hopper: the least of what shared memory (plus the 1 KiB each
     block reserves), registers (allocated per warp in units of 256) and warp slots allow."""
-    by_smem = HOPPER_SM_SHARED // (shared + 1024)
+    by_smem = SM_SHARED_BYTES // (shared + BLOCK_RESERVED_SHARED_BYTES)
     regs_per_warp = -(-regs * 32 // 256) * 256
-    by_regs = HOPPER_SM_REGISTERS // (regs_per_warp * num_warps)
-    return min(by_smem, by_regs, HOPPER_SM_WARPS // num_warps)
+    by_regs = REGISTERS_PER_SM // (regs_per_warp * num_warps)
+    return min(by_smem, by_regs, WARPS_PER_SM // num_warps)
 _TORCH_TO_TRITON = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                     torch.int32: "*i32", torch.int64: "*i64"}
 
@@ -188,7 +197,7 @@ def main() -> None:
                 if args.only and not name.endswith("base") and not any(o in name for o in args.only):
                     continue
                 report = compile_launch(fused_moe._fused_moe_kernel, kwargs)
-                fits = report["shared"] <= HOPPER_MAX_SHARED
+                fits = report["shared"] <= MAX_SHARED_BYTES
                 failures += not fits
                 blocks = blocks_per_sm(report["shared"], report["regs"], kwargs["num_warps"])
                 gemm = name.split()[0]

@@ -32,6 +32,9 @@ from triton_ops.configs import (
 from triton_ops.fused_experts import _with_lora_tiles, fused_experts
 
 TUNED_FILES = sorted(_CONFIG_DIR.glob("*.json"))
+# The benchmark scripts (resource_report, tune_moe) are imported by some tests below.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
 
 def test_there_are_tuned_files_for_both_hopper_parts():
@@ -65,7 +68,7 @@ def test_fit_drops_stages_before_block_k():
 
 
 def _resource_report(*args: str) -> subprocess.CompletedProcess:
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "resource_report.py"
+    script = BENCHMARKS / "resource_report.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
                          timeout=600)
@@ -92,7 +95,6 @@ def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
     Triton 3.6, one block per SM instead of two: past one wave that cost DeepSeek-V2 108.5 -> 117.1 us
     on an H200, so there it is off (the launch decision is checked here; the Triton of CI allocates
     differently, so the compiled sizes are not)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from resource_report import gemm_launches
 
     from moelora.bench import MODELS
@@ -106,7 +108,6 @@ def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
 
 def test_prefetch_switch(monkeypatch):
     """MOELORA_LORA_PREFETCH=0: no epilogue operand is prefetched (to compare on a GPU)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from resource_report import gemm_launches
 
     from moelora.bench import MODELS
@@ -191,7 +192,6 @@ def test_split_path_launches_the_lora_tiles(monkeypatch):
 def test_lora_tuner_search(monkeypatch):
     """tune_moe.py --lora-rank: the search keeps the best of the layer timings it asks for (a fake timer
     here: the tuner times on a GPU), per BLOCK_SIZE_M GEMM1 first, then GEMM2; its adapters run."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tune_moe
 
     gen = torch.Generator().manual_seed(3)

@@ -43,7 +43,7 @@ from triton_ops.lora_tiles import (
     _dot,
     first_slot,
     load_group_b,
-    load_shrink_partials,
+    load_scaled_gate_up_partials,
     lora_expand_from_partials,
     lora_expand_groups,
     lora_expand_slots,
@@ -205,14 +205,9 @@ def _fused_moe_kernel(
             if LORA_PREFETCH:
                 # Everything the epilogue reads for the block's first slot group is loaded before the
                 # K-loop, so its latency hides behind the loop instead of following it in every tile.
-                pre_gate = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
-                                                SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                                SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-                pre_up = pre_gate
-                if ACTIVATION != 0:
-                    pre_up = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
-                                                  SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                                  SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
+                pre_gate, pre_up = load_scaled_gate_up_partials(
+                    shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=ACTIVATION != 0,
+                    SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
                 slot0 = first_slot(row_slot, has_slot)
                 col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
                                                                 LORA_R=LORA_R)
@@ -309,14 +304,9 @@ def _fused_moe_kernel(
                 )
         elif LORA_CHUNK_R >= LORA_R and LORA_GROUP > 1:
             # One rank chunk: every row's partials in one load, then one dot per group of slots.
-            u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
-                                     SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                     SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-            u_up = u
-            if ACTIVATION != 0:
-                u_up = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
-                                            SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                            SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
+            u, u_up = load_scaled_gate_up_partials(
+                shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=ACTIVATION != 0,
+                SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
             acc, acc_up = lora_expand_groups(
                 acc, acc_up, u, u_up, row_slot, has_slot, first_slot(row_slot, has_slot), lora_b_ptr, expert,
                 offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
@@ -481,7 +471,8 @@ def invoke_fused_moe_kernel(
     if topk_weights is not None and topk_weights.dtype != torch.float32:
         raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
     max_padded = sorted_ids.shape[0]
-    grid = (triton.cdiv(max_padded, config.block_m) * triton.cdiv(out_n, config.block_n),)
+    grid_n = triton.cdiv(out_n, config.block_n)
+    grid = (triton.cdiv(max_padded, config.block_m) * grid_n,)
     K = a.shape[1]
     activation_code = ACTIVATION_NONE
     if gated:
@@ -523,7 +514,6 @@ def invoke_fused_moe_kernel(
     # it off, to compare.
     prefetch = (bool(shrunk_splits) and config.block_m <= 32 and lora is not None
                 and lora.rank_block <= lora_chunk_r and os.environ.get("MOELORA_LORA_PREFETCH") != "0")
-    grid_n = triton.cdiv(out_n, config.block_n)
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,

@@ -133,6 +133,29 @@ def load_shrink_partials(
 
 
 @triton.jit
+def load_scaled_gate_up_partials(
+    shrunk_rows_ptr,  # (BLOCK_M,) pointers to each row's partials: (splits, 2*LORA_R or LORA_R) fp32 per row
+    num_splits,
+    stride_ss,
+    rows_in_slot,  # (BLOCK_M,) int1
+    row_scaling,  # (BLOCK_M,) fp32 scaling of each row's slot
+    GATED: tl.constexpr,  # the up half follows the gate half (GEMM1); else only one shrink
+    SPLITS: tl.constexpr,
+    LORA_R: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    """Every row's summed shrink times its slot's scaling, (BLOCK_M, LORA_R) fp32: (gate, up), or the
+    one shrink twice when not GATED."""
+    gate = load_shrink_partials(shrunk_rows_ptr, 0, num_splits, stride_ss, rows_in_slot, SPLITS=SPLITS,
+                                CHUNK_R=LORA_R, SPLIT_CHUNK=SPLIT_CHUNK) * row_scaling[:, None]
+    up = gate
+    if GATED:
+        up = load_shrink_partials(shrunk_rows_ptr, LORA_R, num_splits, stride_ss, rows_in_slot, SPLITS=SPLITS,
+                                  CHUNK_R=LORA_R, SPLIT_CHUNK=SPLIT_CHUNK) * row_scaling[:, None]
+    return gate, up
+
+
+@triton.jit
 def lora_expand_from_partials(
     acc,  # (BLOCK_M, BLOCK_N) fp32 output tile to add to
     shrunk_rows_ptr,  # (BLOCK_M,) pointers to each row's shrink partials (split 0, column 0)
