@@ -120,6 +120,29 @@ def test_prefetch_switch(monkeypatch):
         assert not launches[name]["LORA_PREFETCH"] and not launches[name]["DOWN_PREFETCH"]
 
 
+@pytest.mark.parametrize("gemm,gated,expected", [
+    # Decode tile: always prefetched.
+    (GemmConfig(16, 64, 128, 1, 4, 4), True, True),
+    # Qwen3-30B M=1024 GEMM2 on the H100: 4 x (128x64 + 64x256) x 2 B = 192 KiB, one block per SM.
+    (GemmConfig(128, 256, 64, 8, 8, 4), False, True),
+    # Its GEMM1: 3 x (128x64 + 2 x 64x64) x 2 B = 96 KiB, two blocks per SM, which the prefetch would cost.
+    (GemmConfig(128, 64, 64, 8, 8, 3), True, False),
+    # Mixtral M=256 GEMM1 on the H100: 3 x (128x128 + 2 x 128x64) x 2 B = 192 KiB.
+    (GemmConfig(128, 64, 128, 8, 8, 3), True, True),
+])
+def test_prefetch_rule(monkeypatch, gemm, gated, expected):
+    """The split epilogue's operands are prefetched on decode tiles and on tiles already held to one
+    block per SM by shared memory; "small" keeps only the decode tiles', "0" none."""
+    from triton_ops.fused_moe import lora_prefetch_pays
+
+    monkeypatch.delenv("MOELORA_LORA_PREFETCH", raising=False)
+    assert lora_prefetch_pays(gemm, gated=gated) is expected
+    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "small")
+    assert lora_prefetch_pays(gemm, gated=gated) is (gemm.block_m <= 32)
+    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "0")
+    assert lora_prefetch_pays(gemm, gated=gated) is False
+
+
 def test_register_cap_keeps_the_base_blocks_per_sm(monkeypatch):
     from triton_ops.fused_moe import lora_register_cap
 

@@ -652,6 +652,36 @@ def test_gpu_deepseek_v2_lite_bf16(dsv2, fp32_highest, path, max_rank, m):
 
 
 @gpu
+@pytest.mark.parametrize("prefetch", ["", "small"])
+def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch):
+    """128-row tiles that shared memory holds to one block per SM (prefill on an H100: Mixtral's GEMM1,
+    Qwen3-30B's GEMM2) prefetch the split epilogue's operands before the K-loop; checked both ways
+    ("small": only decode tiles prefetch) against the oracle. M=300 x 4 adapters and a sequence without
+    one: blocks of 128 rows hold several slots and rows with none."""
+    import triton_ops.fused_experts as fused_experts_module
+    from triton_ops.configs import GemmConfig, MoEConfig
+    from triton_ops.fused_moe import lora_prefetch_pays
+
+    big = MoEConfig(GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
+    monkeypatch.setattr(fused_experts_module, "get_moe_config", lambda *args, **kwargs: big)
+    monkeypatch.setenv("MOELORA_LORA_PREFETCH", prefetch)
+    for gemm, gated in ((big.gemm1, True), (big.gemm2, False)):
+        assert lora_prefetch_pays(gemm, gated=gated) is (prefetch == "")
+    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(16)
+    m = 300
+    x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
+    topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
+    names, lens = split_batch(m, [*GPU_ADAPTERS, None])
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="split")
+    out = layer(x, topk_weights, topk_ids, pool.prepare_batch(names, lens))
+    ref = torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens)
+    rel_l2, rel_max = rel_errors(out, ref)
+    print(f"\nsplit big tiles prefetch={prefetch or 'default'}: rel L2 {rel_l2:.3e}, rel max {rel_max:.3e}")
+    assert torch.isfinite(out).all()
+    assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
+
+
+@gpu
 @pytest.mark.parametrize("path", ["split", "fused", "staged"])
 def test_gpu_cuda_graph_replay_with_new_mapping(fp32_highest, path):
     dtype, m = BF16, 8

@@ -421,6 +421,26 @@ def lora_register_cap(
     return cap if MIN_REGISTER_CAP <= cap < 255 else None
 
 
+def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
+    """Whether the split epilogue's operands (the first slot group's shrink and B tiles) are loaded
+    before the K-loop, so their latency hides behind it instead of following it in every tile. They
+    hold registers (and 4-16 KiB of shared memory) through the loop: worth it for the small decode tiles
+    (<= 32 rows), and for tiles whose shared memory already holds the GEMM to one block per SM, where
+    registers up to 255 a thread cost no occupancy and the epilogue is exposed (nothing else on the SM
+    runs during it). Not for 128-row tiles that fit two blocks: they lose one (Qwen3-30B M=1024 GEMM1
+    256 -> 328 us on an H200). ``MOELORA_LORA_PREFETCH=0`` turns every prefetch off,
+    ``MOELORA_LORA_PREFETCH=small`` keeps only the small tiles' (to compare on a GPU)."""
+    mode = os.environ.get("MOELORA_LORA_PREFETCH", "")
+    if mode == "0":
+        return False
+    if config.block_m <= 32:
+        return True
+    if mode == "small":
+        return False
+    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
+    return SM_SHARED_BYTES // (smem + BLOCK_RESERVED_SHARED_BYTES) < 2
+
+
 # Slot groups on 128x64 tiles and up, where stacked slots beside the accumulators spill: two for the
 # single-accumulator GEMM2 (Qwen3-30B M=1024 4 adapters 181 -> 175 us, Mixtral 718 -> 691 us), one for
 # the gated GEMM1 (Qwen3-30B 277 -> 366 us with two); H200, benchmarks/micro_lora.py.
@@ -507,13 +527,8 @@ def invoke_fused_moe_kernel(
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
-    # Prefetching the epilogue's operands hides their latency but holds registers through the K-loop:
-    # worth it for the small decode tiles, not for 128-row tiles (they lose occupancy: Qwen3-30B
-    # M=1024 GEMM1 256 -> 328 us on an H200). It also takes 4-16 KiB of shared memory, a block per SM
-    # on some 16/32-row tiles (benchmarks/resource_report.py flags them); MOELORA_LORA_PREFETCH=0 turns
-    # it off, to compare.
-    prefetch = (bool(shrunk_splits) and config.block_m <= 32 and lora is not None
-                and lora.rank_block <= lora_chunk_r and os.environ.get("MOELORA_LORA_PREFETCH") != "0")
+    prefetch = (bool(shrunk_splits) and lora is not None and lora.rank_block <= lora_chunk_r
+                and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size()))
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
