@@ -33,7 +33,10 @@ from triton_ops.moe_lora import moe_lora_a, shrink_k_splits  # noqa: E402
 
 
 def us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median") * 1000
+    try:
+        return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median") * 1000
+    except triton.runtime.errors.OutOfResources:  # a sweep point this device cannot hold
+        return float("inf")
 
 
 def make_lora(shape, rank: int, n_adapters: int, m: int, dtype: torch.dtype) -> MoELoRAInputs:

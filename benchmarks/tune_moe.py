@@ -202,7 +202,8 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
                   f"{base_cfg_us:9.1f} us  tuned {lora_us:9.1f} us ({base_cfg_us / lora_us:.2f}x)  "
                   f"{lora_cfg.to_dict()}", flush=True)
         results[str(m)] = tuned.to_dict()
-    path.write_text(json.dumps(results, indent=1) + "\n")
+        # After every point: a run cut short (a time limit) keeps what it has measured.
+        path.write_text(json.dumps(dict(sorted(results.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
     print(f"wrote {path}")
     return path.name, results
 

@@ -658,11 +658,12 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
     Qwen3-30B's GEMM2) prefetch the split epilogue's operands before the K-loop; checked both ways
     ("small": only decode tiles prefetch) against the oracle. M=300 x 4 adapters and a sequence without
     one: blocks of 128 rows hold several slots and rows with none."""
-    import triton_ops.fused_experts as fused_experts_module
     from triton_ops.configs import GemmConfig, MoEConfig
     from triton_ops.fused_moe import lora_prefetch_pays
 
     big = MoEConfig(GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
+    # The package re-exports the function under the module's name: patch the module itself.
+    fused_experts_module = importlib.import_module("triton_ops.fused_experts")
     monkeypatch.setattr(fused_experts_module, "get_moe_config", lambda *args, **kwargs: big)
     monkeypatch.setenv("MOELORA_LORA_PREFETCH", prefetch)
     for gemm, gated in ((big.gemm1, True), (big.gemm2, False)):
