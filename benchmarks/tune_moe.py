@@ -161,6 +161,10 @@ def tune_lora_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, bas
         return timer(lambda: fused_experts(x, w13, w2, weights, ids, config=cfg, lora=lora,
                                            lora_path="split"))
 
+    # A throwaway first timing: the first one after a shape's compiles read 1.2-1.7x slow on an H100
+    # (Qwen3-30B M=1024: 1065 us, then 632 us for tiles that time like the base's in moelora bench), which
+    # made any candidate look like a win.
+    layer_us(base)
     base_us = layer_us(base)
     best_us, best = base_us, base
     block_ms = sorted({c.block_m for c in candidates(m, top_k, num_experts, 1)})
