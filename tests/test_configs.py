@@ -127,8 +127,12 @@ def test_prefetch_switch(monkeypatch):
     (GemmConfig(128, 256, 64, 8, 8, 4), False, True),
     # Its GEMM1: 3 x (128x64 + 2 x 64x64) x 2 B = 96 KiB, two blocks per SM, which the prefetch would cost.
     (GemmConfig(128, 64, 64, 8, 8, 3), True, False),
-    # Mixtral M=256 GEMM1 on the H100: 3 x (128x128 + 2 x 128x64) x 2 B = 192 KiB.
+    # Mixtral M=256 GEMM1 on the H100: 3 x (128x128 + 2 x 128x64) x 2 B = 192 KiB, 32 registers per
+    # accumulator.
     (GemmConfig(128, 64, 128, 8, 8, 3), True, True),
+    # Mixtral M=256 GEMM1 on the H200: 4 x (128x64 + 2 x 64x128) x 2 B = 192 KiB, but two accumulators of
+    # 64 registers (it measured slower with the prefetch).
+    (GemmConfig(128, 128, 64, 8, 8, 4), True, False),
 ])
 def test_prefetch_rule(monkeypatch, gemm, gated, expected):
     """The split epilogue's operands are prefetched on decode tiles and on tiles already held to one

@@ -424,18 +424,26 @@ def lora_register_cap(
 def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
     """Whether the split epilogue's operands (the first slot group's shrink and B tiles) are loaded
     before the K-loop, so their latency hides behind it instead of following it in every tile. They
-    hold registers (and 4-16 KiB of shared memory) through the loop: worth it for the small decode tiles
-    (<= 32 rows), and for tiles whose shared memory already holds the GEMM to one block per SM, where
-    registers up to 255 a thread cost no occupancy and the epilogue is exposed (nothing else on the SM
-    runs during it). Not for 128-row tiles that fit two blocks: they lose one (Qwen3-30B M=1024 GEMM1
-    256 -> 328 us on an H200). ``MOELORA_LORA_PREFETCH=0`` turns every prefetch off,
-    ``MOELORA_LORA_PREFETCH=small`` keeps only the small tiles' (to compare on a GPU)."""
+    hold registers (and 4-16 KiB of shared memory) through the loop. Worth it for the small decode tiles
+    (<= 32 rows), and for tiles whose shared memory already holds the GEMM to one block per SM (the
+    epilogue is exposed there: nothing else on the SM runs during it) while their accumulators leave room:
+    at most 32 registers a thread per accumulator for the gated GEMM1 (two accumulators, and gate and up
+    operands to prefetch), 128 for GEMM2. Measured A/B, rank 16, 1 and 4 adapters (``moelora bench``):
+    Mixtral M=256 on the H100 (GEMM1 128x64, 32 each) 1101 -> 1069 and 1203 -> 1128 us; DeepSeek-V2-Lite
+    M=4096 (GEMM2 128x256, 128) 1166 -> 1135 and 1231 -> 1181 us on the H200; but Mixtral M=256 on the H200
+    (GEMM1 128x128, 64 each) 815 -> 868 us, so not there. Not for 128-row tiles that fit two blocks
+    either: they lose one (Qwen3-30B M=1024 GEMM1 256 -> 328 us on an H200).
+    ``MOELORA_LORA_PREFETCH=0`` turns every prefetch off, ``MOELORA_LORA_PREFETCH=small`` keeps only the
+    small tiles' (to compare on a GPU)."""
     mode = os.environ.get("MOELORA_LORA_PREFETCH", "")
     if mode == "0":
         return False
     if config.block_m <= 32:
         return True
     if mode == "small":
+        return False
+    accumulator_registers = config.block_m * config.block_n // (32 * config.num_warps)
+    if accumulator_registers > (32 if gated else 128):
         return False
     smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
     return SM_SHARED_BYTES // (smem + BLOCK_RESERVED_SHARED_BYTES) < 2
