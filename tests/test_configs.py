@@ -249,3 +249,31 @@ def test_lora_tuner_search(monkeypatch):
     best, best_us, base_us = tune_moe.tune_lora_point(m, w13, w2, top_k, base, 16, 3, gen, timer=fake_timer)
     assert base_us == cost(base) and best_us == 10.0 == cost(best)
     assert best == MoEConfig(GemmConfig(32, 16, 32, 1, 4, 2), GemmConfig(32, 32, 32, 1, 4, 2))
+
+
+def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
+    """benchmarks/ab_env.py (dry run, interpreter): B's launches see --env, A's and base's the environment
+    as it was, which is restored afterwards. M=80 x top-2: 160 pairs, the prefill split path with its
+    epilogue prefetch decision; 3 adapters: blocks with several slots."""
+    import ab_env
+
+    import triton_ops.fused_moe as fused_moe_module
+
+    seen = []
+    real = fused_moe_module.lora_prefetch_pays
+
+    def spy(*args, **kwargs):
+        seen.append(os.environ.get("MOELORA_LORA_PREFETCH"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe_module, "lora_prefetch_pays", spy)
+    monkeypatch.delenv("MOELORA_LORA_PREFETCH", raising=False)
+    assert ab_env.main(["--dry-run", "--env", "MOELORA_LORA_PREFETCH=0", "--M", "80", "--adapters", "3",
+                        "--rounds", "2"]) == 0
+    assert "MOELORA_LORA_PREFETCH" not in os.environ
+    # Two rounds x two timed calls (the dry run's median of two) of A and of B, two split-path GEMMs each.
+    assert seen.count("0") == seen.count(None) == 8
+    table = capsys.readouterr().out
+    assert "B: MOELORA_LORA_PREFETCH=0" in table and "| tiny | 80 | 16 | 3 |" in table
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        ab_env.parse_env(["MOELORA_LORA_PREFETCH"])

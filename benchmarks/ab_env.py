@@ -1,0 +1,220 @@
+"""Interleaved A/B of an environment switch on the MoE LoRA layer, for effects smaller than the drift
+between two ``moelora bench`` runs (a few % of the base time on an H100/H200).
+
+    python benchmarks/ab_env.py --env MOELORA_LORA_PREFETCH=small --models mixtral-8x7b --M 256 1024
+
+For each (model, M, rank, adapters) three CUDA graphs are captured: the base layer, the LoRA layer with
+the environment as it is (A) and the LoRA layer with ``--env`` set while it is captured (B; the switches
+are read when the kernels are launched, so the graph keeps B's kernels). Then ``--rounds`` rounds time
+base, A and B one after the other (``triton.testing.do_bench`` median each, L2 flushed), in a rotating
+order, so clock or thermal drift falls on all three alike. Reported per point: the median over rounds of
+each overhead t/t(base) - 1 and of t(B)/t(A), with the rounds' range of t(B)/t(A); a markdown table on
+stdout and, with ``--out``, JSON. Adapters and routing are those of ``moelora bench`` (same seeds).
+
+``--dry-run`` runs a tiny shape on the CPU through the Triton interpreter (set TRITON_INTERPRET=1 before
+starting it; eager calls, the numbers mean nothing) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moelora.bench import (  # noqa: E402
+    DRY_RUN_MODEL,
+    MODELS,
+    ModelShape,
+    make_lora_buffers,
+    make_routing,
+    make_weights,
+    token_slots_for,
+)
+from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
+
+
+def parse_env(assignments: list[str]) -> dict[str, str]:
+    """``NAME=VALUE`` strings as a dict; a clear error for anything else."""
+    env = {}
+    for item in assignments:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--env takes NAME=VALUE, got {item!r}")
+        env[name] = value
+    return env
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def captured(fn: Callable[[], Any], on_gpu: bool) -> Callable[[], Any]:
+    """A replay of one call of ``fn`` captured in a CUDA graph (warmed up on a side stream first: the
+    Triton compiles and the lazy allocations happen there); ``fn`` itself off the GPU."""
+    if not on_gpu:
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def time_us(fn: Callable[[], Any], on_gpu: bool, warmup_ms: float, rep_ms: float) -> float:
+    if on_gpu:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[str, str], *, rounds: int,
+             device: torch.device, dtype: torch.dtype, weights: tuple[torch.Tensor, torch.Tensor],
+             seed: int, warmup_ms: float, rep_ms: float) -> dict[str, Any]:
+    """Times base, A and B of one point in ``rounds`` interleaved rounds (see the module docstring)."""
+    on_gpu = device.type == "cuda"
+    w13, w2 = weights
+    slots = max(8, n_adapters)
+    buf = make_lora_buffers(shape, rank, slots, dtype, device, seed + rank)
+    topk_weights, topk_ids = make_routing(m, shape, seed + m, device)
+    x = torch.randn(m, shape.H, generator=torch.Generator().manual_seed(seed + 7 * m + 1)).to(device, dtype)
+    slots_host = token_slots_for(m, n_adapters, "uniform", seed + 13 * m + n_adapters)
+    ranks = torch.zeros(slots, dtype=torch.int32)
+    ranks[:n_adapters] = rank
+    lora = MoELoRAInputs(
+        token_slots=slots_host.to(device), gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b,
+        down_a=buf.down_a, down_b=buf.down_b, slot_ranks=ranks.to(device),
+        slot_scalings=torch.full((slots,), 2.0, device=device), max_rank=rank,
+        num_adapters=int(torch.unique(slots_host).numel()),
+    )
+
+    def layer(with_lora: bool) -> torch.Tensor:
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora if with_lora else None,
+                             lora_path="split")
+
+    calls = {"base": captured(lambda: layer(False), on_gpu), "A": captured(lambda: layer(True), on_gpu)}
+    with environment(env):
+        calls["B"] = captured(lambda: layer(True), on_gpu)
+        if not on_gpu:  # eager: B's switches must hold while it runs, not only while it is captured
+            b_call = calls["B"]
+
+            def run_b() -> Any:
+                with environment(env):
+                    return b_call()
+
+            calls["B"] = run_b
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for round_index in range(rounds):
+        for name in order[round_index % 3:] + order[:round_index % 3]:
+            times[name].append(time_us(calls[name], on_gpu, warmup_ms, rep_ms))
+    ratios = [b / a for a, b in zip(times["A"], times["B"], strict=True)]
+    base = statistics.median(times["base"])
+    return dict(
+        model=shape.name, M=m, rank=rank, n_adapters=n_adapters, env=env, rounds=rounds,
+        base_us=base, a_us=statistics.median(times["A"]), b_us=statistics.median(times["B"]),
+        a_overhead=statistics.median(a / b - 1 for a, b in zip(times["A"], times["base"], strict=True)),
+        b_overhead=statistics.median(a / b - 1 for a, b in zip(times["B"], times["base"], strict=True)),
+        b_over_a=statistics.median(ratios), b_over_a_min=min(ratios), b_over_a_max=max(ratios),
+        times_us=times,
+    )
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    env = " ".join(f"{k}={v}" for k, v in records[0]["env"].items()) if records else ""
+    lines = [f"A: environment as is; B: {env}", "",
+             "| model | M | rank | adapters | base µs | A µs (overhead) | B µs (overhead) "
+             "| B/A median [range] |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        lines.append(
+            f"| {r['model']} | {r['M']} | {r['rank']} | {r['n_adapters']} | {r['base_us']:.1f} | "
+            f"{r['a_us']:.1f} ({100 * r['a_overhead']:+.1f}%) | "
+            f"{r['b_us']:.1f} ({100 * r['b_overhead']:+.1f}%) | "
+            f"{r['b_over_a']:.3f} [{r['b_over_a_min']:.3f}, {r['b_over_a_max']:.3f}] |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", nargs="+", required=True, metavar="NAME=VALUE", help="B's switches")
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(MODELS))
+    parser.add_argument("--M", nargs="+", type=int, default=[256, 1024])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[16])
+    parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=float, default=10.0, help="do_bench warm-up per timing, ms")
+    parser.add_argument("--rep", type=float, default=40.0, help="do_bench time per timing, ms")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="also write the records as JSON")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shape on CPU (TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
+    env = parse_env(args.env)
+    if args.rounds < 1 or min(args.M + args.ranks + args.adapters) < 1:
+        raise SystemExit("--rounds, --M, --ranks and --adapters must be >= 1")
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--dry-run runs on CPU through the interpreter: set TRITON_INTERPRET=1")
+        device, dtype, models = torch.device("cpu"), torch.float16, [DRY_RUN_MODEL]
+        ms = [m for m in args.M if m <= 80] or [8]
+    else:
+        if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+            raise SystemExit("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset); see --dry-run")
+        device, dtype, ms = torch.device("cuda"), torch.bfloat16, args.M
+        models = [MODELS[name] for name in args.models]
+    records = []
+    for shape in models:
+        weights = make_weights(shape, dtype, device, args.seed)
+        for m in ms:
+            for rank in args.ranks:
+                for n_adapters in args.adapters:
+                    record = ab_point(shape, m, rank, n_adapters, env, rounds=args.rounds, device=device,
+                                      dtype=dtype, weights=weights, seed=args.seed, warmup_ms=args.warmup,
+                                      rep_ms=args.rep)
+                    records.append(record)
+                    print(f"{shape.name} M={m} r={rank} x{n_adapters}: B/A {record['b_over_a']:.3f} "
+                          f"[{record['b_over_a_min']:.3f}, {record['b_over_a_max']:.3f}]", file=sys.stderr,
+                          flush=True)
+        del weights
+    print(markdown(records))
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda"
+                                        else "cpu", "records": records}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
