@@ -36,12 +36,14 @@ from moelora.bench import (  # noqa: E402
     DRY_RUN_MODEL,
     MODELS,
     ModelShape,
+    lora_inputs,
     make_lora_buffers,
     make_routing,
     make_weights,
     token_slots_for,
+    warm_up_on_side_stream,
 )
-from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
+from triton_ops.fused_experts import fused_experts  # noqa: E402
 
 
 def parse_env(assignments: list[str]) -> dict[str, str]:
@@ -70,17 +72,10 @@ def environment(env: dict[str, str]) -> Iterator[None]:
 
 
 def captured(fn: Callable[[], Any], on_gpu: bool) -> Callable[[], Any]:
-    """A replay of one call of ``fn`` captured in a CUDA graph (warmed up on a side stream first: the
-    Triton compiles and the lazy allocations happen there); ``fn`` itself off the GPU."""
+    """A replay of one call of ``fn`` captured in a CUDA graph; ``fn`` itself off the GPU."""
     if not on_gpu:
         return fn
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    warm_up_on_side_stream(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -111,14 +106,7 @@ def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[st
     topk_weights, topk_ids = make_routing(m, shape, seed + m, device)
     x = torch.randn(m, shape.H, generator=torch.Generator().manual_seed(seed + 7 * m + 1)).to(device, dtype)
     slots_host = token_slots_for(m, n_adapters, "uniform", seed + 13 * m + n_adapters)
-    ranks = torch.zeros(slots, dtype=torch.int32)
-    ranks[:n_adapters] = rank
-    lora = MoELoRAInputs(
-        token_slots=slots_host.to(device), gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b,
-        down_a=buf.down_a, down_b=buf.down_b, slot_ranks=ranks.to(device),
-        slot_scalings=torch.full((slots,), 2.0, device=device), max_rank=rank,
-        num_adapters=int(torch.unique(slots_host).numel()),
-    )
+    lora = lora_inputs(buf, slots_host, slots, n_adapters, rank, device)
 
     def layer(with_lora: bool) -> torch.Tensor:
         return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora if with_lora else None,

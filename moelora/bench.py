@@ -227,6 +227,22 @@ def make_weights(shape: ModelShape, dtype: torch.dtype, device: torch.device,
     return w13.mul_(shape.H**-0.5), w2.mul_(shape.I**-0.5)
 
 
+def lora_inputs(buf: LoRABuffers, token_slots: torch.Tensor, n_slots: int, n_adapters: int, rank: int,
+                device: torch.device) -> Any:
+    """The benchmark's ``MoELoRAInputs``: slots [0, n_adapters) hold rank-``rank`` adapters (scaling 2),
+    the rest of the ``n_slots`` are empty; ``token_slots`` (host) from ``token_slots_for``."""
+    from triton_ops.fused_experts import MoELoRAInputs
+
+    slot_ranks = torch.zeros(n_slots, dtype=torch.int32)
+    slot_ranks[:n_adapters] = rank
+    return MoELoRAInputs(
+        token_slots=token_slots.to(device), gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b,
+        down_a=buf.down_a, down_b=buf.down_b, slot_ranks=slot_ranks.to(device),
+        slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
+        num_adapters=int(torch.unique(token_slots).numel()),
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # Naive baseline
 # --------------------------------------------------------------------------------------------------
@@ -303,12 +319,8 @@ def naive_estimate_s(shape: ModelShape, m: int, experts: int, groups: int, rank:
 # --------------------------------------------------------------------------------------------------
 
 
-def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tuple[float, bool]:
-    """Warm up on a side stream, capture one call in a CUDA graph, do_bench median of its replays.
-
-    Falls back to eager do_bench when the capture fails; returns (µs, whether a graph was used)."""
-    import triton.testing
-
+def warm_up_on_side_stream(fn: Callable[[], Any]) -> None:
+    """Two calls on a side stream (Triton compiles, lazy allocations) before a CUDA graph capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -316,6 +328,15 @@ def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tup
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+
+
+def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tuple[float, bool]:
+    """Warm up on a side stream, capture one call in a CUDA graph, do_bench median of its replays.
+
+    Falls back to eager do_bench when the capture fails; returns (µs, whether a graph was used)."""
+    import triton.testing
+
+    warm_up_on_side_stream(fn)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
@@ -476,7 +497,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                   cfg: Settings, progress: Progress) -> list[dict[str, Any]]:
     """Every record of one (model, M): the base once, then each rank x adapters x popularity x path."""
     from moelora.layer import choose_lora_path
-    from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+    from triton_ops.fused_experts import fused_experts
 
     device, dtype = cfg.device, DTYPES[cfg.dtype_name]
     on_gpu = device.type == "cuda"
@@ -513,14 +534,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                     continue
                 slots_host = token_slots_for(m, n_adapters, popularity, cfg.seed + 13 * m + n_adapters)
                 lora_pairs = int(torch.unique(slots_host.long()[:, None] * shape.E + ids_host).numel())
-                slot_ranks = torch.zeros(n_slots, dtype=torch.int32)
-                slot_ranks[:n_adapters] = rank
-                lora = MoELoRAInputs(
-                    token_slots=slots_host.to(device), gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b,
-                    down_a=buf.down_a, down_b=buf.down_b, slot_ranks=slot_ranks.to(device),
-                    slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
-                    num_adapters=int(torch.unique(slots_host).numel()),
-                )
+                lora = lora_inputs(buf, slots_host, n_slots, n_adapters, rank, device)
                 auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H, shape.I)
                 point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs,
                              pool_rank=max(rank, cfg.pool_rank))
