@@ -6,7 +6,8 @@ No GPU needed: the launch wrapper runs on meta tensors, its launch is caught, an
 for sm_90 with Triton's bundled ptxas. For each GEMM (base and every LoRA variant the layer would launch at
 that M) it prints the shared memory the launch asks for against the 227 KiB an H100/H200 block may use,
 the registers and spill bytes ptxas reports (``cuobjdump --dump-resource-usage``) and the blocks that
-fit on an SM, flagged where a LoRA variant fits fewer than its base GEMM. The Triton here may
+fit on an SM, flagged where a LoRA variant fits fewer than its base GEMM; "pf" marks the variants that
+prefetch their epilogue operands before the K-loop (``lora_prefetch_pays``). The Triton here may
 differ from the one on the device; treat the numbers as close, and confirm on the GPU.
 """
 
@@ -207,7 +208,8 @@ def main() -> None:
                 fewer = blocks < base_blocks.get(gemm, 0)
                 print(f"{model:17s} M={m:5d} {name:16s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
                       f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
-                      f"cap {kwargs['maxnreg'] or '-':3}  "
+                      f"cap {kwargs['maxnreg'] or '-':3} "
+                      f"{'pf' if kwargs['LORA_PREFETCH'] else '  '}  "
                       f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "
                       f"regs {report['regs']:3d}  spill {report['spill_bytes']:4d} B  "
                       f"{blocks} blocks/SM{f' (base: {base_blocks[gemm]})' if fewer else ''}", flush=True)
