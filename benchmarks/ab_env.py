@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from moelora.bench import (  # noqa: E402
     DRY_RUN_MODEL,
     MODELS,
     ModelShape,
+    eager_time_us,
     lora_inputs,
     make_lora_buffers,
     make_routing,
@@ -82,19 +82,6 @@ def captured(fn: Callable[[], Any], on_gpu: bool) -> Callable[[], Any]:
     return graph.replay
 
 
-def time_us(fn: Callable[[], Any], on_gpu: bool, warmup_ms: float, rep_ms: float) -> float:
-    if on_gpu:
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[str, str], *, rounds: int,
              device: torch.device, dtype: torch.dtype, weights: tuple[torch.Tensor, torch.Tensor],
              seed: int, warmup_ms: float, rep_ms: float) -> dict[str, Any]:
@@ -127,7 +114,7 @@ def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[st
     order = list(calls)
     for round_index in range(rounds):
         for name in order[round_index % 3:] + order[:round_index % 3]:
-            times[name].append(time_us(calls[name], on_gpu, warmup_ms, rep_ms))
+            times[name].append(eager_time_us(calls[name], on_gpu, warmup_ms, rep_ms, cpu_reps=2))
     ratios = [b / a for a, b in zip(times["A"], times["B"], strict=True)]
     base = statistics.median(times["base"])
     return dict(

@@ -32,10 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moelora.bench import MODELS  # noqa: E402
 from triton_ops import fused_moe  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
-    BLOCK_RESERVED_SHARED_BYTES,
     MAX_SHARED_BYTES,
-    SM_SHARED_BYTES,
     MoEConfig,
+    blocks_per_sm_by_shared,
     default_moe_config,
     tuned_moe_config,
 )
@@ -56,7 +55,7 @@ HOPPER_SMS = 132  # H100 SXM and H200
 def blocks_per_sm(shared: int, regs: int, num_warps: int) -> int:
     """Blocks of a kernel resident per SM on Hopper: the least of what shared memory (plus the 1 KiB each
     block reserves), registers (allocated per warp in units of 256) and warp slots allow."""
-    by_smem = SM_SHARED_BYTES // (shared + BLOCK_RESERVED_SHARED_BYTES)
+    by_smem = blocks_per_sm_by_shared(shared)
     regs_per_warp = -(-regs * 32 // 256) * 256
     by_regs = REGISTERS_PER_SM // (regs_per_warp * num_warps)
     return min(by_smem, by_regs, WARPS_PER_SM // num_warps)

@@ -110,6 +110,11 @@ SM_SHARED_BYTES = 228 * 1024
 BLOCK_RESERVED_SHARED_BYTES = 1024
 
 
+def blocks_per_sm_by_shared(shared_bytes: int) -> int:
+    """Blocks that fit on an SM as far as shared memory goes (each also reserves 1 KiB)."""
+    return SM_SHARED_BYTES // (shared_bytes + BLOCK_RESERVED_SHARED_BYTES)
+
+
 def pipeline_smem_bytes(gemm: GemmConfig, *, b_tiles: int, lora_cols: int = 0, elem_bytes: int = 2) -> int:
     """Shared memory of a GEMM's software pipeline: ``num_stages`` copies of the A tile, ``b_tiles`` B
     tiles (2 for gate/up) and, with an inline LoRA shrink, ``lora_cols`` columns of LoRA A per stage."""

@@ -34,9 +34,8 @@ import triton
 import triton.language as tl
 
 from triton_ops.configs import (
-    BLOCK_RESERVED_SHARED_BYTES,
-    SM_SHARED_BYTES,
     GemmConfig,
+    blocks_per_sm_by_shared,
     pipeline_smem_bytes,
 )
 from triton_ops.lora_tiles import (
@@ -414,7 +413,7 @@ def lora_register_cap(
     if config.block_m < 64 or os.environ.get("MOELORA_LORA_REGISTER_CAP") == "0":
         return None
     smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, lora_cols=lora_cols, elem_bytes=elem_bytes)
-    blocks = min(SM_SHARED_BYTES // (smem + BLOCK_RESERVED_SHARED_BYTES), WARPS_PER_SM // config.num_warps)
+    blocks = min(blocks_per_sm_by_shared(smem), WARPS_PER_SM // config.num_warps)
     if blocks < 2:
         return None
     cap = REGISTERS_PER_SM // (blocks * 32 * config.num_warps) // 8 * 8
@@ -446,7 +445,7 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) 
     if accumulator_registers > (32 if gated else 128):
         return False
     smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
-    return SM_SHARED_BYTES // (smem + BLOCK_RESERVED_SHARED_BYTES) < 2
+    return blocks_per_sm_by_shared(smem) < 2
 
 
 # Slot groups on 128x64 tiles and up, where stacked slots beside the accumulators spill: two for the
