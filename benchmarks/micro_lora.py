@@ -9,6 +9,7 @@ LoRA, with the inline shrink ("fused") and with a precomputed shrink ("split"), 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -215,6 +216,15 @@ def main() -> None:
                 )
             ),
         }
+        # The split epilogue's older per-slot forms (MOELORA_LORA_UNROLL=0), against the rounds above.
+        os.environ["MOELORA_LORA_UNROLL"] = "0"
+        rows["gemm1 split (unroll 0)"] = us(lambda: invoke_fused_moe_kernel(
+            x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg.gemm1, activation="silu",
+            lora=replace(l1, shrunk=sgu), **align))
+        rows["gemm2 split (unroll 0)"] = us(lambda: invoke_fused_moe_kernel(
+            act, w2, out, topk_weights=weights, a_row_div=1, config=cfg.gemm2, lora=replace(l2, shrunk=sd),
+            **align))
+        del os.environ["MOELORA_LORA_UNROLL"]
         # The split epilogue's slot groups on big tiles (BIG_TILE_SLOT_GROUP*), where they may spill.
         saved = fused_moe.BIG_TILE_SLOT_GROUP, fused_moe.BIG_TILE_SLOT_GROUP_GATED
         for group in (1, 2, 4):
@@ -244,17 +254,8 @@ def main() -> None:
             rows["gemm1 split (decode partials)"] = us(lambda: invoke_fused_moe_kernel(
                 x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg.gemm1, activation="silu",
                 lora=replace(l1, shrunk=dgu), **align))
-        for sub_m in sorted({16, 32, 64, cfg.block_m}) if not args.no_sweep else ():
-            if sub_m > cfg.block_m:
-                continue
-            for bk in (64, 128):
-                for warps in (2, 4):
-                    for stages in (2, 4):
-                        t = us(lambda: moe_lora_a(
-                            x, lora.gate_up_a, lora.token_slots, lora.slot_ranks, **align,
-                            block_m=cfg.block_m, top_k=top_k, x_row_div=top_k, rank_block=rb, gated=True,
-                            out=sgu, sub_block_m=sub_m, block_k=bk, num_warps=warps, num_stages=stages))
-                        rows[f"shrink gu m{sub_m} k{bk} w{warps} s{stages}"] = t
+        if not args.no_sweep:
+            rows.update(sweep_shrinks(x, act, lora, align, cfg.block_m, top_k, rb, max_padded))
         print(
             f"{args.model} M={m} rank={args.rank} adapters={args.adapters} "
             f"shrink splits {splits_gu}/{splits_d}"
@@ -263,6 +264,39 @@ def main() -> None:
         for name, t in rows.items():
             print(f"  {name:24s} {t:8.1f} us")
     print_register_use()
+
+
+def sweep_shrinks(x, act, lora, align, block_m: int, top_k: int, rank_block: int, max_padded: int) -> dict:
+    """Both shrinks over launch configs (rows per program, K tile, warps, stages) and split-K counts; the
+    ``--top`` fastest of each, plus the current choice, go in the table."""
+    pairs = act.shape[0]
+    found = {}
+    for name, src, lora_a, gated, row_div in (("gu", x, lora.gate_up_a, True, top_k),
+                                               ("down", act, lora.down_a, False, 1)):
+        k = src.shape[1]
+        times = {}
+        for splits in sorted({1, 2, 3, 4, shrink_k_splits(max_padded, block_m, k),
+                              shrink_k_splits(pairs, block_m, k)}):
+            out = torch.empty(pairs, splits, (2 if gated else 1) * rank_block, device="cuda",
+                              dtype=torch.float32)
+            for sub_m in (32, 64):
+                if sub_m > block_m:
+                    continue
+                for bk in (64, 128):
+                    for warps in (4, 8):
+                        for stages in (2, 3, 4):
+                            times[f"shrink {name} x{splits} m{sub_m} k{bk} w{warps} s{stages}"] = us(
+                                lambda: moe_lora_a(
+                                    src, lora_a, lora.token_slots, lora.slot_ranks, **align, block_m=block_m,
+                                    top_k=top_k, x_row_div=row_div, rank_block=rank_block, gated=gated,
+                                    num_adapters=lora.num_adapters, out=out, sub_block_m=sub_m, block_k=bk,
+                                    num_warps=warps, num_stages=stages))
+        for key in sorted(times, key=times.get)[:SWEEP_TOP]:
+            found[key] = times[key]
+    return found
+
+
+SWEEP_TOP = 6
 
 
 def print_register_use() -> None:

@@ -154,6 +154,43 @@ def test_prefill_sized_batch(path, ranks, tile):
 
 
 @pytest.mark.interpreter
+# 1: a round per slot; 3: two full rounds for six slots; 4: a full round, then one with two slots absent.
+@pytest.mark.parametrize("unroll", ["1", "3", "4"])
+# 128x64: GEMM1 outside the prefetch (one slot per dot); 32x32: the rounds after the prefetched group.
+@pytest.mark.parametrize("tile", [(128, 64), (32, 32)], ids=str)
+def test_unrolled_expand_rounds(monkeypatch, unroll, tile):
+    """The split epilogue's rounds of slots whose B tiles load together (``lora_expand_unrolled``), with
+    six adapters of ranks 3-16 and rows without one in the same blocks, against the reference."""
+    monkeypatch.setenv("MOELORA_LORA_UNROLL", unroll)
+    gen = torch.Generator().manual_seed(13)
+    (x, w13, w2), weights, ids, lora, ref, base = make_case(
+        m=67, hidden=48, inter=40, num_experts=7, top_k=2, ranks=(3, 16, 5, 9, 12, 7), max_rank=16,
+        num_slots=7, dtype=torch.float32, gen=gen,
+    )
+    assert (lora.token_slots < 0).any()
+    gemm = GemmConfig(*tile, 32, 1, 4, 2)
+    out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=6), lora_path="split",
+                        config=MoEConfig(gemm, gemm))
+    scale = ref.abs().max()
+    assert (ref - base).abs().max() > 0.1 * scale
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+def test_unroll_rule(monkeypatch):
+    from triton_ops.fused_moe import lora_unroll_slots
+
+    monkeypatch.delenv("MOELORA_LORA_UNROLL", raising=False)
+    assert lora_unroll_slots(4, 1, False) == 4  # big gated tiles: all four adapters' B in one round
+    assert lora_unroll_slots(8, 1, False) == 4  # at most four per round
+    assert lora_unroll_slots(0, 1, False) == 2  # adapter count unknown
+    assert lora_unroll_slots(4, 4, False) == 0  # the stacked group form covers them
+    assert lora_unroll_slots(2, 2, True) == 0  # the prefetched group holds every adapter
+    assert lora_unroll_slots(4, 2, True) == 2  # two past the prefetched group
+    monkeypatch.setenv("MOELORA_LORA_UNROLL", "0")
+    assert lora_unroll_slots(4, 1, False) == 0
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_align_with_gate_up_shrink(dtype):
     """The decode launch: program 0's alignment equals ``moe_align_block_size`` bit for bit, and the

@@ -43,9 +43,11 @@ from triton_ops.lora_tiles import (
     first_slot,
     load_group_b,
     load_scaled_gate_up_partials,
+    load_shrink_partials,
     lora_expand_from_partials,
     lora_expand_groups,
     lora_expand_slots,
+    lora_expand_unrolled,
     lora_shrink_tile,
     lora_store_down_partials,
     next_slot,
@@ -130,6 +132,7 @@ def _fused_moe_kernel(
     LORA_SPLIT_CHUNK: tl.constexpr,
     LORA_GROUP: tl.constexpr,
     LORA_PREFETCH: tl.constexpr,
+    LORA_UNROLL: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -296,11 +299,20 @@ def _fused_moe_kernel(
                         spread_to_group(pre_up, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_up.dtype),
                         b0_up, acc_up, FP32_IEEE)
                 # Slots past the first group (more adapters in the block than LORA_GROUP).
-                acc, acc_up = lora_expand_groups(
-                    acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-                    offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
-                )
+                if LORA_UNROLL > 0:
+                    acc, acc_up = lora_expand_unrolled(
+                        acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
+                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+                        stride_lb_r, GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                        SLOTS=LORA_UNROLL,
+                    )
+                else:
+                    acc, acc_up = lora_expand_groups(
+                        acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
+                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+                        stride_lb_r, GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                        GROUP=LORA_GROUP,
+                    )
         elif LORA_CHUNK_R >= LORA_R and LORA_GROUP > 1:
             # One rank chunk: every row's partials in one load, then one dot per group of slots.
             u, u_up = load_scaled_gate_up_partials(
@@ -311,8 +323,29 @@ def _fused_moe_kernel(
                 offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
                 GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
             )
+        elif LORA_UNROLL > 0:
+            # Big tiles, one rank chunk: every row's partials in one load, then rounds of LORA_UNROLL
+            # slots whose B tiles load together; gate, then up (both shrinks at once spilled at 128x64).
+            slot = first_slot(row_slot, has_slot)
+            u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
+                                     SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
+                                     SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
+            acc, _ = lora_expand_unrolled(
+                acc, acc, u, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, N,
+                slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=False,
+                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, SLOTS=LORA_UNROLL,
+            )
+            if ACTIVATION != 0:
+                u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
+                                         SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
+                                         SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
+                acc_up, _ = lora_expand_unrolled(
+                    acc_up, acc_up, u, u, row_slot, has_slot, slot, lora_b_ptr + N * stride_lb_n, expert,
+                    offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                    GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, SLOTS=LORA_UNROLL,
+                )
         else:
-            # Big tiles or wide ranks: partials and B a slot and a rank chunk at a time, after the K-loop
+            # Wide ranks on big tiles: partials and B a slot and a rank chunk at a time, after the K-loop
             # (few registers beside the accumulators: the grouped form spilled at 128x64, Qwen3-30B
             # M=1024 GEMM1 251 -> 337 us on an H200).
             slot = first_slot(row_slot, has_slot)
@@ -466,6 +499,23 @@ def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
     return max(1, min(group, triton.next_power_of_2(max(1, rows))))
 
 
+def lora_unroll_slots(num_adapters: int, group: int, prefetch: bool) -> int:
+    """Slots per round of the split epilogue's unrolled expand (``lora_expand_unrolled``), 0 for the
+    older forms: on tiles that expand one slot per dot (``group`` 1) outside the prefetch, and after the
+    prefetched group, for the slots past it. Rounds of up to 4 slots, fewer when the batch has fewer
+    adapters left to expand (unknown: 2). ``MOELORA_LORA_UNROLL=0`` keeps the older forms, ``=N`` sets
+    the slots per round."""
+    forced = os.environ.get("MOELORA_LORA_UNROLL", "")
+    if not prefetch and group > 1:
+        return 0
+    if forced:
+        return max(0, min(4, int(forced)))
+    if num_adapters <= 0:
+        return 2
+    remaining = num_adapters - group if prefetch else num_adapters
+    return max(0, min(4, remaining))  # 0 after the prefetch: its group holds every adapter
+
+
 def invoke_fused_moe_kernel(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -536,6 +586,9 @@ def invoke_fused_moe_kernel(
                                                                   // (config.block_m * lora_chunk_r))))
     prefetch = (bool(shrunk_splits) and lora is not None and lora.rank_block <= lora_chunk_r
                 and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size()))
+    unroll = 0
+    if lora is not None and shrunk_splits and lora.rank_block <= lora_chunk_r:
+        unroll = lora_unroll_slots(lora.num_adapters, lora_group, prefetch)
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
@@ -592,6 +645,7 @@ def invoke_fused_moe_kernel(
         LORA_SPLIT_CHUNK=split_chunk,
         LORA_GROUP=lora_group,
         LORA_PREFETCH=prefetch,
+        LORA_UNROLL=unroll,
         DOWN_SHRINK=down_shrink,
         DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
