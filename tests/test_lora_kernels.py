@@ -156,11 +156,10 @@ def test_prefill_sized_batch(path, ranks, tile):
 @pytest.mark.interpreter
 # 1: a round per slot; 3: two full rounds for six slots; 4: a full round, then one with two slots absent.
 @pytest.mark.parametrize("unroll", ["1", "3", "4"])
-# 128x64: GEMM1 outside the prefetch (one slot per dot); 32x32: the rounds after the prefetched group.
-@pytest.mark.parametrize("tile", [(128, 64), (32, 32)], ids=str)
-def test_unrolled_expand_rounds(monkeypatch, unroll, tile):
-    """The split epilogue's rounds of slots whose B tiles load together (``lora_expand_unrolled``), with
-    six adapters of ranks 3-16 and rows without one in the same blocks, against the reference."""
+def test_unrolled_expand_rounds(monkeypatch, unroll):
+    """The split epilogue's rounds of slots whose B tiles load together (``lora_expand_unrolled``) on
+    128x64 tiles (one slot per dot, no prefetch), with six adapters of ranks 3-16 and rows without one
+    in the same blocks, against the reference."""
     monkeypatch.setenv("MOELORA_LORA_UNROLL", unroll)
     gen = torch.Generator().manual_seed(13)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
@@ -168,7 +167,7 @@ def test_unrolled_expand_rounds(monkeypatch, unroll, tile):
         num_slots=7, dtype=torch.float32, gen=gen,
     )
     assert (lora.token_slots < 0).any()
-    gemm = GemmConfig(*tile, 32, 1, 4, 2)
+    gemm = GemmConfig(128, 64, 32, 1, 4, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=6), lora_path="split",
                         config=MoEConfig(gemm, gemm))
     scale = ref.abs().max()
@@ -180,14 +179,22 @@ def test_unroll_rule(monkeypatch):
     from triton_ops.fused_moe import lora_unroll_slots
 
     monkeypatch.delenv("MOELORA_LORA_UNROLL", raising=False)
-    assert lora_unroll_slots(4, 1, False) == 4  # big gated tiles: all four adapters' B in one round
-    assert lora_unroll_slots(8, 1, False) == 4  # at most four per round
-    assert lora_unroll_slots(0, 1, False) == 2  # adapter count unknown
-    assert lora_unroll_slots(4, 4, False) == 0  # the stacked group form covers them
-    assert lora_unroll_slots(2, 2, True) == 0  # the prefetched group holds every adapter
-    assert lora_unroll_slots(4, 2, True) == 2  # two past the prefetched group
+    one_block = GemmConfig(128, 128, 64, 8, 8, 3)  # gated: 144 KiB, one block per SM (Mixtral M=4096)
+    two_blocks = GemmConfig(128, 64, 64, 8, 8, 3)  # gated: 96 KiB, two blocks per SM
+
+    def rule(config, adapters, group=1, prefetch=False):
+        return lora_unroll_slots(config, gated=True, num_adapters=adapters, group=group, prefetch=prefetch)
+
+    assert rule(one_block, 4) == 4  # every adapter's B in one round
+    assert rule(one_block, 8) == 4  # at most four per round
+    assert rule(one_block, 0) == 2  # adapter count unknown
+    assert rule(two_blocks, 4) == 0  # the other block hides the epilogue
+    assert rule(one_block, 4, group=4) == 0  # the stacked group form covers them
+    assert rule(one_block, 4, prefetch=True) == 0
     monkeypatch.setenv("MOELORA_LORA_UNROLL", "0")
-    assert lora_unroll_slots(4, 1, False) == 0
+    assert rule(one_block, 4) == 0
+    monkeypatch.setenv("MOELORA_LORA_UNROLL", "3")
+    assert rule(two_blocks, 4) == 3 and rule(one_block, 4, prefetch=True) == 0
 
 
 @pytest.mark.interpreter

@@ -299,20 +299,11 @@ def _fused_moe_kernel(
                         spread_to_group(pre_up, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_up.dtype),
                         b0_up, acc_up, FP32_IEEE)
                 # Slots past the first group (more adapters in the block than LORA_GROUP).
-                if LORA_UNROLL > 0:
-                    acc, acc_up = lora_expand_unrolled(
-                        acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
-                        stride_lb_r, GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                        SLOTS=LORA_UNROLL,
-                    )
-                else:
-                    acc, acc_up = lora_expand_groups(
-                        acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-                        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
-                        stride_lb_r, GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                        GROUP=LORA_GROUP,
-                    )
+                acc, acc_up = lora_expand_groups(
+                    acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
+                    offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
+                )
         elif LORA_CHUNK_R >= LORA_R and LORA_GROUP > 1:
             # One rank chunk: every row's partials in one load, then one dot per group of slots.
             u, u_up = load_scaled_gate_up_partials(
@@ -499,21 +490,28 @@ def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
     return max(1, min(group, triton.next_power_of_2(max(1, rows))))
 
 
-def lora_unroll_slots(num_adapters: int, group: int, prefetch: bool) -> int:
-    """Slots per round of the split epilogue's unrolled expand (``lora_expand_unrolled``), 0 for the
-    older forms: on tiles that expand one slot per dot (``group`` 1) outside the prefetch, and after the
-    prefetched group, for the slots past it. Rounds of up to 4 slots, fewer when the batch has fewer
-    adapters left to expand (unknown: 2). ``MOELORA_LORA_UNROLL=0`` keeps the older forms, ``=N`` sets
-    the slots per round."""
-    forced = os.environ.get("MOELORA_LORA_UNROLL", "")
-    if not prefetch and group > 1:
+def lora_unroll_slots(config: GemmConfig, *, gated: bool, num_adapters: int, group: int, prefetch: bool,
+                      elem_bytes: int = 2) -> int:
+    """Slots per round of the split epilogue's unrolled expand (``lora_expand_unrolled``; 0: one slot
+    at a time, partials and B reloaded per slot). Only on tiles that expand one slot per dot (``group``
+    1), do not prefetch, and that shared memory holds to one block per SM: there nothing else on the SM
+    hides the epilogue, so loading every slot's B tiles before the first dot pays for the registers.
+    Rounds of up to 4 slots, fewer when the batch has fewer adapters (unknown: 2). H100, rank 16, 4
+    adapters, benchmarks/ab_env.py, without -> with the rounds: Mixtral M=4096 (GEMM1 128x128, one
+    block per SM) 6366 -> 6031 us; on two-block tiles they lost: DeepSeek-V2-Lite M=4096 (GEMM1 128x64,
+    4 warps) 1273 -> 1321 us, Mixtral M=1024 (GEMM1 128x64 capped at 128 registers: 8 -> 48 spilled
+    bytes) 2199 -> 2449 us; and after the prefetched group Qwen3-30B M=4096 GEMM2 went 1113 -> 1150 us.
+    ``MOELORA_LORA_UNROLL=0`` turns it off, ``=N`` forces N slots per round wherever ``group`` is 1
+    outside the prefetch (to compare)."""
+    if prefetch or group > 1:
         return 0
+    forced = os.environ.get("MOELORA_LORA_UNROLL", "")
     if forced:
         return max(0, min(4, int(forced)))
-    if num_adapters <= 0:
-        return 2
-    remaining = num_adapters - group if prefetch else num_adapters
-    return max(0, min(4, remaining))  # 0 after the prefetch: its group holds every adapter
+    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
+    if blocks_per_sm_by_shared(smem) >= 2:
+        return 0
+    return min(4, num_adapters) if num_adapters > 0 else 2
 
 
 def invoke_fused_moe_kernel(
@@ -588,7 +586,8 @@ def invoke_fused_moe_kernel(
                 and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size()))
     unroll = 0
     if lora is not None and shrunk_splits and lora.rank_block <= lora_chunk_r:
-        unroll = lora_unroll_slots(lora.num_adapters, lora_group, prefetch)
+        unroll = lora_unroll_slots(config, gated=gated, num_adapters=lora.num_adapters, group=lora_group,
+                                   prefetch=prefetch, elem_bytes=a.element_size())
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
