@@ -133,6 +133,7 @@ def _fused_moe_kernel(
     LORA_GROUP: tl.constexpr,
     LORA_PREFETCH: tl.constexpr,
     LORA_UNROLL: tl.constexpr,
+    LORA_SKIP_PAST_RANK: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -349,14 +350,14 @@ def _fused_moe_kernel(
                     acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
                     rank, scaling, stride_lb_n, stride_lb_r,
                     FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, SPLITS=LORA_SPLITS,
-                    SPLIT_CHUNK=LORA_SPLIT_CHUNK,
+                    SPLIT_CHUNK=LORA_SPLIT_CHUNK, SKIP_PAST_RANK=LORA_SKIP_PAST_RANK,
                 )
                 if ACTIVATION != 0:
                     acc_up = lora_expand_from_partials(
                         acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
                         lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
                         stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
-                        SPLITS=LORA_SPLITS, SPLIT_CHUNK=LORA_SPLIT_CHUNK,
+                        SPLITS=LORA_SPLITS, SPLIT_CHUNK=LORA_SPLIT_CHUNK, SKIP_PAST_RANK=LORA_SKIP_PAST_RANK,
                     )
                 slot = next_slot(row_slot, has_slot, slot)
 
@@ -567,10 +568,12 @@ def invoke_fused_moe_kernel(
         _check_down_shrink(lora, activation_code, numel, out_n, config.block_n)
     da = lora.down_a if down_shrink else None
     ds = lora.down_shrunk if down_shrink else None
-    # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
+    # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there (and
+    # on 64-row tiles: 64x64x64 at rank 64 spilled 344 bytes with whole-rank chunks, DeepSeek-V2 M=1024).
     lora_chunk_r = 16
     if lora is not None:
-        lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
+        big = config.block_m * config.block_n > 32 * 128 or config.block_m >= 64
+        lora_chunk_r = min(lora.rank_block, 16 if big else 64)
     lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
     # Slots expanded side by side per dot in the split epilogue (capped on big tiles, see BIG_TILE).
     lora_group = 1
@@ -645,6 +648,7 @@ def invoke_fused_moe_kernel(
         LORA_GROUP=lora_group,
         LORA_PREFETCH=prefetch,
         LORA_UNROLL=unroll,
+        LORA_SKIP_PAST_RANK=os.environ.get("MOELORA_LORA_RANK_SKIP", "1") != "0",
         DOWN_SHRINK=down_shrink,
         DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
