@@ -515,6 +515,22 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, num_adapters: int, gro
     return min(4, num_adapters) if num_adapters > 0 else 2
 
 
+def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
+    """Whether the split epilogue's 16-column rank chunks branch around those past a slot's real rank
+    (``lora_expand_from_partials``). Not on tiles that shared memory holds to one block per SM: there
+    the epilogue is exposed, and straight-line chunks (masked past the rank: no bytes, a few idle MMAs)
+    wait on their loads together. H100, rank 64, 4 adapters, benchmarks/ab_env.py, with -> without the
+    branches: Mixtral M=256 (GEMM1 128x64x128, one block) 1841 -> 1661 us, M=4096 6744 -> 6686 us,
+    Qwen3-30B M=4096 1705 -> 1664 us (GEMM2 128x256, one block), but DeepSeek-V2 M=4096 (both GEMMs one
+    block) 5714 -> 5791 us; and on two-block tiles DeepSeek-V2 M=1024 (64x64) 3742 -> 3849 us.
+    ``MOELORA_LORA_RANK_SKIP=1`` / ``=0`` forces either (to compare)."""
+    forced = os.environ.get("MOELORA_LORA_RANK_SKIP", "")
+    if forced:
+        return forced != "0"
+    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
+    return blocks_per_sm_by_shared(smem) >= 2
+
+
 def invoke_fused_moe_kernel(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -568,12 +584,10 @@ def invoke_fused_moe_kernel(
         _check_down_shrink(lora, activation_code, numel, out_n, config.block_n)
     da = lora.down_a if down_shrink else None
     ds = lora.down_shrunk if down_shrink else None
-    # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there (and
-    # on 64-row tiles: 64x64x64 at rank 64 spilled 344 bytes with whole-rank chunks, DeepSeek-V2 M=1024).
+    # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
     lora_chunk_r = 16
     if lora is not None:
-        big = config.block_m * config.block_n > 32 * 128 or config.block_m >= 64
-        lora_chunk_r = min(lora.rank_block, 16 if big else 64)
+        lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
     lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
     # Slots expanded side by side per dot in the split epilogue (capped on big tiles, see BIG_TILE).
     lora_group = 1
@@ -648,7 +662,7 @@ def invoke_fused_moe_kernel(
         LORA_GROUP=lora_group,
         LORA_PREFETCH=prefetch,
         LORA_UNROLL=unroll,
-        LORA_SKIP_PAST_RANK=os.environ.get("MOELORA_LORA_RANK_SKIP", "1") != "0",
+        LORA_SKIP_PAST_RANK=lora_skip_past_rank(config, gated=gated, elem_bytes=a.element_size()),
         DOWN_SHRINK=down_shrink,
         DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
