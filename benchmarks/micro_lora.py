@@ -279,7 +279,7 @@ def sweep_shrinks(x, act, lora, align, block_m: int, top_k: int, rank_block: int
                               shrink_k_splits(pairs, block_m, k)}):
             out = torch.empty(pairs, splits, (2 if gated else 1) * rank_block, device="cuda",
                               dtype=torch.float32)
-            for sub_m in (32, 64):
+            for sub_m in (16, 32, 64):
                 if sub_m > block_m:
                     continue
                 for bk in (64, 128):
