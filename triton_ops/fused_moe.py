@@ -322,19 +322,19 @@ def _fused_moe_kernel(
             u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
                                      SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
                                      SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-            acc, _ = lora_expand_unrolled(
-                acc, acc, u, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, N,
-                slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=False,
-                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, SLOTS=LORA_UNROLL,
+            acc = lora_expand_unrolled(
+                acc, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, slot_ranks_ptr,
+                stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                SLOTS=LORA_UNROLL,
             )
             if ACTIVATION != 0:
                 u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
                                          SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
                                          SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-                acc_up, _ = lora_expand_unrolled(
-                    acc_up, acc_up, u, u, row_slot, has_slot, slot, lora_b_ptr + N * stride_lb_n, expert,
-                    offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                    GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, SLOTS=LORA_UNROLL,
+                acc_up = lora_expand_unrolled(
+                    acc_up, u, row_slot, has_slot, slot, lora_b_ptr + N * stride_lb_n, expert, offs_n,
+                    col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, SLOTS=LORA_UNROLL,
                 )
         else:
             # Wide ranks on big tiles: partials and B a slot and a rank chunk at a time, after the K-loop

@@ -181,16 +181,10 @@ def lora_expand_from_partials(
     registers beside the accumulators. With SKIP_PAST_RANK, chunks past the slot's real rank are
     branched around; without, every chunk runs (masked: no bytes past the rank, a few idle MMAs), so
     the chunks' loads form one straight-line block the compiler may issue together."""
+    # Without SKIP_PAST_RANK the bound is a constant, so the test below is resolved at compile time.
+    bound = rank if SKIP_PAST_RANK else LORA_R
     for r0 in tl.static_range(0, LORA_R, CHUNK_R):
-        if SKIP_PAST_RANK:
-            if r0 < rank:
-                shrunk = load_shrink_partials(shrunk_rows_ptr, col_offset + r0, num_splits, stride_ss,
-                                              rows_in_slot, SPLITS=SPLITS, CHUNK_R=CHUNK_R,
-                                              SPLIT_CHUNK=SPLIT_CHUNK)
-                b = lora_load_b(lb_ptr + r0 * stride_lr, offs_n, col_valid, rank - r0, stride_ln, stride_lr,
-                                LORA_R=CHUNK_R)
-                acc = _dot((shrunk * scaling).to(b.dtype), b, acc, FP32_IEEE)
-        else:
+        if r0 < bound:
             shrunk = load_shrink_partials(shrunk_rows_ptr, col_offset + r0, num_splits, stride_ss,
                                           rows_in_slot, SPLITS=SPLITS, CHUNK_R=CHUNK_R,
                                           SPLIT_CHUNK=SPLIT_CHUNK)
@@ -430,65 +424,50 @@ def lora_expand_groups(
 
 @triton.jit
 def lora_load_slot_b(
-    lora_b_ptr,  # (L, E, N or 2N, R) B buffer; the up rows start at row N when GATED
+    lora_b_ptr,  # (L, E, N, R) B buffer (already offset to the up rows for the up half)
     slot,  # int32 slot (2**30: none, nothing is loaded)
     expert,  # int64
     offs_n,  # (BLOCK_N,) output columns
     col_valid,  # (BLOCK_N,) int1
-    N,
     slot_ranks_ptr,  # (L,) int32
     stride_lb_l,
     stride_lb_e,
     stride_lb_n,
     stride_lb_r,
-    GATED: tl.constexpr,
     LORA_R: tl.constexpr,
 ):
-    """(LORA_R, BLOCK_N) B^T tiles of one slot: (gate, up) when GATED, else the one tile twice."""
+    """(LORA_R, BLOCK_N) B^T tile of one slot, rank rows past its rank not loaded."""
     present = slot < (1 << 30)
     safe = tl.where(present, slot, 0)
     rank = tl.where(present, tl.load(slot_ranks_ptr + safe), 0)
     lb_ptr = lora_b_ptr + tl.cast(safe, tl.int64) * stride_lb_l + expert * stride_lb_e
-    b = lora_load_b(lb_ptr, offs_n, col_valid, rank, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
-    b_up = b
-    if GATED:
-        b_up = lora_load_b(lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, stride_lb_n, stride_lb_r,
-                           LORA_R=LORA_R)
-    return b, b_up
+    return lora_load_b(lb_ptr, offs_n, col_valid, rank, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
 
 
 @triton.jit
-def lora_expand_slot(acc, acc_up, u, u_up, row_slot, slot, b, b_up, GATED: tl.constexpr,
-                     FP32_IEEE: tl.constexpr):
-    """``acc += u @ b`` (and ``acc_up += u_up @ b_up``) for the rows of ``slot``; nothing when absent."""
+def lora_expand_slot(acc, u, row_slot, slot, b, FP32_IEEE: tl.constexpr):
+    """``acc += u @ b`` for the rows of ``slot``; nothing when the slot is absent (2**30)."""
     if slot < (1 << 30):
-        in_slot = (row_slot == slot)[:, None]
-        acc = _dot(tl.where(in_slot, u, 0.0).to(b.dtype), b, acc, FP32_IEEE)
-        if GATED:
-            acc_up = _dot(tl.where(in_slot, u_up, 0.0).to(b_up.dtype), b_up, acc_up, FP32_IEEE)
-    return acc, acc_up
+        acc = _dot(tl.where((row_slot == slot)[:, None], u, 0.0).to(b.dtype), b, acc, FP32_IEEE)
+    return acc
 
 
 @triton.jit
 def lora_expand_unrolled(
-    acc,  # (BLOCK_M, BLOCK_N) fp32 gate (or only) output tile
-    acc_up,  # (BLOCK_M, BLOCK_N) fp32 up tile when GATED
+    acc,  # (BLOCK_M, BLOCK_N) fp32 output tile (one of gate / up, or GEMM2's)
     u,  # (BLOCK_M, LORA_R) fp32 shrink of each row times its slot's scaling (0 for rows without one)
-    u_up,  # (BLOCK_M, LORA_R) up shrink when GATED
     row_slot,  # (BLOCK_M,) int32
     has_slot,  # (BLOCK_M,) int1
     slot,  # first slot to expand (2**30: none)
-    lora_b_ptr,  # (L, E, N or 2N, R)
+    lora_b_ptr,  # (L, E, N, R) (already offset to the up rows for the up half)
     expert,  # int64
     offs_n,
     col_valid,
-    N,
     slot_ranks_ptr,
     stride_lb_l,
     stride_lb_e,
     stride_lb_n,
     stride_lb_r,
-    GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
     SLOTS: tl.constexpr,  # 1 to 4 slots per round
@@ -496,41 +475,34 @@ def lora_expand_unrolled(
     """``acc += u @ B[a_m, e]^T`` for every row from ``slot`` on, SLOTS slots per round: a round loads
     the B tiles of all its slots before its first dot, so a block of several adapters waits for one
     memory latency instead of one per adapter, and needs only the (BLOCK_M, R) shrink beside the
-    accumulators (the stacked form, one (BLOCK_M, SLOTS * R) operand, spilled on 128x64 gated tiles).
+    accumulator (the stacked form, one (BLOCK_M, SLOTS * R) operand, spilled on 128x64 gated tiles).
+    The round is written out by hand (up to four named tiles): its loads must all precede its dots.
     u is rounded to B's dtype, as PEFT's lora_B input is."""
     while slot < (1 << 30):
         s0 = slot
-        b0, b0_up = lora_load_slot_b(lora_b_ptr, s0, expert, offs_n, col_valid, N, slot_ranks_ptr,
-                                     stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=GATED,
-                                     LORA_R=LORA_R)
+        b0 = lora_load_slot_b(lora_b_ptr, s0, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
+                              stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
         slot = next_slot(row_slot, has_slot, s0)
         if SLOTS > 1:
             s1 = slot
-            b1, b1_up = lora_load_slot_b(lora_b_ptr, s1, expert, offs_n, col_valid, N, slot_ranks_ptr,
-                                         stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=GATED,
-                                         LORA_R=LORA_R)
+            b1 = lora_load_slot_b(lora_b_ptr, s1, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
+                                  stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
             slot = next_slot(row_slot, has_slot, s1)
         if SLOTS > 2:
             s2 = slot
-            b2, b2_up = lora_load_slot_b(lora_b_ptr, s2, expert, offs_n, col_valid, N, slot_ranks_ptr,
-                                         stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=GATED,
-                                         LORA_R=LORA_R)
+            b2 = lora_load_slot_b(lora_b_ptr, s2, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
+                                  stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
             slot = next_slot(row_slot, has_slot, s2)
         if SLOTS > 3:
             s3 = slot
-            b3, b3_up = lora_load_slot_b(lora_b_ptr, s3, expert, offs_n, col_valid, N, slot_ranks_ptr,
-                                         stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=GATED,
-                                         LORA_R=LORA_R)
+            b3 = lora_load_slot_b(lora_b_ptr, s3, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
+                                  stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
             slot = next_slot(row_slot, has_slot, s3)
-        acc, acc_up = lora_expand_slot(acc, acc_up, u, u_up, row_slot, s0, b0, b0_up, GATED=GATED,
-                                       FP32_IEEE=FP32_IEEE)
+        acc = lora_expand_slot(acc, u, row_slot, s0, b0, FP32_IEEE=FP32_IEEE)
         if SLOTS > 1:
-            acc, acc_up = lora_expand_slot(acc, acc_up, u, u_up, row_slot, s1, b1, b1_up, GATED=GATED,
-                                           FP32_IEEE=FP32_IEEE)
+            acc = lora_expand_slot(acc, u, row_slot, s1, b1, FP32_IEEE=FP32_IEEE)
         if SLOTS > 2:
-            acc, acc_up = lora_expand_slot(acc, acc_up, u, u_up, row_slot, s2, b2, b2_up, GATED=GATED,
-                                           FP32_IEEE=FP32_IEEE)
+            acc = lora_expand_slot(acc, u, row_slot, s2, b2, FP32_IEEE=FP32_IEEE)
         if SLOTS > 3:
-            acc, acc_up = lora_expand_slot(acc, acc_up, u, u_up, row_slot, s3, b3, b3_up, GATED=GATED,
-                                           FP32_IEEE=FP32_IEEE)
-    return acc, acc_up
+            acc = lora_expand_slot(acc, u, row_slot, s3, b3, FP32_IEEE=FP32_IEEE)
+    return acc
