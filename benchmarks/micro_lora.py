@@ -268,7 +268,8 @@ def main() -> None:
 
 def sweep_shrinks(x, act, lora, align, block_m: int, top_k: int, rank_block: int, max_padded: int) -> dict:
     """Both shrinks over launch configs (rows per program, K tile, warps, stages) and split-K counts; the
-    ``--top`` fastest of each, plus the current choice, go in the table."""
+    ``SWEEP_TOP`` fastest of each go in the table (the current choice is the table's "shrink gate_up" /
+    "shrink down" row)."""
     pairs = act.shape[0]
     found = {}
     for name, src, lora_a, gated, row_div in (("gu", x, lora.gate_up_a, True, top_k),

@@ -424,6 +424,13 @@ WARPS_PER_SM = 64
 MIN_REGISTER_CAP = 128
 
 
+def gemm_blocks_per_sm(config: GemmConfig, *, gated: bool, lora_cols: int = 0, elem_bytes: int = 2) -> int:
+    """Blocks of this GEMM an SM holds as far as its pipeline's shared memory goes (gate and up B tiles
+    when ``gated``; ``lora_cols`` columns of LoRA A per stage with an inline shrink)."""
+    return blocks_per_sm_by_shared(pipeline_smem_bytes(config, b_tiles=2 if gated else 1, lora_cols=lora_cols,
+                                                       elem_bytes=elem_bytes))
+
+
 def lora_register_cap(
     config: GemmConfig, *, gated: bool, lora_cols: int = 0, elem_bytes: int = 2
 ) -> int | None:
@@ -437,8 +444,8 @@ def lora_register_cap(
     ``MOELORA_LORA_REGISTER_CAP=0`` turns the cap off (to compare)."""
     if config.block_m < 64 or os.environ.get("MOELORA_LORA_REGISTER_CAP") == "0":
         return None
-    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, lora_cols=lora_cols, elem_bytes=elem_bytes)
-    blocks = min(blocks_per_sm_by_shared(smem), WARPS_PER_SM // config.num_warps)
+    blocks = min(gemm_blocks_per_sm(config, gated=gated, lora_cols=lora_cols, elem_bytes=elem_bytes),
+                 WARPS_PER_SM // config.num_warps)
     if blocks < 2:
         return None
     cap = REGISTERS_PER_SM // (blocks * 32 * config.num_warps) // 8 * 8
@@ -469,8 +476,7 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) 
     accumulator_registers = config.block_m * config.block_n // (32 * config.num_warps)
     if accumulator_registers > (32 if gated else 128):
         return False
-    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
-    return blocks_per_sm_by_shared(smem) < 2
+    return gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) < 2
 
 
 # Slot groups on 128x64 tiles and up, where stacked slots beside the accumulators spill: two for the
@@ -509,8 +515,7 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, num_adapters: int, gro
     forced = os.environ.get("MOELORA_LORA_UNROLL", "")
     if forced:
         return max(0, min(4, int(forced)))
-    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
-    if blocks_per_sm_by_shared(smem) >= 2:
+    if gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2:
         return 0
     return min(4, num_adapters) if num_adapters > 0 else 2
 
@@ -527,8 +532,7 @@ def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2)
     forced = os.environ.get("MOELORA_LORA_RANK_SKIP", "")
     if forced:
         return forced != "0"
-    smem = pipeline_smem_bytes(config, b_tiles=2 if gated else 1, elem_bytes=elem_bytes)
-    return blocks_per_sm_by_shared(smem) >= 2
+    return gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2
 
 
 def invoke_fused_moe_kernel(
@@ -662,7 +666,8 @@ def invoke_fused_moe_kernel(
         LORA_GROUP=lora_group,
         LORA_PREFETCH=prefetch,
         LORA_UNROLL=unroll,
-        LORA_SKIP_PAST_RANK=lora_skip_past_rank(config, gated=gated, elem_bytes=a.element_size()),
+        LORA_SKIP_PAST_RANK=lora is not None and lora_skip_past_rank(config, gated=gated,
+                                                                     elem_bytes=a.element_size()),
         DOWN_SHRINK=down_shrink,
         DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
         MUL_ROUTED_WEIGHT=topk_weights is not None,

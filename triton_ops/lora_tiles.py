@@ -436,7 +436,9 @@ def lora_load_slot_b(
     stride_lb_r,
     LORA_R: tl.constexpr,
 ):
-    """(LORA_R, BLOCK_N) B^T tile of one slot, rank rows past its rank not loaded."""
+    """(LORA_R, BLOCK_N) B^T tile of one slot, rank rows past its rank not loaded. ``load_group_b`` with
+    GROUP=1 loads the same tile, but through a vector of slots and ranks: in the unrolled rounds that
+    spilled more (Qwen3-30B M=1024 GEMM1 at 4 slots a round, 48 -> 64 bytes, resource_report.py)."""
     present = slot < (1 << 30)
     safe = tl.where(present, slot, 0)
     rank = tl.where(present, tl.load(slot_ranks_ptr + safe), 0)
