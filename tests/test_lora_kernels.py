@@ -223,6 +223,9 @@ def test_unroll_rule(monkeypatch):
     assert rule(one_block, 4) == 0
     monkeypatch.setenv("MOELORA_LORA_UNROLL", "3")
     assert rule(two_blocks, 4) == 3 and rule(one_block, 4, prefetch=True) == 0
+    monkeypatch.setenv("MOELORA_LORA_UNROLL", "four")
+    with pytest.raises(ValueError, match="MOELORA_LORA_UNROLL must be a slot count 0-4"):
+        rule(one_block, 4)
 
 
 @pytest.mark.interpreter

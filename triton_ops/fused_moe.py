@@ -514,7 +514,9 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, num_adapters: int, gro
         return 0
     forced = os.environ.get("MOELORA_LORA_UNROLL", "")
     if forced:
-        return max(0, min(4, int(forced)))
+        if not forced.isdigit():
+            raise ValueError(f"MOELORA_LORA_UNROLL must be a slot count 0-4 (0: off), got {forced!r}")
+        return min(4, int(forced))
     if gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2:
         return 0
     return min(4, num_adapters) if num_adapters > 0 else 2
