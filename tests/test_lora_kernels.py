@@ -298,3 +298,86 @@ def test_moe_lora_a_launch_overrides_are_checked():
                    torch.zeros(1, dtype=torch.int32), sorted_ids=sorted_ids, expert_ids=expert_ids,
                    num_post_padded=num_post_padded, block_m=32, top_k=2, x_row_div=2, rank_block=16,
                    gated=True, out=torch.zeros(4, 1, 32), sub_block_m=48)
+
+
+@pytest.mark.interpreter
+# 140 rows: two programs of 64 plus a ragged one; widths 32 (rank 16 gate/up) and 16 (rank-16 down);
+# 1 split: nothing to sum, the view alone.
+@pytest.mark.parametrize("numel,splits,width", [(140, 3, 32), (140, 5, 16), (8, 1, 32)])
+def test_reduce_shrink_splits_in_place(numel, splits, width):
+    from triton_ops.shrink_reduce import reduce_shrink_splits
+
+    gen = torch.Generator().manual_seed(3)
+    top_k = 2
+    slots = torch.randint(-1, 3, (numel // top_k,), generator=gen, dtype=torch.int32)
+    partials = torch.randn(numel, splits, width, generator=gen)
+    expected = partials.sum(1)
+    before = partials.clone()
+    summed = reduce_shrink_splits(partials, slots, slot_row_div=top_k)
+    assert summed.shape == (numel, 1, width) and summed.data_ptr() == partials.data_ptr()
+    has_slot = slots.repeat_interleave(top_k) >= 0
+    assert (~has_slot).any() and has_slot.any()
+    torch.testing.assert_close(summed[has_slot, 0], expected[has_slot], atol=1e-5, rtol=1e-5)
+    # Rows without an adapter, and every split past the first, are left as they were.
+    assert torch.equal(partials[~has_slot], before[~has_slot])
+    assert torch.equal(partials[:, 1:], before[:, 1:])
+
+
+def test_reduce_shrink_splits_rejects_bad_buffers():
+    from triton_ops.shrink_reduce import reduce_shrink_splits
+
+    slots = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp32"):
+        reduce_shrink_splits(torch.zeros(8, 2, 16, dtype=torch.float16), slots, slot_row_div=2)
+    with pytest.raises(ValueError, match="power of two"):
+        reduce_shrink_splits(torch.zeros(8, 2, 24), slots, slot_row_div=2)
+    with pytest.raises(ValueError, match="one slot per 2 rows"):
+        reduce_shrink_splits(torch.zeros(10, 2, 16), slots, slot_row_div=2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("reduce", ["0", "1"])
+# (128, 64): GEMM1 expands a slot at a time from the partials; (32, 16): the prefetched first slot group.
+@pytest.mark.parametrize("tile", [(128, 64), (32, 16)], ids=str)
+def test_split_path_with_and_without_reduced_partials(monkeypatch, reduce, tile):
+    """A prefill-sized batch (past the decode launch) whose shrinks split K=100 and I=40 into several
+    fp32 partials: the GEMM epilogues read them summed once by ``reduce_shrink_splits`` or sum them
+    themselves (``MOELORA_LORA_REDUCE_SPLITS`` forced both ways); ranks 29 and 3 in a rank-32 pool."""
+    from triton_ops import shrink_reduce
+
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    calls = []
+    original = shrink_reduce.reduce_shrink_splits
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_experts_module, "reduce_shrink_splits", counting)
+    gen = torch.Generator().manual_seed(23)
+    (x, w13, w2), weights, ids, lora, ref, base = make_case(
+        m=67, hidden=100, inter=40, num_experts=5, top_k=2, ranks=(29, 3), max_rank=32, num_slots=3,
+        dtype=torch.float32, gen=gen,
+    )
+    gemm = GemmConfig(*tile, 32, 1, 4, 2)
+    out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split", config=MoEConfig(gemm, gemm))
+    # Both shrinks split K (100 -> 4 fp32 tiles of 32, 40 -> 2): the gate/up and the down partials.
+    assert len(calls) == (2 if reduce == "1" else 0)
+    assert all(shape[1] > 1 for shape in calls)
+    scale = ref.abs().max()
+    assert (ref - base).abs().max() > 0.1 * scale
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+def test_reduce_splits_rule(monkeypatch):
+    from triton_ops.shrink_reduce import MIN_REREADS_TO_REDUCE, reduce_splits_pays
+
+    monkeypatch.delenv("MOELORA_LORA_REDUCE_SPLITS", raising=False)
+    assert reduce_splits_pays(8, 224)  # Mixtral M=256 GEMM1: 224 N tiles each re-summing 8 partials
+    assert not reduce_splits_pays(1, 224)  # one partial: nothing to sum
+    assert not reduce_splits_pays(2, MIN_REREADS_TO_REDUCE - 1)
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
+    assert reduce_splits_pays(2, 1) and not reduce_splits_pays(1, 1)
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "yes")
+    with pytest.raises(ValueError, match="MOELORA_LORA_REDUCE_SPLITS"):
+        reduce_splits_pays(2, 1)

@@ -39,6 +39,7 @@ from triton_ops.moe_lora import (
     shrink_k_splits,
 )
 from triton_ops.moe_sum import moe_sum_reduce
+from triton_ops.shrink_reduce import reduce_shrink_splits, reduce_splits_pays
 
 LORA_PATHS = ("fused", "split", "staged")
 
@@ -157,7 +158,9 @@ def fused_experts(
             launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
             epilogues: two more launches, no recomputation across N tiles; at decode the gate/up
             shrink rides in the alignment's launch and, up to ``MAX_DOWN_PARTIALS`` GEMM1 N tiles, the
-            down shrink in GEMM1's epilogue, so decode has the base path's launches) or "staged"
+            down shrink in GEMM1's epilogue, so decode has the base path's launches; where many N
+            tiles would each re-sum a shrink's split-K partials, ``reduce_shrink_splits`` sums them once
+            first) or "staged"
             (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -241,7 +244,7 @@ def fused_experts(
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
-        down_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
+        down_tiles = gemm1_n_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
         # GEMM2 sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone
         # (DeepSeek-V2-Lite M=1 rank 64, 44 partials: 48 -> 180 us, spilled).
         partial_width = down_tiles * rank_block if lora is not None else 0
@@ -269,7 +272,10 @@ def fused_experts(
                        x_row_div=top_k, rank_block=rank_block, gated=True,
                        out=shrunk_gate_up)
         if split:
-            gemm1_lora = replace(gemm1_lora, shrunk=shrunk_gate_up)
+            gemm1_shrunk = shrunk_gate_up
+            if not decode_shrink and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles):
+                gemm1_shrunk = reduce_shrink_splits(shrunk_gate_up, chunk_slots, slot_row_div=top_k)
+            gemm1_lora = replace(gemm1_lora, shrunk=gemm1_shrunk)
         if staged:
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
@@ -295,7 +301,11 @@ def fused_experts(
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down)
-            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
+            gemm2_shrunk = shrunk_down
+            if not decode_shrink and reduce_splits_pays(shrunk_down.shape[1],
+                                                         triton.cdiv(hidden, cfg.gemm2.block_n)):
+                gemm2_shrunk = reduce_shrink_splits(shrunk_down, chunk_slots, slot_row_div=top_k)
+            gemm2_lora = replace(gemm2_lora, shrunk=gemm2_shrunk)
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)
         elif top_k == 1:

@@ -1,0 +1,101 @@
+"""Sum a LoRA shrink's split-K partials once, in place, before the GEMM epilogues read them.
+
+Semantics:  for every pair p whose token has an adapter (token_slots[p // slot_row_div] >= 0):
+              partials[p, 0, :] = sum_{s < splits} partials[p, s, :]     (fp32, in split order)
+            rows of tokens without an adapter are left alone (their partials were never written).
+Grid:       (cdiv(numel, BLOCK_ROWS),)
+
+Why: ``moe_lora_a`` splits K so that a few alignment blocks still fill the GPU, and leaves one fp32
+partial per split. Every GEMM program of the block's N tiles then sums them again: Mixtral-8x7B at
+M=256 has 224 GEMM1 N tiles per block reading 8 partials each (rank 64: 256 KiB a 128-row tile). One
+pass here turns that into a single partial (the consumers get ``partials[:, :1]``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reduce_shrink_splits_kernel(
+    # Pointers
+    partials_ptr,  # (numel, splits, WIDTH) fp32, in place: split 0 receives the sum
+    token_slots_ptr,  # (numel // slot_row_div,) int32, -1 = no adapter
+    # Sizes
+    numel,
+    slot_row_div,
+    # Strides
+    stride_pm,
+    stride_ps,
+    # Meta-parameters
+    SPLITS: tl.constexpr,
+    WIDTH: tl.constexpr,  # LORA_R or 2 * LORA_R (a power of two)
+    BLOCK_ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_valid = rows < numel
+    slot = tl.load(token_slots_ptr + rows // slot_row_div, mask=row_valid, other=-1)
+    has_slot = row_valid & (slot >= 0)
+    offs_w = tl.arange(0, WIDTH)
+    ptrs = partials_ptr + rows.to(tl.int64)[:, None] * stride_pm + offs_w[None, :]
+    mask = has_slot[:, None]
+    total = tl.load(ptrs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(ptrs + split * stride_ps, mask=mask, other=0.0)
+    tl.store(ptrs, total, mask=mask)
+
+
+def reduce_shrink_splits(
+    partials: torch.Tensor, token_slots: torch.Tensor, *, slot_row_div: int
+) -> torch.Tensor:
+    """Sums ``partials`` (numel, splits, width) fp32 over its splits into split 0, in place, for the rows
+    whose token (``p // slot_row_div``) has an adapter; returns the (numel, 1, width) view the GEMM
+    epilogue then reads. No host sync: the grid depends only on the shape."""
+    if partials.dim() != 3 or partials.dtype != torch.float32:
+        raise ValueError(f"partials must be fp32 (numel, splits, width), got {partials.dtype} "
+                         f"{tuple(partials.shape)}")
+    numel, splits, width = partials.shape
+    if partials.stride(2) != 1 or width & (width - 1):
+        raise ValueError(f"partials' width must be a contiguous power of two, got {tuple(partials.shape)} "
+                         f"with strides {partials.stride()}")
+    if token_slots.dtype != torch.int32 or token_slots.numel() * slot_row_div < numel:
+        raise ValueError(f"token_slots must be int32 with one slot per {slot_row_div} rows of the {numel} "
+                         f"partials, got {token_slots.dtype} {tuple(token_slots.shape)}")
+    if numel == 0 or splits == 1:
+        return partials[:, :1]
+    block_rows = max(1, min(64, 4096 // width))
+    _reduce_shrink_splits_kernel[(triton.cdiv(numel, block_rows),)](
+        partials_ptr=partials,
+        token_slots_ptr=token_slots,
+        numel=numel,
+        slot_row_div=slot_row_div,
+        stride_pm=partials.stride(0),
+        stride_ps=partials.stride(1),
+        SPLITS=splits,
+        WIDTH=width,
+        BLOCK_ROWS=block_rows,
+        num_warps=4,
+    )
+    return partials[:, :1]
+
+
+# Partial re-reads (consumer N tiles x extra splits) from which one reduction launch pays for itself.
+MIN_REREADS_TO_REDUCE = 64
+
+
+def reduce_splits_pays(splits: int, consumer_n_tiles: int) -> bool:
+    """Whether to sum the partials once (one more launch, ~2 us in a CUDA graph) rather than in every
+    consumer program: each of the ``consumer_n_tiles`` GEMM programs of a block re-reads ``splits``
+    partials of its rows. ``MOELORA_LORA_REDUCE_SPLITS=1`` / ``=0`` forces either (to compare)."""
+    forced = os.environ.get("MOELORA_LORA_REDUCE_SPLITS", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"MOELORA_LORA_REDUCE_SPLITS must be 0 or 1, got {forced!r}")
+    if splits <= 1:
+        return False
+    if forced:
+        return forced == "1"
+    return consumer_n_tiles * (splits - 1) >= MIN_REREADS_TO_REDUCE
