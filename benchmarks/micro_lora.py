@@ -2,8 +2,9 @@
 
     python benchmarks/micro_lora.py --model qwen3-30b-a3b --M 1 --rank 16
 
-Times each launch alone with ``triton.testing.do_bench`` (median): alignment, GEMM1 and GEMM2 without
-LoRA, with the inline shrink ("fused") and with a precomputed shrink ("split"), and the shrink kernels.
+Times each launch alone, replayed from a CUDA graph (``triton.testing.do_bench`` median): alignment,
+GEMM1 and GEMM2 without LoRA, with the inline shrink ("fused") and with a precomputed shrink ("split"),
+and the shrink kernels.
 """
 
 from __future__ import annotations
@@ -31,11 +32,24 @@ from triton_ops.fused_experts import MoELoRAInputs, _with_lora_tiles  # noqa: E4
 from triton_ops.fused_moe import LoRAOperands, invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size  # noqa: E402
 from triton_ops.moe_lora import moe_lora_a, shrink_k_splits  # noqa: E402
+from triton_ops.shrink_reduce import reduce_shrink_splits  # noqa: E402
 
 
 def us(fn) -> float:
+    """Median time of one launch (or a few) replayed from a CUDA graph, L2 flushed before each replay:
+    timing the Python launch directly counted its host overhead for the small kernels (the alignment's
+    three launches read 70-160 us)."""
     try:
-        return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median") * 1000
+        fn()  # compile outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1000
     except triton.runtime.errors.OutOfResources:  # a sweep point this device cannot hold
         return float("inf")
 
@@ -216,6 +230,19 @@ def main() -> None:
                 )
             ),
         }
+        # Split-K partials summed once (reduce_shrink_splits) before the GEMMs read them, vs summed per tile.
+        if splits_gu > 1 or splits_d > 1:
+            sgu_sum, sd_sum = sgu.clone(), sd.clone()
+            rows["reduce gate_up"] = us(lambda: reduce_shrink_splits(sgu_sum, lora.token_slots,
+                                                                     slot_row_div=top_k))
+            rows["reduce down"] = us(lambda: reduce_shrink_splits(sd_sum, lora.token_slots,
+                                                                  slot_row_div=top_k))
+            rows["gemm1 split (reduced)"] = us(lambda: invoke_fused_moe_kernel(
+                x, w13, act, topk_weights=None, a_row_div=top_k, config=scfg.gemm1, activation="silu",
+                lora=replace(l1, shrunk=sgu_sum[:, :1]), **align))
+            rows["gemm2 split (reduced)"] = us(lambda: invoke_fused_moe_kernel(
+                act, w2, out, topk_weights=weights, a_row_div=1, config=scfg.gemm2,
+                lora=replace(l2, shrunk=sd_sum[:, :1]), **align))
         # The split epilogue's older per-slot forms (MOELORA_LORA_UNROLL=0), against the rounds above.
         os.environ["MOELORA_LORA_UNROLL"] = "0"
         rows["gemm1 split (unroll 0)"] = us(lambda: invoke_fused_moe_kernel(

@@ -683,6 +683,40 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
 
 
 @gpu
+@pytest.mark.parametrize("reduce", ["0", "1"])
+def test_gpu_split_reduced_partials(dsv2, fp32_highest, monkeypatch, reduce):
+    """The split path's shrink partials summed once by ``reduce_shrink_splits`` before the GEMMs read
+    them, or by every GEMM tile (``MOELORA_LORA_REDUCE_SPLITS`` forced both ways), bf16 against the
+    oracle. M=40 x top-6 = 240 pairs (past the decode launch) in 64 experts: few alignment blocks, so both
+    shrinks split K; 4 rank-16 adapters plus a sequence without one."""
+    from triton_ops import shrink_reduce
+
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    fused_experts_module = importlib.import_module("triton_ops.fused_experts")
+    splits_seen = []
+    original = shrink_reduce.reduce_shrink_splits
+
+    def counting(partials, *args, **kwargs):
+        splits_seen.append(partials.shape[1])
+        return original(partials, *args, **kwargs)
+
+    monkeypatch.setattr(fused_experts_module, "reduce_shrink_splits", counting)
+    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(16)
+    m = 40
+    x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
+    topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
+    names, lens = split_batch(m, [*GPU_ADAPTERS, None])
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="split")
+    out = layer(x, topk_weights, topk_ids, pool.prepare_batch(names, lens))
+    assert len(splits_seen) == (2 if reduce == "1" else 0) and all(s > 1 for s in splits_seen)
+    ref = torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens)
+    rel_l2, rel_max = rel_errors(out, ref)
+    print(f"\nsplit reduced partials={reduce}: rel L2 {rel_l2:.3e}, rel max {rel_max:.3e}")
+    assert torch.isfinite(out).all()
+    assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
+
+
+@gpu
 @pytest.mark.parametrize("path", ["split", "fused", "staged"])
 def test_gpu_cuda_graph_replay_with_new_mapping(fp32_highest, path):
     dtype, m = BF16, 8
