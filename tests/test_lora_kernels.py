@@ -301,11 +301,11 @@ def test_moe_lora_a_launch_overrides_are_checked():
 
 
 @pytest.mark.interpreter
-# 140 rows: two programs of 64 plus a ragged one; widths 32 (rank 16 gate/up) and 16 (rank-16 down);
-# 1 split: nothing to sum, the view alone.
-@pytest.mark.parametrize("numel,splits,width", [(140, 3, 32), (140, 5, 16), (8, 1, 32)])
+# 140 rows: a row per program; 1030 rows of width 16: 4 rows per program, the last one ragged (2 rows);
+# widths 32 (rank-16 gate/up) and 16 (rank-16 down); 1 split: nothing to sum, the view alone.
+@pytest.mark.parametrize("numel,splits,width", [(140, 3, 32), (1030, 5, 16), (8, 1, 32)])
 def test_reduce_shrink_splits_in_place(numel, splits, width):
-    from triton_ops.shrink_reduce import reduce_shrink_splits
+    from triton_ops.shrink_reduce import reduce_block_rows, reduce_shrink_splits
 
     gen = torch.Generator().manual_seed(3)
     top_k = 2
@@ -313,6 +313,8 @@ def test_reduce_shrink_splits_in_place(numel, splits, width):
     partials = torch.randn(numel, splits, width, generator=gen)
     expected = partials.sum(1)
     before = partials.clone()
+    if numel == 1030:
+        assert reduce_block_rows(numel, width) == 4
     summed = reduce_shrink_splits(partials, slots, slot_row_div=top_k)
     assert summed.shape == (numel, 1, width) and summed.data_ptr() == partials.data_ptr()
     has_slot = slots.repeat_interleave(top_k) >= 0

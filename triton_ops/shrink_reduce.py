@@ -67,7 +67,7 @@ def reduce_shrink_splits(
                          f"partials, got {token_slots.dtype} {tuple(token_slots.shape)}")
     if numel == 0 or splits == 1:
         return partials[:, :1]
-    block_rows = max(1, min(64, 4096 // width))
+    block_rows = reduce_block_rows(numel, width)
     _reduce_shrink_splits_kernel[(triton.cdiv(numel, block_rows),)](
         partials_ptr=partials,
         token_slots_ptr=token_slots,
@@ -78,19 +78,39 @@ def reduce_shrink_splits(
         SPLITS=splits,
         WIDTH=width,
         BLOCK_ROWS=block_rows,
-        num_warps=4,
+        num_warps=max(1, min(4, block_rows * width // 256)),
     )
     return partials[:, :1]
 
 
+# About two programs per SM: the kernel is a few dependent loads long, so its time is how many bytes
+# each program has in flight. With 64-row programs (16 for Mixtral-8x7B M=256) it took 21.7 us on an H100.
+REDUCE_TARGET_PROGRAMS = 256
+
+
+def reduce_block_rows(numel: int, width: int) -> int:
+    """Rows per program: the most (a power of two, at most 4096 fp32 values a program) that still
+    leave about REDUCE_TARGET_PROGRAMS programs."""
+    rows = 1
+    while rows * 2 * width <= 4096 and triton.cdiv(numel, rows * 2) >= REDUCE_TARGET_PROGRAMS:
+        rows *= 2
+    return rows
+
+
 # Partial re-reads (consumer N tiles x extra splits) from which one reduction launch pays for itself.
-MIN_REREADS_TO_REDUCE = 64
+MIN_REREADS_TO_REDUCE = 24
 
 
 def reduce_splits_pays(splits: int, consumer_n_tiles: int) -> bool:
-    """Whether to sum the partials once (one more launch, ~2 us in a CUDA graph) rather than in every
+    """Whether to sum the partials once (one more launch, a few us in a CUDA graph) rather than in every
     consumer program: each of the ``consumer_n_tiles`` GEMM programs of a block re-reads ``splits``
-    partials of its rows. ``MOELORA_LORA_REDUCE_SPLITS=1`` / ``=0`` forces either (to compare)."""
+    partials of its rows. ``MOELORA_LORA_REDUCE_SPLITS=1`` / ``=0`` forces either (to compare).
+
+    H100, interleaved A/B (benchmarks/ab_env.py), summed once vs per tile, LoRA layer time:
+    Mixtral-8x7B (224 GEMM1 tiles, 6-8 splits) M=256 rank 64 4 adapters 1659 -> 1420 us, M=1024 rank 16
+    4 adapters 2203 -> 2045 us; DeepSeek-V2-Lite M=64 rank 16 (44 tiles, 4 splits) 470 -> 448 us;
+    Qwen3-30B M=64 rank 16 (24-32 tiles, 2 splits) 507 -> 485 us. Where few tiles re-read few partials
+    it is a wash either way (Qwen3-30B M=256, 12-16 tiles: +-1.3 %), hence the threshold."""
     forced = os.environ.get("MOELORA_LORA_REDUCE_SPLITS", "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"MOELORA_LORA_REDUCE_SPLITS must be 0 or 1, got {forced!r}")
