@@ -113,8 +113,10 @@ def compile_launch(kernel, kwargs: dict) -> dict:
             "spill_bytes": max(int(stack.group(1)) if stack else 0, int(local.group(1)) if local else 0)}
 
 
-def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig) -> list[tuple[str, dict]]:
-    """The base and LoRA launches of both GEMMs at M tokens, as caught keyword arguments."""
+def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, splits: int = 4
+                  ) -> list[tuple[str, dict]]:
+    """The base and LoRA launches of both GEMMs at M tokens, as caught keyword arguments; the split
+    variants read ``splits`` shrink partials (1: as after ``reduce_shrink_splits``)."""
     shape = MODELS[model]
     E, k, H, inter = shape.E, shape.top_k, shape.H, shape.I
     meta = dict(device="meta")
@@ -133,7 +135,6 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig) 
                   slot_ranks=torch.empty(slots, dtype=torch.int32, **meta),
                   slot_scalings=torch.empty(slots, dtype=torch.float32, **meta),
                   top_k=k, rank_block=rb, num_adapters=adapters)
-    splits = 4
     gate_up = LoRAOperands(lora_a=torch.empty(slots, E, 2 * rank, H, **bf16),
                            lora_b=torch.empty(slots, E, 2 * inter, rank, **bf16), **common)
     down = LoRAOperands(lora_a=torch.empty(slots, E, rank, inter, **bf16),
@@ -182,6 +183,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--only", nargs="+", metavar="NAME", help="LoRA variants whose name contains one of "
                         "these (e.g. fused, split+down); the base GEMMs are always compiled, for comparison")
+    parser.add_argument("--splits", type=int, default=4, help="shrink partials the split variants read "
+                        "(1: reduced once by reduce_shrink_splits)")
     parser.add_argument("--device-name", default="NVIDIA_H200",
                         help="whose tuned JSON to read (triton_ops/configs); 'none' for the heuristic")
     args = parser.parse_args()
@@ -193,7 +196,7 @@ def main() -> None:
             cfg = None if args.device_name == "none" else tuned_moe_config(
                 m, shape.E, shape.I, torch.bfloat16, args.device_name)
             cfg = cfg or default_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
-            for name, kwargs in gemm_launches(model, m, args.rank, args.adapters, cfg):
+            for name, kwargs in gemm_launches(model, m, args.rank, args.adapters, cfg, args.splits):
                 if args.only and not name.endswith("base") and not any(o in name for o in args.only):
                     continue
                 report = compile_launch(fused_moe._fused_moe_kernel, kwargs)

@@ -383,3 +383,37 @@ def test_reduce_splits_rule(monkeypatch):
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "yes")
     with pytest.raises(ValueError, match="MOELORA_LORA_REDUCE_SPLITS"):
         reduce_splits_pays(2, 1)
+
+
+@pytest.mark.interpreter
+# 32: two 32-column chunks of a rank-64 tile, the second partly past rank 40; 64: the whole rank in one.
+@pytest.mark.parametrize("chunk", ["32", "64"])
+def test_forced_rank_chunk_width(monkeypatch, chunk):
+    """``MOELORA_LORA_CHUNK_R`` widens the split epilogue's rank chunks on 128x64 tiles (16 by default):
+    ranks 40 and 3 in a max-rank-64 pool, a prefill-sized batch, against the reference."""
+    from triton_ops.fused_moe import lora_rank_chunk
+
+    monkeypatch.setenv("MOELORA_LORA_CHUNK_R", chunk)
+    gemm = GemmConfig(128, 64, 32, 1, 4, 2)
+    assert lora_rank_chunk(gemm, 64) == int(chunk) and lora_rank_chunk(gemm, 16) == 16
+    gen = torch.Generator().manual_seed(29)
+    (x, w13, w2), weights, ids, lora, ref, base = make_case(
+        m=67, hidden=48, inter=40, num_experts=5, top_k=2, ranks=(40, 3), max_rank=64, num_slots=3,
+        dtype=torch.float32, gen=gen,
+    )
+    out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split", config=MoEConfig(gemm, gemm))
+    scale = ref.abs().max()
+    assert (ref - base).abs().max() > 0.1 * scale
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+def test_rank_chunk_rule(monkeypatch):
+    from triton_ops.fused_moe import lora_rank_chunk
+
+    monkeypatch.delenv("MOELORA_LORA_CHUNK_R", raising=False)
+    assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 64) == 16  # big tile: accumulators first
+    assert lora_rank_chunk(GemmConfig(32, 128, 64, 8, 4, 3), 64) == 64  # 32x128: the whole rank tile
+    assert lora_rank_chunk(GemmConfig(32, 128, 64, 8, 4, 3), 16) == 16
+    monkeypatch.setenv("MOELORA_LORA_CHUNK_R", "48")
+    with pytest.raises(ValueError, match="MOELORA_LORA_CHUNK_R"):
+        lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 64)

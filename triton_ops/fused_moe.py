@@ -452,6 +452,18 @@ def lora_register_cap(
     return cap if MIN_REGISTER_CAP <= cap < 255 else None
 
 
+def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
+    """Rank columns the split epilogue expands per dot: big tiles (over 32x128) keep their registers for
+    the accumulators and go 16 at a time, smaller ones take the whole rank tile (up to 64).
+    ``MOELORA_LORA_CHUNK_R=16/32/64`` forces the width, capped at the rank tile (to compare)."""
+    forced = os.environ.get("MOELORA_LORA_CHUNK_R", "")
+    if forced:
+        if forced not in ("16", "32", "64"):
+            raise ValueError(f"MOELORA_LORA_CHUNK_R must be 16, 32 or 64, got {forced!r}")
+        return min(rank_block, int(forced))
+    return min(rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
+
+
 def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
     """Whether the split epilogue's operands (the first slot group's shrink and B tiles) are loaded
     before the K-loop, so their latency hides behind it instead of following it in every tile. They
@@ -590,10 +602,9 @@ def invoke_fused_moe_kernel(
         _check_down_shrink(lora, activation_code, numel, out_n, config.block_n)
     da = lora.down_a if down_shrink else None
     ds = lora.down_shrunk if down_shrink else None
-    # Big tiles keep their registers for the accumulators: expand 16 rank columns at a time there.
     lora_chunk_r = 16
     if lora is not None:
-        lora_chunk_r = min(lora.rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
+        lora_chunk_r = lora_rank_chunk(config, lora.rank_block)
     lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
     # Slots expanded side by side per dot in the split epilogue (capped on big tiles, see BIG_TILE).
     lora_group = 1
