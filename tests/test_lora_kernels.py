@@ -51,6 +51,14 @@ def make_case(m, hidden, inter, num_experts, top_k, ranks, max_rank, num_slots, 
     return cast[:3], weights, ids, lora, ref, base
 
 
+def assert_matches_reference(out, ref, base):
+    """fp32 kernels against the fp32 reference; the adapters must change the output by over 10 % of its
+    scale, so a kernel that drops the LoRA delta cannot pass."""
+    scale = ref.abs().max()
+    assert (ref - base).abs().max() > 0.1 * scale
+    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
@@ -72,9 +80,7 @@ def test_forced_tiles_and_rank_chunks(path, block_m, block_n, warps):
     assert shrink_k_splits(9 * 2 + 5 * (block_m - 1), block_m, 100, block_k=32) > 1
     gemm = GemmConfig(block_m, block_n, 32, 1, warps, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=MoEConfig(gemm, gemm))
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale  # the adapters matter in this case
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 @pytest.mark.interpreter
@@ -90,9 +96,7 @@ def test_rank_chunks_with_and_without_branches(monkeypatch, skip):
     )
     gemm = GemmConfig(32, 256, 32, 1, 4, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split", config=MoEConfig(gemm, gemm))
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 def test_skip_past_rank_rule(monkeypatch):
@@ -118,9 +122,7 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
     )
     gemm = GemmConfig(16, 32, 32, 1, 4, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=MoEConfig(gemm, gemm))
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 @pytest.mark.interpreter
@@ -142,9 +144,7 @@ def test_decode_down_shrink_with_and_without_prefetch(monkeypatch, one_wave, pre
     assert (lora.token_slots < 0).any()
     gemm = GemmConfig(16, 32, 32, 1, 4, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split", config=MoEConfig(gemm, gemm))
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 @pytest.mark.interpreter
@@ -176,9 +176,7 @@ def test_prefill_sized_batch(path, ranks, tile):
         gemm = GemmConfig(*tile, 32, 1, 4, 2)
         config = MoEConfig(gemm, gemm)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=config)
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 @pytest.mark.interpreter
@@ -198,9 +196,7 @@ def test_unrolled_expand_rounds(monkeypatch, unroll):
     gemm = GemmConfig(128, 64, 32, 1, 4, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=6), lora_path="split",
                         config=MoEConfig(gemm, gemm))
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 def test_unroll_rule(monkeypatch):
@@ -366,9 +362,7 @@ def test_split_path_with_and_without_reduced_partials(monkeypatch, reduce, tile)
     # Both shrinks split K (100 -> 4 fp32 tiles of 32, 40 -> 2): the gate/up and the down partials.
     assert len(calls) == (2 if reduce == "1" else 0)
     assert all(shape[1] > 1 for shape in calls)
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 def test_reduce_splits_rule(monkeypatch):
@@ -402,9 +396,7 @@ def test_forced_rank_chunk_width(monkeypatch, chunk):
         dtype=torch.float32, gen=gen,
     )
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split", config=MoEConfig(gemm, gemm))
-    scale = ref.abs().max()
-    assert (ref - base).abs().max() > 0.1 * scale
-    torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    assert_matches_reference(out, ref, base)
 
 
 def test_rank_chunk_rule(monkeypatch):
