@@ -294,31 +294,46 @@ def main() -> None:
 
 
 def sweep_shrinks(x, act, lora, align, block_m: int, top_k: int, rank_block: int, max_padded: int) -> dict:
-    """Both shrinks over launch configs (rows per program, K tile, warps, stages) and split-K counts; the
-    ``SWEEP_TOP`` fastest of each go in the table (the current choice is the table's "shrink gate_up" /
-    "shrink down" row)."""
+    """Both shrinks over launch configs and split-K counts; the ``SWEEP_TOP`` fastest of each go in the
+    table (the current choice is the table's "shrink gate_up" / "shrink down" row). First split count x
+    rows per program x K tile at 4 warps and 3 stages, then warps and stages for the three fastest of
+    those. With several splits the time includes ``reduce_shrink_splits`` ("+r"): once the partials are
+    summed once, the GEMM tiles no longer pay per split, so counts past the rule's cap of 8 are in."""
     pairs = act.shape[0]
     found = {}
     for name, src, lora_a, gated, row_div in (("gu", x, lora.gate_up_a, True, top_k),
                                                ("down", act, lora.down_a, False, 1)):
         k = src.shape[1]
-        times = {}
-        for splits in sorted({1, 2, 3, 4, shrink_k_splits(max_padded, block_m, k),
+        outs = {}
+
+        def run(splits, sub_m, bk, warps, stages, src=src, lora_a=lora_a, gated=gated, row_div=row_div,
+                outs=outs):
+            out = outs.setdefault(splits, torch.empty(pairs, splits, (2 if gated else 1) * rank_block,
+                                                      device=src.device, dtype=torch.float32))
+            moe_lora_a(src, lora_a, lora.token_slots, lora.slot_ranks, **align, block_m=block_m, top_k=top_k,
+                       x_row_div=row_div, rank_block=rank_block, gated=gated, num_adapters=lora.num_adapters,
+                       out=out, sub_block_m=sub_m, block_k=bk, num_warps=warps, num_stages=stages)
+            if splits > 1:
+                reduce_shrink_splits(out, lora.token_slots, slot_row_div=top_k)
+
+        def label(splits, sub_m, bk, warps, stages):
+            return f"shrink {name} x{splits}{'+r' if splits > 1 else ''} m{sub_m} k{bk} w{warps} s{stages}"
+
+        first = {}
+        for splits in sorted({1, 2, 4, 8, 16, shrink_k_splits(max_padded, block_m, k),
                               shrink_k_splits(pairs, block_m, k)}):
-            out = torch.empty(pairs, splits, (2 if gated else 1) * rank_block, device="cuda",
-                              dtype=torch.float32)
-            for sub_m in (16, 32, 64):
+            if splits > triton.cdiv(k, 64):
+                continue
+            for sub_m in (16, 32, 64, 128):
                 if sub_m > block_m:
                     continue
                 for bk in (64, 128):
-                    for warps in (4, 8):
-                        for stages in (2, 3, 4):
-                            times[f"shrink {name} x{splits} m{sub_m} k{bk} w{warps} s{stages}"] = us(
-                                lambda: moe_lora_a(
-                                    src, lora_a, lora.token_slots, lora.slot_ranks, **align, block_m=block_m,
-                                    top_k=top_k, x_row_div=row_div, rank_block=rank_block, gated=gated,
-                                    num_adapters=lora.num_adapters, out=out, sub_block_m=sub_m, block_k=bk,
-                                    num_warps=warps, num_stages=stages))
+                    first[(splits, sub_m, bk)] = us(lambda: run(splits, sub_m, bk, 4, 3))
+        times = {label(*point, 4, 3): t for point, t in first.items()}
+        for point in sorted(first, key=first.get)[:3]:
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    times[label(*point, warps, stages)] = us(lambda: run(*point, warps, stages))
         for key in sorted(times, key=times.get)[:SWEEP_TOP]:
             found[key] = times[key]
     return found
