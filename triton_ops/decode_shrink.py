@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from triton_ops.configs import programmatic_launch
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
 
 
@@ -63,7 +65,13 @@ def _align_and_gate_up_shrink_kernel(
     BLOCK_B: tl.constexpr,
     LORA_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
+        # done; then the next kernel may be scheduled while this one runs.
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid == 0:
         align_single_program(
@@ -162,6 +170,7 @@ def moe_align_with_gate_up_shrink(
         stride_om=out.stride(0),
         LORA_R=rank_block,
         BLOCK_K=block_k,
+        **programmatic_launch(x.device),
         num_warps=num_warps,
     )
     return sorted_ids, expert_ids, num_post_padded

@@ -32,11 +32,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from triton_ops.configs import (
     GemmConfig,
     blocks_per_sm_by_shared,
     pipeline_smem_bytes,
+    programmatic_launch,
 )
 from triton_ops.lora_tiles import (
     _dot,
@@ -144,7 +146,13 @@ def _fused_moe_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
+        # done; then the next kernel may be scheduled while this one runs.
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -691,6 +699,7 @@ def invoke_fused_moe_kernel(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
+        **programmatic_launch(a.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         maxnreg=None if lora is None else lora_register_cap(

@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from triton_ops.configs import programmatic_launch
 
 # Pairs handled by one program of the count/scatter kernels; the in-chunk rank uses a
 # CHUNK x CHUNK comparison, so this also bounds registers.
@@ -237,8 +240,14 @@ def _align_single_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Decode-sized batches: the whole alignment in one program, one launch."""
+    if USE_PDL:
+        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
+        # done; then the next kernel may be scheduled while this one runs.
+        gdc_wait()
+        gdc_launch_dependents()
     align_single_program(
         topk_ids_ptr, expert_start_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_padded_ptr, numel,
         num_experts, max_padded, max_blocks, CHUNK=CHUNK, BLOCK_SIZE=BLOCK_SIZE, BLOCK_E=BLOCK_E,
@@ -326,7 +335,7 @@ def moe_align_block_size(
     numel = flat_ids.numel()
     if numel <= SINGLE_PROGRAM_MAX_PAIRS:
         outputs, kwargs, num_warps = single_program_align_args(topk_ids, block_size, num_experts)
-        _align_single_kernel[(1,)](**kwargs, num_warps=num_warps)
+        _align_single_kernel[(1,)](**kwargs, **programmatic_launch(topk_ids.device), num_warps=num_warps)
         return outputs
 
     device = topk_ids.device

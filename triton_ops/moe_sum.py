@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from triton_ops.configs import programmatic_launch
 
 
 @triton.jit
@@ -26,7 +29,13 @@ def _moe_sum_kernel(
     stride_om,
     # Meta-parameters
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
+        # done; then the next kernel may be scheduled while this one runs.
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -62,5 +71,6 @@ def moe_sum_reduce(
         stride_xk=x.stride(1),
         stride_om=out.stride(0),
         BLOCK_H=block_h,
+        **programmatic_launch(x.device),
     )
     return out
