@@ -446,7 +446,7 @@ def test_gpu_moe_sum_reduce_bf16(M, k):
 def test_programmatic_launch_switch(monkeypatch):
     """``MOELORA_PDL`` asks for programmatic dependent launch; off the GPU (and by default) nothing is added
     to a launch, and a value other than 0/1 is refused by name."""
-    from triton_ops.configs import programmatic_launch
+    from triton_ops.pdl import programmatic_launch
 
     monkeypatch.delenv("MOELORA_PDL", raising=False)
     assert programmatic_launch(torch.device("cpu")) == {}

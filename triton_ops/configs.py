@@ -211,21 +211,3 @@ def get_moe_config(
         if tuned is not None:
             return tuned.for_lora() if lora else tuned
     return default_moe_config(num_tokens, num_experts, hidden, intermediate, top_k, dtype)
-
-
-def programmatic_launch(device: torch.device) -> dict:
-    """Keyword arguments for a launch with programmatic dependent launch (PDL, Hopper and later):
-    ``{"USE_PDL": True, "launch_pdl": True}`` with ``MOELORA_PDL=1`` on such a GPU, else ``{}``. A kernel
-    launched so may be scheduled while the kernel before it still runs; every such kernel first waits for
-    its predecessor (``griddepcontrol.wait``, its USE_PDL branch), so results and ordering are unchanged
-    and only the launch gap between the MoE layer's kernels (alignment, GEMM1, GEMM2, top-k sum at decode)
-    can shrink. Off by default until it is measured on the device
-    (``benchmarks/ab_env.py --env MOELORA_PDL=1``)."""
-    mode = os.environ.get("MOELORA_PDL", "")
-    if mode not in ("", "0", "1"):
-        raise ValueError(f"MOELORA_PDL must be 0 or 1, got {mode!r}")
-    if mode != "1" or torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return {}
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return {}
-    return {"USE_PDL": True, "launch_pdl": True}

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_ops.configs import programmatic_launch
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
+from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -67,11 +66,7 @@ def _align_and_gate_up_shrink_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:
-        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
-        # done; then the next kernel may be scheduled while this one runs.
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     if pid == 0:
         align_single_program(

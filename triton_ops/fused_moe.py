@@ -32,13 +32,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from triton_ops.configs import (
     GemmConfig,
     blocks_per_sm_by_shared,
     pipeline_smem_bytes,
-    programmatic_launch,
 )
 from triton_ops.lora_tiles import (
     _dot,
@@ -56,6 +54,7 @@ from triton_ops.lora_tiles import (
     slot_group,
     spread_to_group,
 )
+from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -148,11 +147,7 @@ def _fused_moe_kernel(
     GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:
-        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
-        # done; then the next kernel may be scheduled while this one runs.
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)

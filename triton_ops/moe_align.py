@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_ops.configs import programmatic_launch
+from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 # Pairs handled by one program of the count/scatter kernels; the in-chunk rank uses a
 # CHUNK x CHUNK comparison, so this also bounds registers.
@@ -243,11 +242,7 @@ def _align_single_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     """Decode-sized batches: the whole alignment in one program, one launch."""
-    if USE_PDL:
-        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
-        # done; then the next kernel may be scheduled while this one runs.
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     align_single_program(
         topk_ids_ptr, expert_start_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_padded_ptr, numel,
         num_experts, max_padded, max_blocks, CHUNK=CHUNK, BLOCK_SIZE=BLOCK_SIZE, BLOCK_E=BLOCK_E,

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_ops.configs import programmatic_launch
+from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -31,11 +30,7 @@ def _moe_sum_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:
-        # Programmatic dependent launch: nothing is read or written before the kernel before this one is
-        # done; then the next kernel may be scheduled while this one runs.
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
