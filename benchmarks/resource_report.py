@@ -82,7 +82,8 @@ def compile_launch(kernel, kwargs: dict) -> dict:
     # As a launch specialises: 16-byte aligned pointers (fresh allocations), ints divisible by 16, ints == 1.
     aligned = [["tt.divisibility", 16]]
     for index, name in enumerate(kernel.arg_names):
-        value = kwargs[name]
+        # A defaulted parameter the launch leaves out (USE_PDL) compiles with its default.
+        value = kwargs[name] if name in kwargs else kernel.params[index].default
         if name in constexpr_names:
             signature[name] = "constexpr"
             constexprs[name] = value
