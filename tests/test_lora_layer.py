@@ -603,6 +603,26 @@ def torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens, 
     return layer(x.float(), topk_weights, topk_ids, pool32.prepare_batch(names, lens))
 
 
+def check_bf16_layer_against_oracle(dsv2, m, path, label, max_rank=16):
+    """The bf16 layer on DeepSeek-V2-Lite shapes, m tokens in sequences over the 4 GPU adapters and one
+    without an adapter, against the fp32 torch oracle on the same adapters: finite, rel L2 within
+    TOL[BF16]. Returns the batch it ran."""
+    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(max_rank)
+    x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
+    topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
+    names, lens = split_batch(m, [*GPU_ADAPTERS, None])
+    batch = pool.prepare_batch(names, lens)
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path=path)
+    out = layer(x, topk_weights, topk_ids, batch)
+    ref = torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens)
+    diff = (out.float() - ref).abs()
+    rel_l2, rel_max = rel_errors(out, ref)
+    print(f"\n{label}: max abs err {diff.max().item():.3e}, rel L2 {rel_l2:.3e}, rel max {rel_max:.3e}")
+    assert torch.isfinite(out).all()
+    assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
+    return batch
+
+
 @gpu
 def test_gpu_torch_path_oracle_matches_reference(dsv2, fp32_highest):
     """The fp32 torch path on the GPU is the oracle of the bf16 GPU tests: check it against reference_moe at
@@ -632,23 +652,8 @@ def test_gpu_torch_path_oracle_matches_reference(dsv2, fp32_highest):
 # (its own down shrink launch), prefill-sized (moe_lora_a with slot groups, stacked-slot epilogues).
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_gpu_deepseek_v2_lite_bf16(dsv2, fp32_highest, path, max_rank, m):
-    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(max_rank)
-    x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
-    topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
-    names, lens = split_batch(m, [*GPU_ADAPTERS, None])
-    batch = pool.prepare_batch(names, lens)
+    batch = check_bf16_layer_against_oracle(dsv2, m, path, f"{path} M={m} pool rank {max_rank}", max_rank)
     assert batch.max_rank == 16
-    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path=path)
-    out = layer(x, topk_weights, topk_ids, batch)
-    ref = torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens)
-    diff = (out.float() - ref).abs()
-    rel_l2, rel_max = rel_errors(out, ref)
-    print(
-        f"\n{path} M={m} pool rank {max_rank}: max abs err {diff.max().item():.3e}, "
-        f"rel L2 {rel_l2:.3e}, rel max {rel_max:.3e}"
-    )
-    assert torch.isfinite(out).all()
-    assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
 
 
 @gpu
@@ -668,18 +673,7 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
     monkeypatch.setenv("MOELORA_LORA_PREFETCH", prefetch)
     for gemm, gated in ((big.gemm1, True), (big.gemm2, False)):
         assert lora_prefetch_pays(gemm, gated=gated) is (prefetch == "")
-    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(16)
-    m = 300
-    x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
-    topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
-    names, lens = split_batch(m, [*GPU_ADAPTERS, None])
-    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="split")
-    out = layer(x, topk_weights, topk_ids, pool.prepare_batch(names, lens))
-    ref = torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens)
-    rel_l2, rel_max = rel_errors(out, ref)
-    print(f"\nsplit big tiles prefetch={prefetch or 'default'}: rel L2 {rel_l2:.3e}, rel max {rel_max:.3e}")
-    assert torch.isfinite(out).all()
-    assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
+    check_bf16_layer_against_oracle(dsv2, 300, "split", f"split big tiles prefetch={prefetch or 'default'}")
 
 
 @gpu
@@ -701,19 +695,8 @@ def test_gpu_split_reduced_partials(dsv2, fp32_highest, monkeypatch, reduce):
         return original(partials, *args, **kwargs)
 
     monkeypatch.setattr(fused_experts_module, "reduce_shrink_splits", counting)
-    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(16)
-    m = 40
-    x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
-    topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
-    names, lens = split_batch(m, [*GPU_ADAPTERS, None])
-    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="split")
-    out = layer(x, topk_weights, topk_ids, pool.prepare_batch(names, lens))
+    check_bf16_layer_against_oracle(dsv2, 40, "split", f"split reduced partials={reduce}")
     assert len(splits_seen) == (2 if reduce == "1" else 0) and all(s > 1 for s in splits_seen)
-    ref = torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens)
-    rel_l2, rel_max = rel_errors(out, ref)
-    print(f"\nsplit reduced partials={reduce}: rel L2 {rel_l2:.3e}, rel max {rel_max:.3e}")
-    assert torch.isfinite(out).all()
-    assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
 
 
 @gpu
