@@ -380,10 +380,11 @@ def test_reduce_splits_rule(monkeypatch):
 
 
 @pytest.mark.interpreter
-# 32: two 32-column chunks of a rank-64 tile, the second partly past rank 40; 64: the whole rank in one.
-@pytest.mark.parametrize("chunk", ["32", "64"])
+# 16: the old big-tile width, four chunks, two past rank 40 for one slot and three past rank 3 for the other;
+# 32 (the default here): two chunks, the second partly past rank 40; 64: the whole rank in one.
+@pytest.mark.parametrize("chunk", ["16", "32", "64"])
 def test_forced_rank_chunk_width(monkeypatch, chunk):
-    """``MOELORA_LORA_CHUNK_R`` widens the split epilogue's rank chunks on 128x64 tiles (16 by default):
+    """``MOELORA_LORA_CHUNK_R`` sets the split epilogue's rank chunks on 128x64 tiles (32 by default):
     ranks 40 and 3 in a max-rank-64 pool, a prefill-sized batch, against the reference."""
     from triton_ops.fused_moe import lora_rank_chunk
 
@@ -403,7 +404,10 @@ def test_rank_chunk_rule(monkeypatch):
     from triton_ops.fused_moe import lora_rank_chunk
 
     monkeypatch.delenv("MOELORA_LORA_CHUNK_R", raising=False)
-    assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 64) == 16  # big tile: accumulators first
+    assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 64) == 32  # big tile: accumulators first
+    assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 128) == 32
+    assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 32) == 16
+    assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 16) == 16
     assert lora_rank_chunk(GemmConfig(32, 128, 64, 8, 4, 3), 64) == 64  # 32x128: the whole rank tile
     assert lora_rank_chunk(GemmConfig(32, 128, 64, 8, 4, 3), 16) == 16
     monkeypatch.setenv("MOELORA_LORA_CHUNK_R", "48")

@@ -456,15 +456,23 @@ def lora_register_cap(
 
 
 def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
-    """Rank columns the split epilogue expands per dot: big tiles (over 32x128) keep their registers for
-    the accumulators and go 16 at a time, smaller ones take the whole rank tile (up to 64).
-    ``MOELORA_LORA_CHUNK_R=16/32/64`` forces the width, capped at the rank tile (to compare)."""
+    """Rank columns the split epilogue expands per dot. Small tiles (up to 32x128) take the whole rank tile
+    (up to 64). Big ones keep their registers for the accumulators: 32 at a time from rank tile 64 on, 16
+    below it. H100, rank 64, 4 adapters, benchmarks/ab_env.py, 16 -> 32 columns on the big tiles: Mixtral
+    M=256 (GEMM1 128x64) 1393 -> 1293 us, M=1024 2303 -> 2259 us; Qwen3-30B M=1024 1083 -> 951 us, M=4096
+    1727 -> 1474 us; DeepSeek-V2-Lite M=1024 873 -> 856 us, M=4096 1834 -> 1517 us (fewer, wider dots:
+    each has its own layout round trip). On the 32x64 / 32x128 tiles of M=256, 64 -> 32 lost (Qwen3-30B
+    687 -> 726 us, DeepSeek-V2-Lite 611 -> 669 us), so those keep the whole tile. Rank tile 32 on big
+    tiles (16 wide) is not measured either way. ``MOELORA_LORA_CHUNK_R=16/32/64`` forces the width on
+    every tile, capped at the rank tile (to compare)."""
     forced = os.environ.get("MOELORA_LORA_CHUNK_R", "")
     if forced:
         if forced not in ("16", "32", "64"):
             raise ValueError(f"MOELORA_LORA_CHUNK_R must be 16, 32 or 64, got {forced!r}")
         return min(rank_block, int(forced))
-    return min(rank_block, 16 if config.block_m * config.block_n > 32 * 128 else 64)
+    if config.block_m * config.block_n <= 32 * 128:
+        return min(rank_block, 64)
+    return 32 if rank_block >= 64 else 16
 
 
 def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
