@@ -558,8 +558,8 @@ def dsv2():
     torch path on the fp32 pool is the exact math of the bf16 buffers."""
     cache = {}
 
-    def get(max_rank):
-        if max_rank not in cache:
+    def get(max_rank, ranks=(16, 16, 16, 16)):
+        if (max_rank, ranks) not in cache:
             gen = torch.Generator().manual_seed(1234)
             torch.manual_seed(1234)
             w13, w2 = make_base(DSV2_E, DSV2_H, DSV2_I, BF16, device="cuda")
@@ -576,15 +576,16 @@ def dsv2():
                     device="cuda",
                 )
             adapters = {}
-            for i, name in enumerate(GPU_ADAPTERS):
+            for i, (name, rank) in enumerate(zip(GPU_ADAPTERS, ranks, strict=True)):
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
                 adapters[name] = make_adapter(
-                    16, 0.5 * (i + 1), BF16, layers=(LAYER,), num_experts=DSV2_E, hidden=DSV2_H, inter=DSV2_I
+                    rank, 0.5 * (i + 1), BF16, layers=(LAYER,), num_experts=DSV2_E, hidden=DSV2_H,
+                    inter=DSV2_I,
                 )
                 for pool in pools.values():
                     pool.add_adapter_weights(name, adapters[name])
-            cache[max_rank] = (pools[BF16], pools[F32], adapters, w13, w2, w13.float(), w2.float())
-        return cache[max_rank]
+            cache[max_rank, ranks] = (pools[BF16], pools[F32], adapters, w13, w2, w13.float(), w2.float())
+        return cache[max_rank, ranks]
 
     yield get
     cache.clear()
@@ -603,11 +604,11 @@ def torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens, 
     return layer(x.float(), topk_weights, topk_ids, pool32.prepare_batch(names, lens))
 
 
-def check_bf16_layer_against_oracle(dsv2, m, path, label, max_rank=16):
-    """The bf16 layer on DeepSeek-V2-Lite shapes, m tokens in sequences over the 4 GPU adapters and one
-    without an adapter, against the fp32 torch oracle on the same adapters: finite, rel L2 within
-    TOL[BF16]. Returns the batch it ran."""
-    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(max_rank)
+def check_bf16_layer_against_oracle(dsv2, m, path, label, max_rank=16, ranks=(16, 16, 16, 16)):
+    """The bf16 layer on DeepSeek-V2-Lite shapes, m tokens in sequences over the 4 GPU adapters (of
+    ``ranks``) and one without an adapter, against the fp32 torch oracle on the same adapters: finite,
+    rel L2 within TOL[BF16]. Returns the batch it ran."""
+    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(max_rank, ranks)
     x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
     topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
     names, lens = split_batch(m, [*GPU_ADAPTERS, None])
@@ -674,6 +675,27 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
     for gemm, gated in ((big.gemm1, True), (big.gemm2, False)):
         assert lora_prefetch_pays(gemm, gated=gated) is (prefetch == "")
     check_bf16_layer_against_oracle(dsv2, 300, "split", f"split big tiles prefetch={prefetch or 'default'}")
+
+
+@gpu
+@pytest.mark.parametrize("path", ["split", "fused", "staged"])
+# 1: decode; 300: prefill-sized, several slots and rows without one per 128-row block.
+@pytest.mark.parametrize("m", [1, 300])
+# default: the tuned tiles (32-row at this size); big: 128x64 / 128x256 tiles, whose split epilogue goes
+# 32 rank columns a dot at rank tile 64 (lora_rank_chunk), the second chunk past rank 40 and 3.
+@pytest.mark.parametrize("tiles", ["default", "big"])
+def test_gpu_deepseek_v2_lite_bf16_high_ranks(dsv2, fp32_highest, monkeypatch, path, m, tiles):
+    """Adapters of ranks 64, 40, 16 and 3 in a max-rank-64 pool: rank tile 64, ranks that differ per slot
+    and end inside a chunk."""
+    from triton_ops.configs import GemmConfig, MoEConfig
+
+    if tiles == "big":
+        big = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
+        fused_experts_module = importlib.import_module("triton_ops.fused_experts")
+        monkeypatch.setattr(fused_experts_module, "get_moe_config", lambda *args, **kwargs: big)
+    label = f"{path} M={m} ranks 64/40/16/3 {tiles} tiles"
+    batch = check_bf16_layer_against_oracle(dsv2, m, path, label, max_rank=64, ranks=(64, 40, 16, 3))
+    assert batch.max_rank == 64  # a0, rank 64, is in every batch (m=1: the only sequence)
 
 
 @gpu
