@@ -546,14 +546,14 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, num_adapters: int, gro
 
 
 def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
-    """Whether the split epilogue's 16-column rank chunks branch around those past a slot's real rank
-    (``lora_expand_from_partials``). Not on tiles that shared memory holds to one block per SM: there
-    the epilogue is exposed, and straight-line chunks (masked past the rank: no bytes, a few idle MMAs)
-    wait on their loads together. H100, rank 64, 4 adapters, benchmarks/ab_env.py, with -> without the
-    branches: Mixtral M=256 (GEMM1 128x64x128, one block) 1841 -> 1661 us, M=4096 6744 -> 6686 us,
-    Qwen3-30B M=4096 1705 -> 1664 us (GEMM2 128x256, one block), but DeepSeek-V2 M=4096 (both GEMMs one
-    block) 5714 -> 5791 us; and on two-block tiles DeepSeek-V2 M=1024 (64x64) 3742 -> 3849 us.
-    ``MOELORA_LORA_RANK_SKIP=1`` / ``=0`` forces either (to compare)."""
+    """Whether the split epilogue's rank chunks (``lora_rank_chunk``) branch around those past a slot's
+    real rank (``lora_expand_from_partials``; measured with 16-column chunks). Not on tiles that shared
+    memory holds to one block per SM: there the epilogue is exposed, and straight-line chunks (masked
+    past the rank: no bytes, a few idle MMAs) wait on their loads together. H100, rank 64, 4 adapters,
+    benchmarks/ab_env.py, with -> without the branches: Mixtral M=256 (GEMM1 128x64x128, one block) 1841
+    -> 1661 us, M=4096 6744 -> 6686 us, Qwen3-30B M=4096 1705 -> 1664 us (GEMM2 128x256, one block), but
+    DeepSeek-V2 M=4096 (both GEMMs one block) 5714 -> 5791 us; and on two-block tiles DeepSeek-V2 M=1024
+    (64x64) 3742 -> 3849 us. ``MOELORA_LORA_RANK_SKIP=1`` / ``=0`` forces either (to compare)."""
     forced = os.environ.get("MOELORA_LORA_RANK_SKIP", "")
     if forced:
         return forced != "0"
