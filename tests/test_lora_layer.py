@@ -604,6 +604,13 @@ def torch_oracle(pool32, w13_32, w2_32, x, topk_weights, topk_ids, names, lens, 
     return layer(x.float(), topk_weights, topk_ids, pool32.prepare_batch(names, lens))
 
 
+def force_layer_config(monkeypatch, config):
+    """Every layer call in the test runs ``config``'s tiles, whatever M. The package re-exports
+    ``fused_experts`` under the module's name: patch the module itself."""
+    fused_experts_module = importlib.import_module("triton_ops.fused_experts")
+    monkeypatch.setattr(fused_experts_module, "get_moe_config", lambda *args, **kwargs: config)
+
+
 def check_bf16_layer_against_oracle(dsv2, m, path, label, max_rank=16, ranks=(16, 16, 16, 16)):
     """The bf16 layer on DeepSeek-V2-Lite shapes, m tokens in sequences over the 4 GPU adapters (of
     ``ranks``) and one without an adapter, against the fp32 torch oracle on the same adapters: finite,
@@ -668,9 +675,7 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
     from triton_ops.fused_moe import lora_prefetch_pays
 
     big = MoEConfig(GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
-    # The package re-exports the function under the module's name: patch the module itself.
-    fused_experts_module = importlib.import_module("triton_ops.fused_experts")
-    monkeypatch.setattr(fused_experts_module, "get_moe_config", lambda *args, **kwargs: big)
+    force_layer_config(monkeypatch, big)
     monkeypatch.setenv("MOELORA_LORA_PREFETCH", prefetch)
     for gemm, gated in ((big.gemm1, True), (big.gemm2, False)):
         assert lora_prefetch_pays(gemm, gated=gated) is (prefetch == "")
@@ -690,9 +695,8 @@ def test_gpu_deepseek_v2_lite_bf16_high_ranks(dsv2, fp32_highest, monkeypatch, p
     from triton_ops.configs import GemmConfig, MoEConfig
 
     if tiles == "big":
-        big = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
-        fused_experts_module = importlib.import_module("triton_ops.fused_experts")
-        monkeypatch.setattr(fused_experts_module, "get_moe_config", lambda *args, **kwargs: big)
+        force_layer_config(monkeypatch, MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3),
+                                                  GemmConfig(128, 256, 64, 8, 8, 4)))
     label = f"{path} M={m} ranks 64/40/16/3 {tiles} tiles"
     batch = check_bf16_layer_against_oracle(dsv2, m, path, label, max_rank=64, ranks=(64, 40, 16, 3))
     assert batch.max_rank == 64  # a0, rank 64, is in every batch (m=1: the only sequence)
