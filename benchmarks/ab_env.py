@@ -11,6 +11,9 @@ order, so clock or thermal drift falls on all three alike. Reported per point: t
 each overhead t/t(base) - 1 and of t(B)/t(A), with the rounds' range of t(B)/t(A); a markdown table on
 stdout and, with ``--out``, JSON. Adapters and routing are those of ``moelora bench`` (same seeds).
 
+``--layer base`` times the base layer (no adapters) as A and B instead, for switches that change the base
+path too (e.g. ``MOELORA_DECODE_DIRECT=0``); the overheads are then B's and A's time over the base's.
+
 ``--dry-run`` runs a tiny shape on the CPU through the Triton interpreter (set TRITON_INTERPRET=1 before
 starting it; eager calls, the numbers mean nothing) to check the script.
 """
@@ -84,7 +87,7 @@ def captured(fn: Callable[[], Any], on_gpu: bool) -> Callable[[], Any]:
 
 def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[str, str], *, rounds: int,
              device: torch.device, dtype: torch.dtype, weights: tuple[torch.Tensor, torch.Tensor],
-             seed: int, warmup_ms: float, rep_ms: float) -> dict[str, Any]:
+             seed: int, warmup_ms: float, rep_ms: float, base_layer: bool = False) -> dict[str, Any]:
     """Times base, A and B of one point in ``rounds`` interleaved rounds (see the module docstring)."""
     on_gpu = device.type == "cuda"
     w13, w2 = weights
@@ -99,9 +102,10 @@ def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[st
         return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora if with_lora else None,
                              lora_path="split")
 
-    calls = {"base": captured(lambda: layer(False), on_gpu), "A": captured(lambda: layer(True), on_gpu)}
+    timed_lora = not base_layer
+    calls = {"base": captured(lambda: layer(False), on_gpu), "A": captured(lambda: layer(timed_lora), on_gpu)}
     with environment(env):
-        calls["B"] = captured(lambda: layer(True), on_gpu)
+        calls["B"] = captured(lambda: layer(timed_lora), on_gpu)
         if not on_gpu:  # eager: B's switches must hold while it runs, not only while it is captured
             b_call = calls["B"]
 
@@ -119,6 +123,7 @@ def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[st
     base = statistics.median(times["base"])
     return dict(
         model=shape.name, M=m, rank=rank, n_adapters=n_adapters, env=env, rounds=rounds,
+        layer="base" if base_layer else "lora",
         base_us=base, a_us=statistics.median(times["A"]), b_us=statistics.median(times["B"]),
         a_overhead=statistics.median(a / b - 1 for a, b in zip(times["A"], times["base"], strict=True)),
         b_overhead=statistics.median(a / b - 1 for a, b in zip(times["B"], times["base"], strict=True)),
@@ -154,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="do_bench warm-up per timing, ms")
     parser.add_argument("--rep", type=float, default=40.0, help="do_bench time per timing, ms")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layer", choices=("lora", "base"), default="lora",
+                        help="time A and B with adapters (default) or the base layer")
     parser.add_argument("--out", type=Path, help="also write the records as JSON")
     parser.add_argument("--dry-run", action="store_true", help="tiny shape on CPU (TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n_adapters in args.adapters:
                     record = ab_point(shape, m, rank, n_adapters, env, rounds=args.rounds, device=device,
                                       dtype=dtype, weights=weights, seed=args.seed, warmup_ms=args.warmup,
-                                      rep_ms=args.rep)
+                                      rep_ms=args.rep, base_layer=args.layer == "base")
                     records.append(record)
                     print(f"{shape.name} M={m} r={rank} x{n_adapters}: B/A {record['b_over_a']:.3f} "
                           f"[{record['b_over_a_min']:.3f}, {record['b_over_a_max']:.3f}]", file=sys.stderr,

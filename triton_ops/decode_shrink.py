@@ -1,12 +1,13 @@
 """Decode: the routing alignment and GEMM1's LoRA shrink in one launch.
 
-Semantics:  program 0:     the alignment of ``moe_align_block_size`` (one program, numel <= 128 pairs)
+Semantics:  program 0:     the alignment of ``moe_align_block_size`` (one program, numel <= 128 pairs;
+                           not launched for one token, whose GEMMs take the routed pairs directly)
             programs 1 ..: out[p, s, :R]  = A_gate[a, e_p, :rank_a, ks] @ x[t, ks]
                            out[p, s, R:]  = A_up[a, e_p, :rank_a, ks] @ x[t, ks]
             for every routed pair p = t*top_k + j with a = token_slots[t] >= 0, e_p = topk_ids[t, j] and
             split s of K (ks = its columns); columns past rank_a hold 0, so every column GEMM1 reads is
             written. Pairs of tokens without an adapter are not written (nobody reads them).
-Grid:       (1 + numel * splits,)
+Grid:       (1 + numel * splits,), or (numel * splits,) without the alignment
 
 The shrink needs only the routing and x, not the sorted order, so at decode it rides in the alignment's
 launch instead of following it: the layer then has the base path's launches (the down shrink is written
@@ -64,19 +65,21 @@ def _align_and_gate_up_shrink_kernel(
     BLOCK_B: tl.constexpr,
     LORA_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr = True,
     USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
-    if pid == 0:
+    if ALIGN and pid == 0:
         align_single_program(
             topk_ids_ptr, expert_start_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_padded_ptr, numel,
             num_experts, max_padded, max_blocks, CHUNK=CHUNK, BLOCK_SIZE=BLOCK_SIZE, BLOCK_E=BLOCK_E,
             BLOCK_B=BLOCK_B,
         )
     else:
-        pair = (pid - 1) // num_splits
-        split = (pid - 1) % num_splits
+        work = pid - 1 if ALIGN else pid
+        pair = work // num_splits
+        split = work % num_splits
         token = pair // top_k
         slot = tl.load(token_slots_ptr + token)
         if slot >= 0:
@@ -126,9 +129,11 @@ def moe_align_with_gate_up_shrink(
     *,
     rank_block: int,
     out: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    align: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``moe_align_block_size`` plus GEMM1's LoRA shrink into ``out`` (numel, splits, 2 * rank_block) fp32,
-    in one launch; at most ``SINGLE_PROGRAM_MAX_PAIRS`` routed pairs. Returns the alignment."""
+    in one launch; at most ``SINGLE_PROGRAM_MAX_PAIRS`` routed pairs. Returns the alignment, or None with
+    ``align=False`` (the shrink alone: one token's GEMMs take its pairs directly)."""
     (sorted_ids, expert_ids, num_post_padded), align_kwargs, num_warps = single_program_align_args(
         topk_ids, block_size, num_experts)
     numel, splits, width = out.shape
@@ -143,7 +148,7 @@ def moe_align_with_gate_up_shrink(
     pool_rank = gate_up_a.shape[2] // 2
     block_k = decode_shrink_block_k(x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(hidden, block_k), splits) * block_k
-    _align_and_gate_up_shrink_kernel[(1 + numel * splits,)](
+    _align_and_gate_up_shrink_kernel[(int(align) + numel * splits,)](
         **align_kwargs,
         x_ptr=x,
         lora_a_ptr=gate_up_a,
@@ -165,10 +170,11 @@ def moe_align_with_gate_up_shrink(
         stride_om=out.stride(0),
         LORA_R=rank_block,
         BLOCK_K=block_k,
+        ALIGN=align,
         **programmatic_launch(x.device),
         num_warps=num_warps,
     )
-    return sorted_ids, expert_ids, num_post_padded
+    return (sorted_ids, expert_ids, num_post_padded) if align else None
 
 
 __all__ = ["SINGLE_PROGRAM_MAX_PAIRS", "decode_shrink_splits", "moe_align_with_gate_up_shrink"]

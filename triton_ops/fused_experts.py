@@ -4,6 +4,9 @@ Semantics:  out[t] = rsf * sum_j w[t, j] * W2[e_j] @ (act(W13[e_j, :I] @ x[t]) *
             with e_j = topk_ids[t, j]; with apply_router_weight_on_input, w scales x before GEMM1 instead.
 Launches:   moe_align_block_size (3) -> GEMM1+activation -> GEMM2 (routed weight, rsf) -> top-k sum
             (the sum is skipped for top_k == 1 and for no_combine, where GEMM2 writes the output).
+            Decode (<= 128 routed pairs): the alignment is one launch. One token: no alignment
+            (``decode_direct_pairs``) and the top-k sum at the end of GEMM2 (``fused_topk_sum``), so the
+            base layer is GEMM1 -> GEMM2.
 
 No step reads a device value on the host, so a call with a fixed token count can be captured in a CUDA
 graph. Very large batches are processed in chunks of ``MOELORA_MOE_CHUNK_TOKENS`` tokens (default
@@ -27,6 +30,7 @@ from triton_ops.decode_shrink import (
 from triton_ops.fused_moe import (
     _ACTIVATIONS,
     LoRAOperands,
+    TopkSumOperands,
     invoke_fused_moe_kernel,
     lora_rank_block,
 )
@@ -51,6 +55,35 @@ LORA_PATHS = ("fused", "split", "staged")
 # With at most 32 pairs (a few decode tokens) GEMM2 has few programs and 64 rank-16 partials are still
 # cheap (DeepSeek-V2-Lite M=1, 44 partials: +14.1 % vs +17.0 % with the launch, moelora bench).
 MAX_DOWN_PARTIALS = 16
+
+
+def _switch(name: str) -> bool:
+    """An on/off environment switch that defaults to on: ``NAME=0`` turns it off, ``NAME=1`` or unset keeps
+    it on; anything else is a mistake worth saying."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value != "0"
+
+
+def decode_direct_pairs(num_tokens: int) -> bool:
+    """Whether the GEMMs take the routed pairs straight from topk_ids, without the alignment launch: for
+    one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
+    its own. For more tokens, pairs that share an expert would each read its weights again. H100, base
+    layer M=1, with ``fused_topk_sum`` (both off -> on, ``benchmarks/ab_env.py --layer base``):
+    DeepSeek-V2-Lite 60.2 -> 54.9 us, Qwen3-30B-A3B 51.2 -> 45.3, DeepSeek-V2 120.5 -> 114.8, DeepSeek-V3
+    257.2 -> 251.1, Mixtral-8x7B 253.4 -> 248.4. ``MOELORA_DECODE_DIRECT=0`` turns it off (to compare)."""
+    return num_tokens == 1 and _switch("MOELORA_DECODE_DIRECT")
+
+
+def fused_topk_sum(num_tokens: int, top_k: int) -> bool:
+    """Whether the last GEMM2 program of each N-tile column sums the top-k rows, instead of a launch of
+    its own: for one token. With more, that program sums every token of the column by itself, and it
+    lost to the separate launch: H100 base layer, off -> on, M=1 DeepSeek-V2-Lite 55.6 -> 54.7 us,
+    Qwen3-30B-A3B 46.4 -> 44.9, DeepSeek-V3 252.0 -> 250.5; M=2..16 up to 1.3 % slower (DeepSeek-V2-Lite
+    M=16 305.7 -> 309.8 us), and with 4 rank-16 adapters DeepSeek-V3 M=16 2931 -> 2973 us.
+    ``MOELORA_FUSED_SUM=0`` turns it off (to compare)."""
+    return top_k > 1 and num_tokens == 1 and _switch("MOELORA_FUSED_SUM")
 
 
 @dataclass(frozen=True)
@@ -220,8 +253,20 @@ def fused_experts(
         pairs = rows * top_k
         if lora is not None:
             chunk_slots = lora.token_slots[start:end]
-        # Decode on the split path: GEMM1's shrink rides in the alignment's launch.
+        # Decode on the split path: GEMM1's shrink rides in the alignment's launch (or, for one token,
+        # whose GEMMs need no alignment, is that launch).
         decode_shrink = split and pairs <= SINGLE_PROGRAM_MAX_PAIRS
+        # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
+        down_tiles = gemm1_n_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
+        # GEMM2 sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone
+        # (DeepSeek-V2-Lite M=1 rank 64, 44 partials: 48 -> 180 us, spilled).
+        partial_width = down_tiles * rank_block if lora is not None else 0
+        down_in_gemm1 = decode_shrink and (partial_width <= MAX_DOWN_PARTIALS * 16
+                                           or (pairs <= 32 and partial_width <= 64 * 16))
+        # Without an alignment every LoRA shrink must ride in a launch that needs none (a down shrink
+        # launch of its own, moe_lora_a, walks the aligned blocks).
+        direct = (not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and (not split or down_in_gemm1)
+                  and decode_direct_pairs(rows))
         if decode_shrink:
             shrunk_gate_up = torch.empty(
                 (pairs, decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype)), 2 * rank_block),
@@ -229,11 +274,22 @@ def fused_experts(
             )
             alignment = moe_align_with_gate_up_shrink(
                 chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a, chunk_slots,
-                lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up)
-        else:
+                lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not direct)
+        elif not direct:
             alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
-        sorted_ids = alignment[0]
-        align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), alignment, strict=True))
+        if direct:
+            align = dict(direct_ids=chunk_ids.reshape(-1))
+            max_padded = pairs * cfg.block_m
+        else:
+            align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), alignment, strict=True))
+            max_padded = alignment[0].shape[0]
+        topk_sum = None
+        if pair_out is not None and not staged and fused_topk_sum(rows, top_k):
+            topk_sum = TopkSumOperands(
+                out=out[start:end],
+                counters=torch.empty((triton.cdiv(hidden, cfg.gemm2.block_n),), dtype=torch.int32,
+                                     device=x.device),
+                top_k=top_k)
 
         chunk_activated = activated[: rows * top_k]
         gemm1_lora = gemm2_lora = None
@@ -243,14 +299,6 @@ def fused_experts(
             gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
-        # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
-        down_tiles = gemm1_n_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
-        # GEMM2 sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone
-        # (DeepSeek-V2-Lite M=1 rank 64, 44 partials: 48 -> 180 us, spilled).
-        partial_width = down_tiles * rank_block if lora is not None else 0
-        down_in_gemm1 = decode_shrink and (partial_width <= MAX_DOWN_PARTIALS * 16
-                                           or (pairs <= 32 and partial_width <= 64 * 16))
-        max_padded = sorted_ids.shape[0]
         block_k = shrink_block_k(x.dtype)
         if (split or staged) and not decode_shrink:
             shrunk_gate_up = torch.empty(
@@ -293,6 +341,7 @@ def fused_experts(
                 config=cfg.gemm1,
                 activation=activation,
                 lora=gemm1_lora,
+                zero_counters=topk_sum,
                 **align,
             )
 
@@ -321,9 +370,10 @@ def fused_experts(
             config=cfg.gemm2,
             scale=routed_scaling_factor,
             lora=None if staged else gemm2_lora,
+            topk_sum=topk_sum,
             **align,
         )
-        if pair_out is not None:
+        if pair_out is not None and topk_sum is None:
             moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
         if staged:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,

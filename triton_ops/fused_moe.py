@@ -21,7 +21,13 @@ With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delt
 
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
-on the host without a sync. Offsets into a, b and c are int64.
+on the host without a sync. With DIRECT_PAIRS (one decode token: its top-k experts are distinct) there is
+no alignment: block b is routed pair b alone, its expert read from the flat topk_ids. Offsets into a, b
+and c are int64.
+
+Decode extras (no launch of their own): with ZERO_COUNTERS GEMM1's program 0 zeroes GEMM2's per-column
+arrival counters; with FUSED_SUM the last GEMM2 program of each N-tile column sums the top-k rows of every
+token into ``sum_out`` (``moe_sum.finish_topk_sum_if_last``), replacing the top-k sum launch.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from triton_ops.lora_tiles import (
     slot_group,
     spread_to_group,
 )
+from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 ACTIVATION_NONE = 0
@@ -90,6 +97,8 @@ def _fused_moe_kernel(
     shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
     down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
     down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile (DOWN_SHRINK)
+    sum_out_ptr,  # (num_tokens, N) same dtype as c, out: the top-k sum                   (FUSED_SUM)
+    sum_counters_ptr,  # (num_counters,) int32 GEMM2 column arrivals (FUSED_SUM; ZERO_COUNTERS zeroes)
     # Sizes
     N,
     K,
@@ -100,6 +109,9 @@ def _fused_moe_kernel(
     slot_row_div,
     lora_up_offset,
     num_shrink_splits,
+    num_tokens,
+    top_k,
+    num_counters,
     # Strides
     stride_am,
     stride_ak,
@@ -124,6 +136,8 @@ def _fused_moe_kernel(
     stride_da_k,
     stride_ds,
     stride_dm,
+    stride_om,
+    stride_on,
     # Meta-parameters
     HAS_LORA: tl.constexpr,
     LORA_SHRINK: tl.constexpr,
@@ -145,10 +159,20 @@ def _fused_moe_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DIRECT_PAIRS: tl.constexpr = False,
+    ZERO_COUNTERS: tl.constexpr = False,
+    COUNTERS_BLOCK: tl.constexpr = 16,
+    FUSED_SUM: tl.constexpr = False,
+    SUM_BLOCK_T: tl.constexpr = 16,
     USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
+    if ZERO_COUNTERS:
+        if pid == 0:
+            counter_offs = tl.arange(0, COUNTERS_BLOCK)
+            tl.store(sum_counters_ptr + counter_offs, tl.zeros((COUNTERS_BLOCK,), dtype=tl.int32),
+                     mask=counter_offs < num_counters)
     num_pid_m = tl.cdiv(max_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pids_per_group = GROUP_M * num_pid_n
@@ -158,15 +182,21 @@ def _fused_moe_kernel(
     pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
     pid_n = (pid % pids_per_group) // group_size_m
 
-    num_post_padded = tl.load(num_post_padded_ptr)
-    if pid_m * BLOCK_M >= num_post_padded:
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
+    if DIRECT_PAIRS:
+        # expert_ids_ptr is the flat topk_ids (numel,); block pid_m is pair pid_m in its first row.
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
+        used_blocks = numel
+    else:
+        num_post_padded = tl.load(num_post_padded_ptr)
+        if pid_m * BLOCK_M >= num_post_padded:
+            return
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ids_ptr + offs_m)
+        used_blocks = num_post_padded // BLOCK_M
     row_valid = pair < numel
     a_row = (pair // a_row_div).to(tl.int64)
 
@@ -389,6 +419,11 @@ def _fused_moe_kernel(
 
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+    if FUSED_SUM:
+        finish_topk_sum_if_last(
+            c_ptr, sum_out_ptr, sum_counters_ptr + pid_n, used_blocks, offs_n, col_valid, num_tokens, top_k,
+            stride_cm, stride_cn, stride_om, stride_on, BLOCK_N=BLOCK_N, BLOCK_T=SUM_BLOCK_T,
+        )
 
 
 @dataclass(frozen=True)
@@ -413,6 +448,17 @@ class LoRAOperands:
     # written by the epilogue (GEMM2's shrink without a launch of its own).
     down_a: torch.Tensor | None = None
     down_shrunk: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TopkSumOperands:
+    """GEMM2's fused top-k sum at decode: ``out`` (num_tokens, N) receives sum_j c[t * top_k + j] and
+    ``counters`` (cdiv(N, BLOCK_N),) int32 counts each column's arrivals; GEMM1 zeroes them first (the
+    same object passed to GEMM1 as ``zero_counters``), so they need no memset launch."""
+
+    out: torch.Tensor
+    counters: torch.Tensor
+    top_k: int
 
 
 def lora_rank_block(max_rank: int) -> int:
@@ -566,18 +612,32 @@ def invoke_fused_moe_kernel(
     c: torch.Tensor,
     *,
     topk_weights: torch.Tensor | None,
-    sorted_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_post_padded: torch.Tensor,
+    sorted_ids: torch.Tensor | None = None,
+    expert_ids: torch.Tensor | None = None,
+    num_post_padded: torch.Tensor | None = None,
     a_row_div: int,
     config: GemmConfig,
     activation: str | None = None,
     scale: float = 1.0,
     lora: LoRAOperands | None = None,
+    direct_ids: torch.Tensor | None = None,
+    zero_counters: TopkSumOperands | None = None,
+    topk_sum: TopkSumOperands | None = None,
 ) -> None:
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
-    gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync."""
+    gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync.
+
+    Rows come from the alignment (``sorted_ids``, ``expert_ids``, ``num_post_padded``) or, for one decode
+    token, from ``direct_ids``: its flat (top_k,) topk_ids, each pair a block of its own. ``topk_sum``
+    (GEMM2) also writes the top-k sum of ``c``'s rows; ``zero_counters`` (GEMM1) zeroes its counters."""
     numel = c.shape[0]
+    if direct_ids is None and (sorted_ids is None or expert_ids is None or num_post_padded is None):
+        raise ValueError("pass the alignment (sorted_ids, expert_ids, num_post_padded) or direct_ids")
+    if direct_ids is not None and direct_ids.shape != (numel,):
+        raise ValueError(f"direct_ids must be the flat topk_ids ({numel},), got {tuple(direct_ids.shape)}")
+    for counted in (zero_counters, topk_sum):
+        if counted is not None and counted.counters.dtype != torch.int32:
+            raise TypeError(f"top-k sum counters must be int32, got {counted.counters.dtype}")
     gated = activation is not None
     gated_raw = activation == "gated_raw"
     out_n = c.shape[1] // 2 if gated_raw else c.shape[1]
@@ -591,8 +651,15 @@ def invoke_fused_moe_kernel(
         )
     if topk_weights is not None and topk_weights.dtype != torch.float32:
         raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
-    max_padded = sorted_ids.shape[0]
+    max_padded = numel * config.block_m if direct_ids is not None else sorted_ids.shape[0]
     grid_n = triton.cdiv(out_n, config.block_n)
+    if topk_sum is not None:
+        if topk_sum.counters.shape != (grid_n,) or topk_sum.out.shape != (numel // topk_sum.top_k, out_n):
+            raise ValueError(
+                f"topk_sum needs counters ({grid_n},) and out ({numel // topk_sum.top_k}, {out_n}) for this "
+                f"GEMM, got {tuple(topk_sum.counters.shape)} and {tuple(topk_sum.out.shape)}")
+        if activation is not None:
+            raise ValueError("topk_sum sums GEMM2's rows: it takes no activation")
     grid = (triton.cdiv(max_padded, config.block_m) * grid_n,)
     K = a.shape[1]
     activation_code = ACTIVATION_NONE
@@ -633,22 +700,26 @@ def invoke_fused_moe_kernel(
     if lora is not None and shrunk_splits and lora.rank_block <= lora_chunk_r:
         unroll = lora_unroll_slots(config, gated=gated, num_adapters=lora.num_adapters, group=lora_group,
                                    prefetch=prefetch, elem_bytes=a.element_size())
+    counters = zero_counters if zero_counters is not None else topk_sum
+    num_counters = counters.counters.numel() if counters is not None else 0
     _fused_moe_kernel[grid](
         a_ptr=a,
         b_ptr=b,
         c_ptr=c,
         topk_weights_ptr=topk_weights if topk_weights is not None else c,
-        sorted_ids_ptr=sorted_ids,
-        expert_ids_ptr=expert_ids,
-        num_post_padded_ptr=num_post_padded,
-        token_slots_ptr=lora.token_slots if lora is not None else sorted_ids,
+        sorted_ids_ptr=sorted_ids if direct_ids is None else direct_ids,
+        expert_ids_ptr=expert_ids if direct_ids is None else direct_ids,
+        num_post_padded_ptr=num_post_padded if direct_ids is None else direct_ids,
+        token_slots_ptr=lora.token_slots if lora is not None else c,
         lora_a_ptr=la if lora is not None else b,
         lora_b_ptr=lb if lora is not None else b,
-        slot_ranks_ptr=lora.slot_ranks if lora is not None else sorted_ids,
+        slot_ranks_ptr=lora.slot_ranks if lora is not None else c,
         slot_scalings_ptr=lora.slot_scalings if lora is not None else c,
         shrunk_ptr=lora.shrunk if lora is not None and lora.shrunk is not None else c,
         down_a_ptr=da if down_shrink else c,
         down_shrunk_ptr=ds if down_shrink else c,
+        sum_out_ptr=topk_sum.out if topk_sum is not None else c,
+        sum_counters_ptr=counters.counters if counters is not None else c,
         N=out_n,
         K=K,
         numel=numel,
@@ -658,6 +729,9 @@ def invoke_fused_moe_kernel(
         slot_row_div=lora.top_k if lora is not None else 1,
         lora_up_offset=max_rank * la.stride(2) if lora is not None and gated else 0,
         num_shrink_splits=shrunk_splits,
+        num_tokens=numel // topk_sum.top_k if topk_sum is not None else 0,
+        top_k=topk_sum.top_k if topk_sum is not None else 1,
+        num_counters=num_counters,
         stride_am=a.stride(0),
         stride_ak=a.stride(1),
         stride_be=b.stride(0),
@@ -681,6 +755,8 @@ def invoke_fused_moe_kernel(
         stride_da_k=da.stride(3) if down_shrink else 0,
         stride_ds=ds.stride(1) if down_shrink else 0,
         stride_dm=ds.stride(0) if down_shrink else 0,
+        stride_om=topk_sum.out.stride(0) if topk_sum is not None else 0,
+        stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
         HAS_LORA=lora is not None,
         LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
         LORA_R=lora.rank_block if lora is not None else 16,
@@ -702,6 +778,11 @@ def invoke_fused_moe_kernel(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
+        DIRECT_PAIRS=direct_ids is not None,
+        ZERO_COUNTERS=zero_counters is not None,
+        COUNTERS_BLOCK=triton.next_power_of_2(max(16, num_counters)),
+        FUSED_SUM=topk_sum is not None,
+        SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
         **programmatic_launch(a.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

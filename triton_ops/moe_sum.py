@@ -2,6 +2,10 @@
 
 Semantics:  out[t, :] = scale * sum_j x[t, j, :]     (fp32 accumulation, deterministic order)
 Grid:       (M, cdiv(H, BLOCK_H))
+
+At decode the same sum also runs inside GEMM2 (``finish_topk_sum_if_last``): the last GEMM2 program
+of an N-tile column sums that column for every token, in the same order and precision as
+``_moe_sum_kernel``, so the result is bit for bit the one of the separate launch it replaces.
 """
 
 from __future__ import annotations
@@ -38,6 +42,45 @@ def _moe_sum_kernel(
     for j in range(top_k):
         acc += tl.load(x_ptr + token * stride_xm + j * stride_xk + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_om + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def finish_topk_sum_if_last(
+    pairs_ptr,  # (numel, H) per-pair outputs of GEMM2, row p = t * top_k + j
+    out_ptr,  # (num_tokens, H) same dtype, out
+    counter_ptr,  # () int32 arrivals of this N-tile column; zero before the GEMM2 launch
+    arrivals,  # programs of this column that reach this point (the used M blocks)
+    offs_n,  # (BLOCK_N,) the column's output columns
+    col_valid,  # (BLOCK_N,)
+    num_tokens,
+    top_k,
+    stride_pm,
+    stride_pn,
+    stride_om,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Called by every GEMM2 program of a column after it stored its rows: the last one to arrive sums
+    the column for every token, out[t, n] = sum_j pairs[t * top_k + j, n] in fp32, j in order.
+
+    The CTA barrier puts every thread's stores before the one arrival, whose release (acq_rel, GPU
+    scope) publishes them; the last arrival's acquire makes every other program's rows visible to it,
+    and it reads them from L2 (.cg), never from a possibly stale L1 line."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == arrivals - 1:
+        cols = offs_n.to(tl.int64)
+        for t0 in range(0, num_tokens, BLOCK_T):
+            tokens = t0 + tl.arange(0, BLOCK_T)
+            mask = (tokens < num_tokens)[:, None] & col_valid[None, :]
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for j in range(top_k):
+                rows = (tokens * top_k + j).to(tl.int64)
+                acc += tl.load(pairs_ptr + rows[:, None] * stride_pm + cols[None, :] * stride_pn, mask=mask,
+                               other=0.0, cache_modifier=".cg").to(tl.float32)
+            out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def moe_sum_reduce(

@@ -1,0 +1,376 @@
+"""Decode launches: one token's GEMMs without the alignment (``decode_direct_pairs``) and its top-k sum at
+the end of GEMM2 (``fused_topk_sum``).
+
+Both only change which launches run, never the arithmetic: every output must be bit for bit the one of
+the four-launch path (alignment, GEMM1, GEMM2, top-k sum), which the switches ``MOELORA_DECODE_DIRECT=0``
+and ``MOELORA_FUSED_SUM=0`` bring back, and within tolerance of the fp32 oracle. Spies on the alignment and
+sum launches check that each mode really runs (or skips) them, so a comparison of two identical
+launch sequences cannot pass for one of the modes.
+
+CPU tests run the kernels in the Triton interpreter (fp32/fp16, tiny odd shapes); the ``gpu`` tests run
+bf16 at model shapes, eager and replayed from CUDA graphs (the arrival counters are zeroed by GEMM1 on
+every replay, so a second replay with new routing must still be exact).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from moelora.bench import warm_up_on_side_stream
+from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
+from triton_ops.configs import GemmConfig
+from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
+
+# The module, not the function of the same name that triton_ops re-exports.
+fe = importlib.import_module("triton_ops.fused_experts")
+
+interpreter = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPE_IDS = {F32: "fp32", F16: "fp16", BF16: "bf16"}
+TOL = {F32: 1e-4, F16: 1e-2, BF16: 1e-2}
+SWITCHES = ("MOELORA_DECODE_DIRECT", "MOELORA_FUSED_SUM")
+MODES = [("1", "1"), ("1", "0"), ("0", "1"), ("0", "0")]  # (direct, fused sum); ("0", "0") = four launches
+
+
+def make_inputs(m, num_experts, top_k, hidden, inter, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    x = randn(m, hidden).to(dtype)
+    w13 = (randn(num_experts, 2 * inter, hidden) / math.sqrt(hidden)).to(dtype)
+    w2 = (randn(num_experts, hidden, inter) / math.sqrt(inter)).to(dtype)
+    logits = randn(m, num_experts)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    weights = (weights / weights.sum(-1, keepdim=True)).contiguous()
+    return x, w13, w2, weights, ids.to(torch.int32).contiguous()
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+class LaunchSpy:
+    """Counts the alignment and top-k sum launches ``fused_experts`` makes (wrapping its module names)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = {"align": 0, "align+shrink": 0, "shrink only": 0, "sum": 0, "down shrink": 0}
+        align, align_shrink = fe.moe_align_block_size, fe.moe_align_with_gate_up_shrink
+        moe_sum, shrink = fe.moe_sum_reduce, fe.moe_lora_a
+
+        def counted_align(*args, **kwargs):
+            self.calls["align"] += 1
+            return align(*args, **kwargs)
+
+        def counted_align_shrink(*args, **kwargs):
+            self.calls["align+shrink" if kwargs.get("align", True) else "shrink only"] += 1
+            return align_shrink(*args, **kwargs)
+
+        def counted_sum(*args, **kwargs):
+            self.calls["sum"] += 1
+            return moe_sum(*args, **kwargs)
+
+        monkeypatch.setattr(fe, "moe_align_block_size", counted_align)
+        monkeypatch.setattr(fe, "moe_align_with_gate_up_shrink", counted_align_shrink)
+        def counted_shrink(*args, **kwargs):
+            self.calls["down shrink"] += 1
+            return shrink(*args, **kwargs)
+
+        monkeypatch.setattr(fe, "moe_sum_reduce", counted_sum)
+        monkeypatch.setattr(fe, "moe_lora_a", counted_shrink)
+
+    def take(self):
+        calls, self.calls = self.calls, dict.fromkeys(self.calls, 0)
+        return calls
+
+
+def run_modes(monkeypatch, fn):
+    """fn() under each (direct, fused sum) mode: {mode: (output, launch counts)}."""
+    spy = LaunchSpy(monkeypatch)
+    results = {}
+    for direct, fused in MODES:
+        monkeypatch.setenv("MOELORA_DECODE_DIRECT", direct)
+        monkeypatch.setenv("MOELORA_FUSED_SUM", fused)
+        out = fn()
+        results[(direct, fused)] = (out.clone(), spy.take())
+    return results
+
+
+def expected_launches(m, top_k, *, lora=False, down_launch=False):
+    """Alignment, sum and down-shrink launches of each mode at a decode size (<= 128 pairs). With
+    ``down_launch`` (the down shrink does not fit GEMM1's epilogue) its own launch walks the aligned
+    blocks, so even one token keeps the alignment."""
+    expected = {}
+    for direct, fused in MODES:
+        is_direct = direct == "1" and m == 1 and not down_launch
+        calls = {"align": 0, "align+shrink": 0, "shrink only": 0, "sum": 0, "down shrink": int(down_launch)}
+        if lora:
+            calls["shrink only" if is_direct else "align+shrink"] = 1
+        elif not is_direct:
+            calls["align"] = 1
+        calls["sum"] = int(top_k > 1 and not (fused == "1" and m == 1))
+        expected[(direct, fused)] = calls
+    return expected
+
+
+# ------------------------------------------------------------------------------------ base, interpreter
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=DTYPE_IDS.get)
+# M=1: no alignment and the sum in GEMM2; 3: an odd few tokens (pairs may share an expert: the switches
+# change nothing); 21 x top-6 = 126 pairs, the largest decode batch under 128 at this top-k. top-k 1
+# (GEMM2 writes the output: no sum), 2, 6, 8; E=10 is not a power of two and, at M=1 and top-k < 8,
+# leaves experts no token picks.
+@pytest.mark.parametrize("m", [1, 3, 21])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+@interpreter
+def test_base_decode_modes_bit_equal(monkeypatch, dtype, m, top_k):
+    if m == 21 and top_k == 8:
+        m = 16  # 128 pairs: still decode
+    x, w13, w2, weights, ids = make_inputs(m, 10, top_k, 48, 40, dtype, seed=m * 10 + top_k)
+    results = run_modes(monkeypatch, lambda: fe.fused_experts(x, w13, w2, weights, ids))
+    reference = results[("0", "0")][0]
+    ref = reference_moe(x, w13, w2, weights, ids)
+    assert rel_err(reference, ref) <= TOL[dtype]
+    for mode, (out, calls) in results.items():
+        assert calls == expected_launches(m, top_k)[mode], f"mode {mode}: launches {calls}"
+        assert torch.equal(out, reference), f"mode {mode} differs from the four-launch path"
+
+
+@pytest.mark.parametrize("top_k", [2, 6])
+@interpreter
+def test_fused_sum_writes_every_output_inplace(monkeypatch, top_k):
+    # inplace: the output buffer starts as x itself, so an output the fused sum failed to write keeps x's
+    # value and differs from the four-launch result (a fresh torch.empty could reuse memory that holds it).
+    m = 1
+    x, w13, w2, weights, ids = make_inputs(m, 10, top_k, 40, 24, F32, seed=3)
+    monkeypatch.setenv("MOELORA_FUSED_SUM", "0")
+    expected = fe.fused_experts(x.clone(), w13, w2, weights, ids)
+    monkeypatch.setenv("MOELORA_FUSED_SUM", "1")
+    target = x.clone()
+    out = fe.fused_experts(target, w13, w2, weights, ids, inplace=True)
+    assert out.data_ptr() == target.data_ptr()
+    assert torch.equal(out, expected)
+
+
+@interpreter
+def test_prefill_keeps_alignment_and_sum_launches(monkeypatch):
+    # 22 tokens x top-6 = 132 pairs: past the decode size, so both launches stay whatever the switches say.
+    x, w13, w2, weights, ids = make_inputs(22, 10, 6, 40, 24, F32, seed=5)
+    results = run_modes(monkeypatch, lambda: fe.fused_experts(x, w13, w2, weights, ids))
+    for mode, (out, calls) in results.items():
+        assert calls == {"align": 1, "align+shrink": 0, "shrink only": 0, "sum": 1, "down shrink": 0}, mode
+        assert torch.equal(out, results[("0", "0")][0])
+
+
+@interpreter
+def test_counters_are_zeroed_by_gemm1(monkeypatch):
+    # The counters come from torch.empty: GEMM1 must zero whatever they hold before GEMM2 counts on them.
+    m, top_k, hidden, inter = 3, 2, 40, 24
+    x, w13, w2, weights, ids = make_inputs(m, 10, top_k, hidden, inter, F32, seed=11)
+    monkeypatch.setenv("MOELORA_FUSED_SUM", "0")
+    expected = fe.fused_experts(x, w13, w2, weights, ids)
+    sorted_ids, expert_ids, num_post_padded = fe.moe_align_block_size(ids, 16, 10)
+    align = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post_padded)
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=32)
+    n_tiles = math.ceil(hidden / cfg.block_n)
+    topk_sum = TopkSumOperands(out=torch.full((m, hidden), float("nan")),
+                               counters=torch.full((n_tiles,), 123, dtype=torch.int32), top_k=top_k)
+    activated = torch.empty(m * top_k, inter)
+    pair_out = torch.empty(m * top_k, hidden)
+    invoke_fused_moe_kernel(x, w13, activated, topk_weights=None, a_row_div=top_k, config=cfg,
+                            activation="silu", zero_counters=topk_sum, **align)
+    assert torch.equal(topk_sum.counters, torch.zeros(n_tiles, dtype=torch.int32))
+    invoke_fused_moe_kernel(activated, w2, pair_out, topk_weights=weights.reshape(-1), a_row_div=1,
+                            config=cfg, topk_sum=topk_sum, **align)
+    blocks = int(num_post_padded.item()) // cfg.block_m
+    assert torch.equal(topk_sum.counters, torch.full((n_tiles,), blocks, dtype=torch.int32))
+    torch.testing.assert_close(topk_sum.out, expected, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ LoRA, interpreter
+
+
+def lora_inputs(m, num_experts, hidden, inter, dtype, *, ranks=(8, 16), pool_rank=16, slots_per_token=None,
+                seed=0, device="cpu"):
+    """Pool buffers with adapters of different ranks in slots 0 and 2 (slot 1 idle) and the oracle's view
+    (fp32, on ``device`` too)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    num_slots = 3
+    gate_up_a = torch.zeros(num_slots, num_experts, 2 * pool_rank, hidden, device=device)
+    gate_up_b = torch.zeros(num_slots, num_experts, 2 * inter, pool_rank, device=device)
+    down_a = torch.zeros(num_slots, num_experts, pool_rank, inter, device=device)
+    down_b = torch.zeros(num_slots, num_experts, hidden, pool_rank, device=device)
+    adapters = []
+    for slot, rank in zip((0, 2), ranks, strict=True):
+        def proj(n_in, n_out, rank=rank):
+            a = torch.randn(rank, n_in, generator=gen, device=device) / math.sqrt(n_in)
+            b = torch.randn(n_out, rank, generator=gen, device=device) / math.sqrt(rank)
+            return LoRAProjection(a, b, 1.5)
+        lora = ReferenceLoRA(gate={}, up={}, down={})
+        for e in range(num_experts):
+            lora.gate[e], lora.up[e] = proj(hidden, inter), proj(hidden, inter)
+            lora.down[e] = proj(inter, hidden)
+            gate_up_a[slot, e, :rank] = lora.gate[e].a
+            gate_up_a[slot, e, pool_rank:pool_rank + rank] = lora.up[e].a
+            gate_up_b[slot, e, :inter, :rank] = lora.gate[e].b
+            gate_up_b[slot, e, inter:, :rank] = lora.up[e].b
+            down_a[slot, e, :rank] = lora.down[e].a
+            down_b[slot, e, :, :rank] = lora.down[e].b
+        adapters.append(lora)
+    # Tokens cycle through slot 0, no adapter, slot 2 (the first token always has one).
+    slots = [(0, -1, 2)[t % 3] for t in range(m)] if slots_per_token is None else list(slots_per_token)
+    inputs = fe.MoELoRAInputs(
+        token_slots=torch.tensor(slots, dtype=torch.int32, device=device),
+        gate_up_a=gate_up_a.to(dtype), gate_up_b=gate_up_b.to(dtype), down_a=down_a.to(dtype),
+        down_b=down_b.to(dtype),
+        slot_ranks=torch.tensor([ranks[0], 0, ranks[1]], dtype=torch.int32, device=device),
+        slot_scalings=torch.full((num_slots,), 1.5, device=device),
+        max_rank=max(rank for slot, rank in zip((0, 2), ranks, strict=True) if slot in slots),
+        num_adapters=len({s for s in slots if s >= 0}),
+    )
+    per_token = [{0: 0, 2: 1, -1: -1}[s] for s in slots]
+    return inputs, adapters, per_token
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=DTYPE_IDS.get)
+# M=1: the shrink launch without the alignment; M=7 with top-6 (42 pairs): aligned decode, fused sum.
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("top_k", [2, 6])
+@interpreter
+def test_lora_split_decode_modes_bit_equal(monkeypatch, dtype, m, top_k):
+    num_experts, hidden, inter = 9, 48, 40
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, dtype, seed=m + top_k)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, dtype, seed=m)
+    results = run_modes(monkeypatch, lambda: fe.fused_experts(x, w13, w2, weights, ids, lora=lora,
+                                                              lora_path="split"))
+    reference = results[("0", "0")][0]
+    ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
+                        token_adapter=per_token)
+    base = reference_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    assert rel_err(ref, base) > 0.1, "the adapters must change the output, or the check is vacuous"
+    assert rel_err(reference, ref) <= TOL[dtype]
+    down_launch = results[("0", "0")][1]["down shrink"] == 1
+    for mode, (out, calls) in results.items():
+        expected = expected_launches(m, top_k, lora=True, down_launch=down_launch)[mode]
+        assert calls == expected, f"mode {mode}: launches {calls}"
+        assert torch.equal(out, reference), f"mode {mode} differs from the four-launch path"
+
+
+@interpreter
+def test_lora_direct_needs_down_shrink_in_gemm1(monkeypatch):
+    # A rank-64 adapter and 17 GEMM1 N tiles (I=520 in 32-column tiles): 17 x 64 partial columns are past
+    # what GEMM2 sums from GEMM1's epilogue (DeepSeek-V2-Lite rank 64 at M=1 is such a case), so the down
+    # shrink is its own launch, which walks the aligned blocks: one token keeps the alignment.
+    num_experts, hidden, inter = 9, 48, 520
+    x, w13, w2, weights, ids = make_inputs(1, num_experts, 6, hidden, inter, F32, seed=2)
+    lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, F32, ranks=(40, 64), pool_rank=64,
+                                            slots_per_token=[2])
+    spy = LaunchSpy(monkeypatch)
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    calls = spy.take()
+    assert calls["align+shrink"] == 1 and calls["shrink only"] == 0, calls
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert rel_err(out, ref) <= TOL[F32]
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def test_switches_reject_bad_values(monkeypatch):
+    for name in SWITCHES:
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=name):
+            fe.decode_direct_pairs(1) if name == SWITCHES[0] else fe.fused_topk_sum(1, 8)
+        monkeypatch.delenv(name)
+    assert fe.decode_direct_pairs(1) and not fe.decode_direct_pairs(2)
+    assert fe.fused_topk_sum(1, 8) and not fe.fused_topk_sum(2, 8) and not fe.fused_topk_sum(1, 1)
+
+
+@interpreter
+def test_launch_wrapper_rejects_bad_decode_operands():
+    x, w13, w2, weights, ids = make_inputs(1, 10, 2, 40, 24, F32)
+    act = torch.empty(2, 24)
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=32)
+    kw = dict(topk_weights=None, a_row_div=2, config=cfg, activation="silu")
+    with pytest.raises(ValueError, match="alignment .* or direct_ids"):
+        invoke_fused_moe_kernel(x, w13, act, **kw)
+    with pytest.raises(ValueError, match=r"direct_ids must be the flat topk_ids \(2,\)"):
+        invoke_fused_moe_kernel(x, w13, act, direct_ids=ids, **kw)
+    bad_counters = TopkSumOperands(out=torch.empty(1, 40), counters=torch.zeros(3), top_k=2)
+    with pytest.raises(TypeError, match="int32"):
+        invoke_fused_moe_kernel(x, w13, act, direct_ids=ids.reshape(-1), zero_counters=bad_counters, **kw)
+    short = TopkSumOperands(out=torch.empty(1, 40), counters=torch.zeros(2, dtype=torch.int32), top_k=2)
+    with pytest.raises(ValueError, match=r"counters \(3,\)"):
+        invoke_fused_moe_kernel(act, w2, torch.empty(2, 40), topk_weights=None, a_row_div=1, config=cfg,
+                                direct_ids=ids.reshape(-1), topk_sum=short)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+# (E, top_k, H, I): DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B (top-2, 8 experts: at M=16 every expert
+# gets several pairs).
+GPU_SHAPES = {"deepseek-v2-lite": (64, 6, 2048, 1408), "qwen3-30b-a3b": (128, 8, 2048, 768),
+              "mixtral-8x7b": (8, 2, 4096, 14336)}
+
+
+def captured(fn):
+    warm_up_on_side_stream(fn)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@gpu
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with_lora):
+    num_experts, top_k, hidden, inter = GPU_SHAPES[name]
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=m)
+    lora = None
+    if with_lora:
+        lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=m, device="cuda")
+
+    def layer():
+        return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+
+    results = run_modes(monkeypatch, layer)
+    reference = results[("0", "0")][0]
+    kw = dict(adapters=adapters, token_adapter=per_token) if with_lora else {}
+    ref = reference_moe(x, w13, w2, weights, ids, **kw)
+    err = rel_err(reference, ref)
+    print(f"{name} M={m} lora={with_lora}: rel L2 vs fp32 oracle {err:.2e}")
+    assert torch.isfinite(reference).all() and err <= TOL[BF16]
+    # Mixtral's 448 GEMM1 N tiles are too many partials for GEMM1 to write GEMM2's down shrink.
+    down_launch = with_lora and results[("0", "0")][1]["down shrink"] == 1
+    for mode, (out, calls) in results.items():
+        expected = expected_launches(m, top_k, lora=with_lora, down_launch=down_launch)[mode]
+        assert calls == expected, f"mode {mode}: launches {calls}"
+        assert torch.equal(out, reference), f"mode {mode} differs from the four-launch path"
+
+    # Default modes in a CUDA graph: replays with new routing (the counters re-zeroed each time).
+    monkeypatch.delenv("MOELORA_DECODE_DIRECT")
+    monkeypatch.delenv("MOELORA_FUSED_SUM")
+    graph, graph_out = captured(layer)
+    for seed in (101, 202):
+        routing = make_inputs(m, num_experts, top_k, 8, 8, BF16, device="cuda", seed=seed)
+        new_weights, new_ids = routing[3], routing[4]
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MOELORA_DECODE_DIRECT", "0")
+        monkeypatch.setenv("MOELORA_FUSED_SUM", "0")
+        eager = layer()
+        monkeypatch.delenv("MOELORA_DECODE_DIRECT")
+        monkeypatch.delenv("MOELORA_FUSED_SUM")
+        assert torch.equal(graph_out, eager), f"replay with routing seed {seed} differs"
