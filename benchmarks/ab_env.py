@@ -6,10 +6,11 @@ between two ``moelora bench`` runs (a few % of the base time on an H100/H200).
 For each (model, M, rank, adapters) three CUDA graphs are captured: the base layer, the LoRA layer with
 the environment as it is (A) and the LoRA layer with ``--env`` set while it is captured (B; the switches
 are read when the kernels are launched, so the graph keeps B's kernels). Then ``--rounds`` rounds time
-base, A and B one after the other (``triton.testing.do_bench`` median each, L2 flushed), in a rotating
-order, so clock or thermal drift falls on all three alike. Reported per point: the median over rounds of
-each overhead t/t(base) - 1 and of t(B)/t(A), with the rounds' range of t(B)/t(A); a markdown table on
-stdout and, with ``--out``, JSON. Adapters and routing are those of ``moelora bench`` (same seeds).
+base, A and B one after the other (``moelora.bench.cold_l2_time_ms`` median each, L2 flushed by a read),
+in a rotating order, so clock or thermal drift falls on all three alike. Reported per point: the median
+over rounds of each overhead t/t(base) - 1 and of t(B)/t(A), with the rounds' range of t(B)/t(A); a
+markdown table on stdout and, with ``--out``, JSON. Adapters and routing are those of ``moelora bench``
+(same seeds).
 
 ``--layer base`` times the base layer (no adapters) as A and B instead, for switches that change the base
 path too (e.g. ``MOELORA_DECODE_DIRECT=0``); the overheads are then B's and A's time over the base's.
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", nargs="+", type=int, default=[16])
     parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=float, default=10.0, help="do_bench warm-up per timing, ms")
-    parser.add_argument("--rep", type=float, default=40.0, help="do_bench time per timing, ms")
+    parser.add_argument("--warmup", type=float, default=10.0, help="warm-up per timing, ms")
+    parser.add_argument("--rep", type=float, default=40.0, help="measured time per timing, ms")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layer", choices=("lora", "base"), default="lora",
                         help="time A and B with adapters (default) or the base layer")

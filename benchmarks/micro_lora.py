@@ -2,7 +2,7 @@
 
     python benchmarks/micro_lora.py --model qwen3-30b-a3b --M 1 --rank 16
 
-Times each launch alone, replayed from a CUDA graph (``triton.testing.do_bench`` median): alignment,
+Times each launch alone, replayed from a CUDA graph (``moelora.bench.cold_l2_time_ms`` median): alignment,
 GEMM1 and GEMM2 without LoRA, with the inline shrink ("fused") and with a precomputed shrink ("split"),
 and the shrink kernels.
 """
@@ -20,7 +20,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moelora.bench import MODELS, make_lora_buffers, token_slots_for  # noqa: E402
+from moelora.bench import MODELS, cold_l2_time_ms, make_lora_buffers, token_slots_for  # noqa: E402
 from triton_ops import fused_moe  # noqa: E402
 from triton_ops.configs import get_moe_config  # noqa: E402
 from triton_ops.decode_shrink import (  # noqa: E402
@@ -49,7 +49,7 @@ def us(fn) -> float:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        return triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1000
+        return cold_l2_time_ms(graph.replay, 20, 100) * 1000
     except triton.runtime.errors.OutOfResources:  # a sweep point this device cannot hold
         return float("inf")
 

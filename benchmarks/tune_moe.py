@@ -4,10 +4,10 @@
 
 For each model shape and token count M, the two GEMMs are tuned apart (they share BLOCK_SIZE_M, since
 one alignment feeds both): every candidate BLOCK_SIZE_M is aligned once, then each GEMM's candidates
-are timed with ``triton.testing.do_bench`` (median). The best pair (summed time) is written to
-``triton_ops/configs/E=..,N=..,device_name=..,dtype=...json`` (or ``--out-dir``), keyed by M, and the
-heuristic's time is printed beside it. Run with MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic
-shown is always ``default_moe_config``.
+are timed with ``moelora.bench.cold_l2_time_ms`` (median, L2 emptied by a read before each call). The
+best pair (summed time) is written to ``triton_ops/configs/E=..,N=..,device_name=..,dtype=...json`` (or
+``--out-dir``), keyed by M, and the heuristic's time is printed beside it. Run with
+MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic shown is always ``default_moe_config``.
 
     python benchmarks/tune_moe.py --lora-rank 16 --lora-adapters 4 --lora-only
 
@@ -28,10 +28,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moelora.bench import cold_l2_time_ms  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     GemmConfig,
     MoEConfig,
@@ -76,7 +76,7 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int) -> list
 
 def bench_gemm(fn) -> float:
     try:
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1000
+        return cold_l2_time_ms(fn, 10, 40) * 1000
     except Exception as err:  # out of resources on this device: not a candidate
         print(f"    skipped: {type(err).__name__}", file=sys.stderr)
         return float("inf")

@@ -10,8 +10,10 @@ adapter popularity this times
 * ``naive``: a PyTorch loop over the routed experts with the LoRA applied per (expert, adapter) token
   group; it syncs, so it runs eagerly, and it is skipped when one call is estimated too slow.
 
-Timing (GPU): each call is warmed up on a side stream, captured in a CUDA graph and timed with
-``triton.testing.do_bench`` on ``graph.replay`` (median; L2 flushed before every replay). ``--dry-run``
+Timing (GPU): each call is warmed up on a side stream, captured in a CUDA graph and its replays timed as
+``triton.testing.do_bench`` does (median on CUDA events, L2 flushed before every replay), except that the
+flush reads 256 MB instead of writing it (``cold_l2_time_ms``: a write flush leaves ~50 MB of dirty lines
+whose write-back lands in the timed call; ``--l2-flush write`` restores it). ``--dry-run``
 runs tiny shapes (on CPU through Triton's interpreter when there is no GPU) timed with
 ``time.perf_counter``: it checks the pipeline, its numbers mean nothing.
 
@@ -330,12 +332,64 @@ def warm_up_on_side_stream(fn: Callable[[], Any]) -> None:
     torch.cuda.synchronize()
 
 
-def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tuple[float, bool]:
-    """Warm up on a side stream, capture one call in a CUDA graph, do_bench median of its replays.
+L2_FLUSHES = ("read", "write")
+_FLUSH_BYTES = 256 * 1024**2  # 5x the L2 of an H100/H200 (50 MB), as triton.testing.do_bench
 
-    Falls back to eager do_bench when the capture fails; returns (µs, whether a graph was used)."""
-    import triton.testing
 
+def cold_l2_time_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, flush: str = "read") -> float:
+    """Median time of ``fn`` (ms), every call after an L2 flush, on CUDA events: ``do_bench``'s loop.
+
+    ``flush="read"`` (default) empties L2 by reading a 256 MB buffer, so the timed call finds its weights
+    cold and L2 holding clean lines. ``"write"`` zeroes the buffer as ``triton.testing.do_bench`` does:
+    that leaves ~50 MB of dirty lines, whose write-back to HBM then lands inside the timed call. On an
+    H100 that added 9-10 us to a decode layer of any size (base layer M=1, GEMM1 -> GEMM2: Qwen3-30B-A3B
+    45.5 us with the write flush, 36.0 us with the read flush, 35.2 us with no flush at all; DeepSeek-V3
+    250.7 / 241.2 / 240.4 us): time the flush left behind, not the kernels'. A MoE layer in a model
+    follows kernels that write activations, not 50 MB, so the read flush is the one the tables use;
+    ``--l2-flush write`` brings the other back."""
+    if flush not in L2_FLUSHES:
+        raise ValueError(f"flush must be one of {L2_FLUSHES}, got {flush!r}")
+    buffer = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
+
+    def clear_l2() -> None:
+        if flush == "read":
+            torch.sum(buffer, dtype=torch.int64, out=sink)
+        else:
+            buffer.zero_()
+
+    if flush == "read":
+        buffer.zero_()  # defined contents, then a sync: none of these writes is left for the timed calls
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        clear_l2()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    repeats = max(1, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for begin, finish in zip(starts, ends, strict=True):
+        clear_l2()
+        begin.record()
+        fn()
+        finish.record()
+    torch.cuda.synchronize()
+    return statistics.median(b.elapsed_time(f) for b, f in zip(starts, ends, strict=True))
+
+
+def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
+                  flush: str = "read") -> tuple[float, bool]:
+    """Warm up on a side stream, capture one call in a CUDA graph, median of its replays after an L2
+    flush each (``cold_l2_time_ms``).
+
+    Falls back to timing eager calls when the capture fails; returns (µs, whether a graph was used)."""
     warm_up_on_side_stream(fn)
     graph = torch.cuda.CUDAGraph()
     try:
@@ -346,19 +400,16 @@ def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tup
               file=sys.stderr)
         torch.cuda.synchronize()
         del graph
-        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        return float(ms) * 1e3, False
-    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return cold_l2_time_ms(fn, warmup_ms, rep_ms, flush) * 1e3, False
+    us = cold_l2_time_ms(graph.replay, warmup_ms, rep_ms, flush) * 1e3
     del graph
-    return float(ms) * 1e3, True
+    return us, True
 
 
 def eager_time_us(fn: Callable[[], Any], on_gpu: bool, warmup_ms: float, rep_ms: float,
-                  cpu_reps: int) -> float:
+                  cpu_reps: int, flush: str = "read") -> float:
     if on_gpu:
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+        return cold_l2_time_ms(fn, warmup_ms, rep_ms, flush) * 1e3
     times = []  # Triton interpreter: nothing to compile or warm up, and the numbers mean nothing anyway
     for _ in range(cpu_reps):
         t0 = time.perf_counter()
@@ -413,6 +464,7 @@ class Settings:
     seed: int
     peaks: dict[str, float | None]
     pool_rank: int = 0  # > rank: adapters of `rank` in buffers sized for this max rank
+    l2_flush: str = "read"  # how the timer empties L2 before each call (cold_l2_time_ms)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -509,7 +561,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
 
     def time_call(fn: Callable[[], Any]) -> tuple[float, bool]:
         if on_gpu:
-            return graph_time_us(fn, cfg.warmup_ms, cfg.rep_ms)
+            return graph_time_us(fn, cfg.warmup_ms, cfg.rep_ms, cfg.l2_flush)
         return eager_time_us(fn, False, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps), False
 
     def moe(lora: Any = None, path: str = "fused") -> torch.Tensor:
@@ -519,7 +571,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
         return naive_moe_lora(x, w13, w2, topk_weights, topk_ids, lora)
 
     def eager(fn: Callable[[], Any]) -> float:
-        return eager_time_us(fn, on_gpu, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps)
+        return eager_time_us(fn, on_gpu, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps, cfg.l2_flush)
 
     records: list[dict[str, Any]] = []
     base_us, base_graph = time_call(moe)
@@ -729,6 +781,7 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = Settings(device=device, device_name=device_name, dtype_name=dtype_name, paths=paths,
                    warmup_ms=warmup, rep_ms=rep, cpu_reps=1, naive_max_s=args.naive_max_s, seed=args.seed,
                    pool_rank=getattr(args, "pool_rank", None) or 0,
+                   l2_flush=getattr(args, "l2_flush", None) or "read",
                    peaks=device_peaks(device_name) if on_gpu else device_peaks(""))
 
     import triton
@@ -768,8 +821,9 @@ def run_bench(args: argparse.Namespace) -> int:
                      "popularity": popularities, "paths": paths, "dtype": dtype_name, "warmup_ms": warmup,
                      "rep_ms": rep, "dry_run": args.dry_run, "quick": quick},
         "peaks": cfg.peaks,
-        "timing": ("CUDA graph (warm-up on a side stream), triton.testing.do_bench median of graph.replay, "
-                   "L2 flushed per replay; naive eager do_bench" if on_gpu else
+        "timing": ("CUDA graph (warm-up on a side stream), median of graph.replay on CUDA events, L2 "
+                   f"flushed before each replay by a 256 MB {cfg.l2_flush} (do_bench's loop); naive eager, "
+                   "same timer" if on_gpu else
                    "time.perf_counter of one call (Triton interpreter: not a performance number)"),
         "bytes_model": "distinct routed experts * 3*H*I*elem + 2*M*H*elem + distinct (adapter, expert) "
                        "pairs * 3*r*(H+I)*elem (LoRA paths)",

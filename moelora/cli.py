@@ -162,8 +162,8 @@ def _add_bench_parser(sub) -> None:
     bench = sub.add_parser(
         "bench", help="time the LoRA overhead of the MoE layer per path (markdown, JSON, PNG)",
         description="LoRA overhead t(base+LoRA)/t(base) - 1 of the MoE layer, per path, in one run: CUDA "
-        "graphs + triton.testing.do_bench (median). Writes a markdown table to stdout and JSON, markdown and "
-        "a PNG plot to benchmarks/results/.",
+        "graphs, median of replays after an L2 flush each. Writes a markdown table to stdout and JSON, "
+        "markdown and a PNG plot to benchmarks/results/.",
     )
     bench.add_argument("--models", "--model", nargs="+", metavar="NAME",
                        help="deepseek-v2-lite, deepseek-v2, deepseek-v3, qwen3-30b-a3b, mixtral-8x7b "
@@ -190,9 +190,14 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--out", type=Path, metavar="FILE.json",
                        help="JSON path; the .md and .png go beside it (default "
                        "benchmarks/results/bench_<device>_<UTC time>.json)")
-    bench.add_argument("--warmup", type=float, help="do_bench warm-up in ms (default 25; 10 with --quick)")
+    bench.add_argument("--warmup", type=float, help="timer warm-up in ms (default 25; 10 with --quick)")
     bench.add_argument("--rep", type=float,
-                       help="do_bench measurement time in ms (default 100; 30 with --quick)")
+                       help="measurement time in ms (default 100; 30 with --quick)")
+    bench.add_argument("--l2-flush", choices=["read", "write"], default="read",
+                       help="how L2 is emptied before each timed call: read a 256 MB buffer (default; L2 "
+                       "then holds clean lines) or write it as triton.testing.do_bench does (its ~50 MB of "
+                       "dirty lines are written back inside the timed call: +9-10 us per decode layer on an "
+                       "H100)")
     bench.add_argument("--naive-max-s", type=float, default=0.5,
                        help="skip the naive path when one call is estimated slower (GPU; default 0.5 s)")
     bench.add_argument("--seed", type=int, default=0)

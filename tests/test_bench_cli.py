@@ -116,3 +116,31 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys, content, message):
     assert main(["bench", "--dry-run", "--config", str(config), "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moelora bench: --config") and message in err, err
+
+
+def test_l2_flush_mode_is_checked_before_any_gpu_work():
+    from moelora.bench import cold_l2_time_ms
+
+    with pytest.raises(ValueError, match=r"flush must be one of \('read', 'write'\), got 'erase'"):
+        cold_l2_time_ms(lambda: None, 1.0, 1.0, flush="erase")
+
+
+def test_l2_flush_flag_rejects_unknown_modes(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--dry-run", "--l2-flush", "erase"])
+    assert "invalid choice: 'erase'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flush", ["read", "write"])
+def test_cold_l2_timer_times_a_kernel(flush):
+    # A 64 MB copy must take at least its bytes over a generous 10 TB/s, whichever flush runs before it.
+    import torch
+
+    from moelora.bench import cold_l2_time_ms
+
+    src = torch.ones(16 * 1024**2, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cold_l2_time_ms(lambda: dst.copy_(src), 5.0, 20.0, flush=flush)
+    assert 2 * src.numel() * 4 / (ms * 1e-3) < 10e12
+    assert torch.equal(dst, src)
