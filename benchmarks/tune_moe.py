@@ -11,8 +11,8 @@ MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic shown is always ``default_mo
 
     python benchmarks/tune_moe.py --lora-rank 16 --lora-adapters 4 --lora-only
 
-also tunes the tiles of the layer with adapters (split path, prefill M only: decode has its own launch
-structure), timing whole ``fused_experts`` calls, and stores them as each entry's ``"lora"`` object where
+also tunes the tiles of the layer with adapters (split path), timing whole ``fused_experts`` calls (at
+decode, replayed from CUDA graphs), and stores them as each entry's ``"lora"`` object where
 they beat the base's tiles (``--lora-only`` keeps the file's base entries and tunes only those).
 """
 
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moelora.bench import cold_l2_time_ms  # noqa: E402
+from moelora.bench import cold_l2_time_ms, warm_up_on_side_stream  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     GemmConfig,
     MoEConfig,
@@ -77,6 +77,20 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int) -> list
 def bench_gemm(fn) -> float:
     try:
         return cold_l2_time_ms(fn, 10, 40) * 1000
+    except Exception as err:  # out of resources on this device: not a candidate
+        print(f"    skipped: {type(err).__name__}", file=sys.stderr)
+        return float("inf")
+
+
+def graph_timer(fn: Callable[[], object]) -> float:
+    """µs of one call replayed from a CUDA graph (cold L2): at decode a layer call is a few tens of µs,
+    under the host's launch time, so timing it eagerly would time Python."""
+    try:
+        warm_up_on_side_stream(fn)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return cold_l2_time_ms(graph.replay, 10, 40) * 1000
     except Exception as err:  # out of resources on this device: not a candidate
         print(f"    skipped: {type(err).__name__}", file=sys.stderr)
         return float("inf")
@@ -195,11 +209,11 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
             tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen)
             print(f"{name:18s} M={m:5d}  heuristic {default_us:9.1f} us  tuned {tuned_us:9.1f} us  "
                   f"({default_us / tuned_us:.2f}x)  {tuned.to_dict()}", flush=True)
-        # Decode (<= SINGLE_PROGRAM_MAX_PAIRS pairs) has a path of its own (alignment + shrink in one
-        # launch); only prefill tiles are tuned with adapters.
-        if lora_rank and m * top_k > SINGLE_PROGRAM_MAX_PAIRS:
+        if lora_rank:
+            # Decode layers (<= SINGLE_PROGRAM_MAX_PAIRS pairs) are timed from CUDA graphs.
+            timer = graph_timer if m * top_k <= SINGLE_PROGRAM_MAX_PAIRS else bench_gemm
             lora_cfg, lora_us, base_cfg_us = tune_lora_point(m, w13, w2, top_k, tuned, lora_rank,
-                                                             lora_adapters, gen)
+                                                             lora_adapters, gen, timer=timer)
             if lora_cfg != tuned:
                 tuned = replace(tuned, lora=lora_cfg)
             print(f"{name:18s} M={m:5d}  split LoRA r={lora_rank} x{lora_adapters}: base tiles "

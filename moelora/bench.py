@@ -350,11 +350,11 @@ def cold_l2_time_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, flus
     if flush not in L2_FLUSHES:
         raise ValueError(f"flush must be one of {L2_FLUSHES}, got {flush!r}")
     buffer = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    sink = torch.empty((), dtype=torch.int64, device="cuda")
+    sink = torch.empty((), dtype=torch.int32, device="cuda")
 
     def clear_l2() -> None:
         if flush == "read":
-            torch.sum(buffer, dtype=torch.int64, out=sink)
+            torch.amax(buffer, dim=0, out=sink)
         else:
             buffer.zero_()
 

@@ -266,10 +266,10 @@ def test_lora_split_decode_modes_bit_equal(monkeypatch, dtype, m, top_k):
 
 @interpreter
 def test_lora_direct_needs_down_shrink_in_gemm1(monkeypatch):
-    # A rank-64 adapter and 17 GEMM1 N tiles (I=520 in 32-column tiles): 17 x 64 partial columns are past
-    # what GEMM2 sums from GEMM1's epilogue (DeepSeek-V2-Lite rank 64 at M=1 is such a case), so the down
+    # A rank-64 adapter and 33 GEMM1 N tiles (I=1040 in 32-column tiles): 33 x 64 partial columns are past
+    # what GEMM2 sums from GEMM1's epilogue for one token (MAX_ONE_TOKEN_DOWN_PARTIALS), so the down
     # shrink is its own launch, which walks the aligned blocks: one token keeps the alignment.
-    num_experts, hidden, inter = 9, 48, 520
+    num_experts, hidden, inter = 9, 48, 1040
     x, w13, w2, weights, ids = make_inputs(1, num_experts, 6, hidden, inter, F32, seed=2)
     lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, F32, ranks=(40, 64), pool_rank=64,
                                             slots_per_token=[2])
@@ -277,6 +277,23 @@ def test_lora_direct_needs_down_shrink_in_gemm1(monkeypatch):
     out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
     calls = spy.take()
     assert calls["align+shrink"] == 1 and calls["shrink only"] == 0, calls
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert rel_err(out, ref) <= TOL[F32]
+
+
+@interpreter
+def test_one_token_rank_64_keeps_down_shrink_in_gemm1(monkeypatch):
+    # One token, a rank-64 adapter and 17 GEMM1 N tiles (I=520 in 32-column tiles): 17 x 64 partial
+    # columns, past the few-pair limit (64 x 16) but within one token's (128 x 16), so GEMM1 writes the down
+    # shrink and the layer needs no alignment (DeepSeek-V2-Lite rank 64 at M=1: 22 tiles).
+    num_experts, hidden, inter = 9, 48, 520
+    x, w13, w2, weights, ids = make_inputs(1, num_experts, 6, hidden, inter, F32, seed=2)
+    lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, F32, ranks=(40, 64), pool_rank=64,
+                                            slots_per_token=[2])
+    spy = LaunchSpy(monkeypatch)
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    calls = spy.take()
+    assert calls == {"align": 0, "align+shrink": 0, "shrink only": 1, "sum": 0, "down shrink": 0}, calls
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert rel_err(out, ref) <= TOL[F32]
 
@@ -311,6 +328,42 @@ def test_launch_wrapper_rejects_bad_decode_operands():
     with pytest.raises(ValueError, match=r"counters \(3,\)"):
         invoke_fused_moe_kernel(act, w2, torch.empty(2, 40), topk_weights=None, a_row_div=1, config=cfg,
                                 direct_ids=ids.reshape(-1), topk_sum=short)
+
+
+def test_shrink_overlap_switch(monkeypatch):
+    """``MOELORA_SHRINK_OVERLAP`` defaults to on where dependent launch exists (never on the CPU or in the
+    interpreter); a value other than 0/1 is refused by name."""
+    from triton_ops.pdl import decode_shrink_overlap
+
+    monkeypatch.delenv("MOELORA_SHRINK_OVERLAP", raising=False)
+    assert not decode_shrink_overlap(torch.device("cpu"))
+    monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+    assert not decode_shrink_overlap(torch.device("cpu"))
+    monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="MOELORA_SHRINK_OVERLAP"):
+        decode_shrink_overlap(torch.device("cpu"))
+
+
+@interpreter
+def test_overlap_operands_are_checked():
+    # The late wait is only safe when the launch before wrote nothing but the shrink partials, and it
+    # needs sm_90+: both wrappers say so instead of launching.
+    from triton_ops.decode_shrink import moe_align_with_gate_up_shrink
+
+    x, w13, w2, weights, ids = make_inputs(1, 10, 2, 40, 24, F32)
+    lora, _, _ = lora_inputs(1, 10, 40, 24, F32)
+    act = torch.empty(2, 24)
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=32)
+    with pytest.raises(ValueError, match="late_wait needs direct_ids and lora.shrunk"):
+        invoke_fused_moe_kernel(x, w13, act, topk_weights=None, a_row_div=2, config=cfg, activation="silu",
+                                direct_ids=ids.reshape(-1), late_wait=True)
+    out = torch.empty(2, 1, 32)
+    with pytest.raises(ValueError, match="release_next needs align=False"):
+        moe_align_with_gate_up_shrink(ids, 16, 10, x, lora.gate_up_a, lora.token_slots, lora.slot_ranks,
+                                      rank_block=16, out=out, release_next=True)
+    with pytest.raises(ValueError, match="sm_90"):
+        moe_align_with_gate_up_shrink(ids, 16, 10, x, lora.gate_up_a, lora.token_slots, lora.slot_ranks,
+                                      rank_block=16, out=out, align=False, release_next=True)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -374,3 +427,55 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
         monkeypatch.delenv("MOELORA_DECODE_DIRECT")
         monkeypatch.delenv("MOELORA_FUSED_SUM")
         assert torch.equal(graph_out, eager), f"replay with routing seed {seed} differs"
+
+
+# (E, top_k, H, I) for the overlap test: two model shapes, and a small one whose GEMM1 K-loop (256 columns)
+# is about as short as the shrink, so a GEMM1 that read the partials before they were written would do so.
+OVERLAP_SHAPES = dict(GPU_SHAPES, small=(16, 4, 256, 128))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3-30b-a3b", "small"])
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
+    """One token with an adapter: GEMM1 launched dependently on the gate/up shrink (waiting for it after
+    its K-loop) gives bit for bit what the plain launches give, in replays with new x, routing and
+    adapter slot each time (a replay that read the last replay's partials would differ); also with every
+    launch dependent (``MOELORA_PDL=1``)."""
+    from triton_ops.pdl import dependent_launch_supported
+
+    if not dependent_launch_supported(torch.device("cuda")):
+        pytest.skip("dependent launch needs sm_90 or later")
+    monkeypatch.setenv("MOELORA_PDL", pdl)
+    num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
+    x, w13, w2, weights, ids = make_inputs(1, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=5)
+    lora, _, _ = lora_inputs(1, num_experts, hidden, inter, BF16, seed=5, device="cuda")
+    late_waits = []
+    invoke = fe.invoke_fused_moe_kernel
+
+    def spied_invoke(*args, **kwargs):
+        late_waits.append(kwargs.get("late_wait", False))
+        return invoke(*args, **kwargs)
+
+    monkeypatch.setattr(fe, "invoke_fused_moe_kernel", spied_invoke)
+
+    def layer():
+        return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+
+    monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+    graph, graph_out = captured(layer)
+    assert late_waits[-2:] == [True, False], "GEMM1 must wait late, GEMM2 as usual"
+    gen = torch.Generator("cuda").manual_seed(9)
+    for step in range(12):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
+        new_ids = torch.randperm(num_experts, generator=gen, device="cuda")[:top_k].to(torch.int32)
+        ids.copy_(new_ids.view(1, top_k))
+        lora.token_slots.fill_((0, 2, -1)[step % 3])
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "0")
+        eager = layer()
+        assert late_waits[-2:] == [False, False]
+        monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+        assert torch.isfinite(eager).all()
+        assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"

@@ -112,9 +112,15 @@ def test_skip_past_rank_rule(monkeypatch):
 @pytest.mark.interpreter
 def test_down_shrink_without_gemm1_epilogue(monkeypatch):
     """Decode past MAX_DOWN_PARTIALS GEMM1 tiles: GEMM2's shrink gets its own launch (forced here with a
-    limit of 1 on two GEMM1 tiles), beside the gate/up shrink in the alignment's launch."""
+    limit of 1 on two GEMM1 tiles, and none for few-pair batches), beside the gate/up shrink in the
+    alignment's launch."""
     path = "split"
     monkeypatch.setattr(fused_experts_module, "MAX_DOWN_PARTIALS", 1)
+    monkeypatch.setattr(fused_experts_module, "MAX_DECODE_DOWN_PARTIALS", 0)
+    launches = []
+    shrink = fused_experts_module.moe_lora_a
+    monkeypatch.setattr(fused_experts_module, "moe_lora_a",
+                        lambda *args, **kwargs: launches.append(kwargs["gated"]) or shrink(*args, **kwargs))
     gen = torch.Generator().manual_seed(11)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
         m=7, hidden=64, inter=40, num_experts=4, top_k=2, ranks=(5, 16), max_rank=16, num_slots=3,
@@ -122,6 +128,7 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
     )
     gemm = GemmConfig(16, 32, 32, 1, 4, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, config=MoEConfig(gemm, gemm))
+    assert launches == [False], "the down shrink must be a launch of its own here"
     assert_matches_reference(out, ref, base)
 
 

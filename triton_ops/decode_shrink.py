@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
-from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
+from triton_ops.pdl import dependent_launch_supported, programmatic_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -130,10 +130,17 @@ def moe_align_with_gate_up_shrink(
     rank_block: int,
     out: torch.Tensor,
     align: bool = True,
+    release_next: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``moe_align_block_size`` plus GEMM1's LoRA shrink into ``out`` (numel, splits, 2 * rank_block) fp32,
     in one launch; at most ``SINGLE_PROGRAM_MAX_PAIRS`` routed pairs. Returns the alignment, or None with
-    ``align=False`` (the shrink alone: one token's GEMMs take its pairs directly)."""
+    ``align=False`` (the shrink alone: one token's GEMMs take its pairs directly).
+
+    ``release_next`` (sm_90+, ``align=False``): every program, once the kernel before it is done, lets
+    the next launch be scheduled (a GEMM1 launched with ``late_wait``, ``decode_shrink_overlap``)."""
+    if release_next and (align or not dependent_launch_supported(x.device)):
+        raise ValueError("release_next needs align=False (the next launch may read only the shrink) and an "
+                         "sm_90+ GPU")
     (sorted_ids, expert_ids, num_post_padded), align_kwargs, num_warps = single_program_align_args(
         topk_ids, block_size, num_experts)
     numel, splits, width = out.shape
@@ -171,7 +178,9 @@ def moe_align_with_gate_up_shrink(
         LORA_R=rank_block,
         BLOCK_K=block_k,
         ALIGN=align,
-        **programmatic_launch(x.device),
+        # USE_PDL compiles the wait-then-release prologue; launch_pdl (this launch dependent on the one
+        # before) only with MOELORA_PDL=1.
+        **(programmatic_launch(x.device) | ({"USE_PDL": True} if release_next else {})),
         num_warps=num_warps,
     )
     return (sorted_ids, expert_ids, num_post_padded) if align else None

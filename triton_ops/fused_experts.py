@@ -43,6 +43,7 @@ from triton_ops.moe_lora import (
     shrink_k_splits,
 )
 from triton_ops.moe_sum import moe_sum_reduce
+from triton_ops.pdl import decode_shrink_overlap
 from triton_ops.shrink_reduce import reduce_shrink_splits, reduce_splits_pays
 
 LORA_PATHS = ("fused", "split", "staged")
@@ -55,6 +56,13 @@ LORA_PATHS = ("fused", "split", "staged")
 # With at most 32 pairs (a few decode tokens) GEMM2 has few programs and 64 rank-16 partials are still
 # cheap (DeepSeek-V2-Lite M=1, 44 partials: +14.1 % vs +17.0 % with the launch, moelora bench).
 MAX_DOWN_PARTIALS = 16
+# Rank-16-equivalent partials GEMM2 sums when the batch has at most 32 pairs (see above).
+MAX_DECODE_DOWN_PARTIALS = 64
+# And for one token (rank 64 at 32 GEMM1 N tiles): its GEMMs then need no alignment and the layer is
+# three launches instead of five. H100, M=1, one rank-64 adapter, 64 -> 128 (cold-L2 graph replays):
+# DeepSeek-V2-Lite 61.8 -> 56.7 us (22 tiles), DeepSeek-V2 126.7 -> 115.2 (24), DeepSeek-V3 270.4 -> 259.6
+# (32); 192 or 256 gained nothing more.
+MAX_ONE_TOKEN_DOWN_PARTIALS = 128
 
 
 def _switch(name: str) -> bool:
@@ -261,12 +269,16 @@ def fused_experts(
         # GEMM2 sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone
         # (DeepSeek-V2-Lite M=1 rank 64, 44 partials: 48 -> 180 us, spilled).
         partial_width = down_tiles * rank_block if lora is not None else 0
-        down_in_gemm1 = decode_shrink and (partial_width <= MAX_DOWN_PARTIALS * 16
-                                           or (pairs <= 32 and partial_width <= 64 * 16))
+        down_in_gemm1 = decode_shrink and (
+            partial_width <= MAX_DOWN_PARTIALS * 16
+            or (pairs <= 32 and partial_width <= MAX_DECODE_DOWN_PARTIALS * 16)
+            or (rows == 1 and partial_width <= MAX_ONE_TOKEN_DOWN_PARTIALS * 16))
         # Without an alignment every LoRA shrink must ride in a launch that needs none (a down shrink
         # launch of its own, moe_lora_a, walks the aligned blocks).
         direct = (not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and (not split or down_in_gemm1)
                   and decode_direct_pairs(rows))
+        # GEMM1 streams its base weights while the gate/up shrink launch before it runs.
+        overlap = decode_shrink and direct and decode_shrink_overlap(x.device)
         if decode_shrink:
             shrunk_gate_up = torch.empty(
                 (pairs, decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype)), 2 * rank_block),
@@ -274,7 +286,8 @@ def fused_experts(
             )
             alignment = moe_align_with_gate_up_shrink(
                 chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a, chunk_slots,
-                lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not direct)
+                lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not direct,
+                release_next=overlap)
         elif not direct:
             alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
         if direct:
@@ -342,6 +355,7 @@ def fused_experts(
                 activation=activation,
                 lora=gemm1_lora,
                 zero_counters=topk_sum,
+                late_wait=overlap,
                 **align,
             )
 

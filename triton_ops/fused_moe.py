@@ -61,7 +61,12 @@ from triton_ops.lora_tiles import (
     spread_to_group,
 )
 from triton_ops.moe_sum import finish_topk_sum_if_last
-from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
+from triton_ops.pdl import (
+    dependent_launch_supported,
+    programmatic_launch,
+    wait_for_previous_kernel,
+    wait_for_previous_kernel_late,
+)
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -165,8 +170,12 @@ def _fused_moe_kernel(
     FUSED_SUM: tl.constexpr = False,
     SUM_BLOCK_T: tl.constexpr = 16,
     USE_PDL: tl.constexpr = False,
+    LATE_WAIT: tl.constexpr = False,
 ):
-    wait_for_previous_kernel(USE_PDL)
+    # LATE_WAIT: launched dependently after a kernel that writes only the LoRA shrink partials, which the
+    # epilogue alone reads: the base K-loop runs first, the wait comes after it.
+    if not LATE_WAIT:
+        wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     if ZERO_COUNTERS:
         if pid == 0:
@@ -240,10 +249,13 @@ def _fused_moe_kernel(
                                   other=0.0)
             if LORA_PREFETCH:
                 # Everything the epilogue reads for the block's first slot group is loaded before the
-                # K-loop, so its latency hides behind the loop instead of following it in every tile.
-                pre_gate, pre_up = load_scaled_gate_up_partials(
-                    shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=ACTIVATION != 0,
-                    SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
+                # K-loop, so its latency hides behind the loop instead of following it in every tile
+                # (the partials only once they are written: after the late wait).
+                if not LATE_WAIT:
+                    pre_gate, pre_up = load_scaled_gate_up_partials(
+                        shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling,
+                        GATED=ACTIVATION != 0, SPLITS=LORA_SPLITS, LORA_R=LORA_R,
+                        SPLIT_CHUNK=LORA_SPLIT_CHUNK)
                 slot0 = first_slot(row_slot, has_slot)
                 col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
                                                                 LORA_R=LORA_R)
@@ -310,6 +322,7 @@ def _fused_moe_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    wait_for_previous_kernel_late(LATE_WAIT)
     if HAS_LORA:
         if ACTIVATION == 0:
             # One accumulator: the expand helpers take and hand back an up tile they leave alone.
@@ -324,6 +337,10 @@ def _fused_moe_kernel(
             )
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
         elif LORA_PREFETCH:
+            if LATE_WAIT:
+                pre_gate, pre_up = load_scaled_gate_up_partials(
+                    shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=ACTIVATION != 0,
+                    SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
             if slot0 < (1 << 30):
                 acc = _dot(
                     spread_to_group(pre_gate, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_gate.dtype),
@@ -623,18 +640,29 @@ def invoke_fused_moe_kernel(
     direct_ids: torch.Tensor | None = None,
     zero_counters: TopkSumOperands | None = None,
     topk_sum: TopkSumOperands | None = None,
+    late_wait: bool = False,
 ) -> None:
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
     gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync.
 
     Rows come from the alignment (``sorted_ids``, ``expert_ids``, ``num_post_padded``) or, for one decode
     token, from ``direct_ids``: its flat (top_k,) topk_ids, each pair a block of its own. ``topk_sum``
-    (GEMM2) also writes the top-k sum of ``c``'s rows; ``zero_counters`` (GEMM1) zeroes its counters."""
+    (GEMM2) also writes the top-k sum of ``c``'s rows; ``zero_counters`` (GEMM1) zeroes its counters.
+
+    ``late_wait`` (sm_90+): the launch before this one wrote only ``lora.shrunk`` and let this one be
+    scheduled early (``decode_shrink_overlap``); this launch is dependent and waits for it only after its
+    K-loop. Needs ``direct_ids`` (no alignment from that launch) and precomputed shrink partials."""
     numel = c.shape[0]
     if direct_ids is None and (sorted_ids is None or expert_ids is None or num_post_padded is None):
         raise ValueError("pass the alignment (sorted_ids, expert_ids, num_post_padded) or direct_ids")
     if direct_ids is not None and direct_ids.shape != (numel,):
         raise ValueError(f"direct_ids must be the flat topk_ids ({numel},), got {tuple(direct_ids.shape)}")
+    if late_wait:
+        if direct_ids is None or lora is None or lora.shrunk is None:
+            raise ValueError("late_wait needs direct_ids and lora.shrunk: the launch before may write "
+                             "nothing else this one reads")
+        if not dependent_launch_supported(a.device):
+            raise ValueError(f"late_wait needs dependent launch (an sm_90+ GPU), not {a.device}")
     for counted in (zero_counters, topk_sum):
         if counted is not None and counted.counters.dtype != torch.int32:
             raise TypeError(f"top-k sum counters must be int32, got {counted.counters.dtype}")
@@ -783,7 +811,7 @@ def invoke_fused_moe_kernel(
         COUNTERS_BLOCK=triton.next_power_of_2(max(16, num_counters)),
         FUSED_SUM=topk_sum is not None,
         SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
-        **programmatic_launch(a.device),
+        **({"LATE_WAIT": True, "launch_pdl": True} if late_wait else programmatic_launch(a.device)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         maxnreg=None if lora is None else lora_register_cap(

@@ -5,6 +5,10 @@ kernel here that takes ``USE_PDL`` calls ``wait_for_previous_kernel`` as its fir
 until the kernel before it is done (and its writes are visible), then lets the next one be scheduled. So
 results and ordering are those of a plain launch; only the gap between launches can shrink (alignment,
 GEMM1, GEMM2 and the top-k sum of a decode step are four dependent launches of a few microseconds each).
+
+One overlap goes further (``decode_shrink_overlap``): one decode token's GEMM1 reads only the LoRA shrink
+partials from the launch before it (the gate/up shrink), so it starts while that launch still runs,
+streams its base weights, and waits for it only before its epilogue.
 """
 
 from __future__ import annotations
@@ -24,6 +28,32 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def wait_for_previous_kernel_late(LATE_WAIT: tl.constexpr):
+    """The wait of a kernel launched with ``late_wait``: placed after the work that does not read what the
+    previous kernel writes (it does not let the next kernel be scheduled early: that one waits at once)."""
+    if LATE_WAIT:
+        gdc_wait()
+
+
+def dependent_launch_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched dependently (sm_90+; not the Triton interpreter)."""
+    if torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def decode_shrink_overlap(device: torch.device) -> bool:
+    """Whether one decode token's GEMM1 overlaps the gate/up shrink launch before it: that launch lets
+    the next one be scheduled as soon as its programs start, and GEMM1 (launched dependently) streams its
+    base weights first and waits for the shrink only before its epilogue. On by default where dependent
+    launch exists; ``MOELORA_SHRINK_OVERLAP=0`` turns it off (to compare)."""
+    mode = os.environ.get("MOELORA_SHRINK_OVERLAP", "")
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"MOELORA_SHRINK_OVERLAP must be 0 or 1, got {mode!r}")
+    return mode != "0" and dependent_launch_supported(device)
+
+
 def programmatic_launch(device: torch.device) -> dict:
     """Keyword arguments for a launch with PDL: ``{"USE_PDL": True, "launch_pdl": True}`` with
     ``MOELORA_PDL=1`` on an sm_90+ GPU, else ``{}``. Off by default until it is measured on the device
@@ -31,8 +61,6 @@ def programmatic_launch(device: torch.device) -> dict:
     mode = os.environ.get("MOELORA_PDL", "")
     if mode not in ("", "0", "1"):
         raise ValueError(f"MOELORA_PDL must be 0 or 1, got {mode!r}")
-    if mode != "1" or torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return {}
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if mode != "1" or not dependent_launch_supported(device):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}
