@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moelora.bench import cold_l2_time_ms, warm_up_on_side_stream  # noqa: E402
+from moelora.bench import cold_l2_time_ms, graph_time_us  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     GemmConfig,
     MoEConfig,
@@ -86,11 +86,7 @@ def graph_timer(fn: Callable[[], object]) -> float:
     """µs of one call replayed from a CUDA graph (cold L2): at decode a layer call is a few tens of µs,
     under the host's launch time, so timing it eagerly would time Python."""
     try:
-        warm_up_on_side_stream(fn)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return cold_l2_time_ms(graph.replay, 10, 40) * 1000
+        return graph_time_us(fn, 10, 40)[0]
     except Exception as err:  # out of resources on this device: not a candidate
         print(f"    skipped: {type(err).__name__}", file=sys.stderr)
         return float("inf")

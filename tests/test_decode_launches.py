@@ -264,36 +264,25 @@ def test_lora_split_decode_modes_bit_equal(monkeypatch, dtype, m, top_k):
         assert torch.equal(out, reference), f"mode {mode} differs from the four-launch path"
 
 
+# One token, a rank-64 adapter, I in 32-column GEMM1 tiles. I=520: 17 x 64 partial columns, past the
+# few-pair limit (64 x 16) but within one token's (MAX_ONE_TOKEN_DOWN_PARTIALS, 128 x 16), so GEMM1 writes
+# the down shrink and the layer needs no alignment (DeepSeek-V2-Lite rank 64 at M=1: 22 tiles). I=1040:
+# 33 x 64 columns, past it, so the down shrink is its own launch, which walks the aligned blocks: one
+# token keeps the alignment.
+@pytest.mark.parametrize(("inter", "expected_calls"), [
+    (520, {"align": 0, "align+shrink": 0, "shrink only": 1, "sum": 0, "down shrink": 0}),
+    (1040, {"align": 0, "align+shrink": 1, "shrink only": 0, "sum": 0, "down shrink": 1}),
+], ids=["in-gemm1", "own-launch"])
 @interpreter
-def test_lora_direct_needs_down_shrink_in_gemm1(monkeypatch):
-    # A rank-64 adapter and 33 GEMM1 N tiles (I=1040 in 32-column tiles): 33 x 64 partial columns are past
-    # what GEMM2 sums from GEMM1's epilogue for one token (MAX_ONE_TOKEN_DOWN_PARTIALS), so the down
-    # shrink is its own launch, which walks the aligned blocks: one token keeps the alignment.
-    num_experts, hidden, inter = 9, 48, 1040
+def test_one_token_rank_64_down_shrink_placement(monkeypatch, inter, expected_calls):
+    num_experts, hidden = 9, 48
     x, w13, w2, weights, ids = make_inputs(1, num_experts, 6, hidden, inter, F32, seed=2)
     lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, F32, ranks=(40, 64), pool_rank=64,
                                             slots_per_token=[2])
     spy = LaunchSpy(monkeypatch)
     out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
     calls = spy.take()
-    assert calls["align+shrink"] == 1 and calls["shrink only"] == 0, calls
-    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
-    assert rel_err(out, ref) <= TOL[F32]
-
-
-@interpreter
-def test_one_token_rank_64_keeps_down_shrink_in_gemm1(monkeypatch):
-    # One token, a rank-64 adapter and 17 GEMM1 N tiles (I=520 in 32-column tiles): 17 x 64 partial
-    # columns, past the few-pair limit (64 x 16) but within one token's (128 x 16), so GEMM1 writes the down
-    # shrink and the layer needs no alignment (DeepSeek-V2-Lite rank 64 at M=1: 22 tiles).
-    num_experts, hidden, inter = 9, 48, 520
-    x, w13, w2, weights, ids = make_inputs(1, num_experts, 6, hidden, inter, F32, seed=2)
-    lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, F32, ranks=(40, 64), pool_rank=64,
-                                            slots_per_token=[2])
-    spy = LaunchSpy(monkeypatch)
-    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
-    calls = spy.take()
-    assert calls == {"align": 0, "align+shrink": 0, "shrink only": 1, "sum": 0, "down shrink": 0}, calls
+    assert calls == expected_calls, calls
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert rel_err(out, ref) <= TOL[F32]
 

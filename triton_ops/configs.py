@@ -122,6 +122,15 @@ def pipeline_smem_bytes(gemm: GemmConfig, *, b_tiles: int, lora_cols: int = 0, e
     return gemm.num_stages * per_stage * elem_bytes
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment switch: ``NAME=1`` on, ``NAME=0`` off, unset ``default``; anything else is a
+    mistake worth saying."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return default if value == "" else value == "1"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from triton_ops.configs import MAX_SHARED_BYTES, MoEConfig, get_moe_config, pipeline_smem_bytes
+from triton_ops.configs import MAX_SHARED_BYTES, MoEConfig, env_switch, get_moe_config, pipeline_smem_bytes
 from triton_ops.decode_shrink import (
     decode_shrink_block_k,
     decode_shrink_splits,
@@ -65,15 +65,6 @@ MAX_DECODE_DOWN_PARTIALS = 64
 MAX_ONE_TOKEN_DOWN_PARTIALS = 128
 
 
-def _switch(name: str) -> bool:
-    """An on/off environment switch that defaults to on: ``NAME=0`` turns it off, ``NAME=1`` or unset keeps
-    it on; anything else is a mistake worth saying."""
-    value = os.environ.get(name, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value != "0"
-
-
 def decode_direct_pairs(num_tokens: int) -> bool:
     """Whether the GEMMs take the routed pairs straight from topk_ids, without the alignment launch: for
     one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
@@ -81,7 +72,7 @@ def decode_direct_pairs(num_tokens: int) -> bool:
     layer M=1, with ``fused_topk_sum`` (both off -> on, ``benchmarks/ab_env.py --layer base``):
     DeepSeek-V2-Lite 60.2 -> 54.9 us, Qwen3-30B-A3B 51.2 -> 45.3, DeepSeek-V2 120.5 -> 114.8, DeepSeek-V3
     257.2 -> 251.1, Mixtral-8x7B 253.4 -> 248.4. ``MOELORA_DECODE_DIRECT=0`` turns it off (to compare)."""
-    return num_tokens == 1 and _switch("MOELORA_DECODE_DIRECT")
+    return num_tokens == 1 and env_switch("MOELORA_DECODE_DIRECT", default=True)
 
 
 def fused_topk_sum(num_tokens: int, top_k: int) -> bool:
@@ -91,7 +82,7 @@ def fused_topk_sum(num_tokens: int, top_k: int) -> bool:
     Qwen3-30B-A3B 46.4 -> 44.9, DeepSeek-V3 252.0 -> 250.5; M=2..16 up to 1.3 % slower (DeepSeek-V2-Lite
     M=16 305.7 -> 309.8 us), and with 4 rank-16 adapters DeepSeek-V3 M=16 2931 -> 2973 us.
     ``MOELORA_FUSED_SUM=0`` turns it off (to compare)."""
-    return top_k > 1 and num_tokens == 1 and _switch("MOELORA_FUSED_SUM")
+    return top_k > 1 and num_tokens == 1 and env_switch("MOELORA_FUSED_SUM", default=True)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from triton_ops.configs import env_switch
+
 
 @triton.jit
 def wait_for_previous_kernel(USE_PDL: tl.constexpr):
@@ -48,19 +50,13 @@ def decode_shrink_overlap(device: torch.device) -> bool:
     the next one be scheduled as soon as its programs start, and GEMM1 (launched dependently) streams its
     base weights first and waits for the shrink only before its epilogue. On by default where dependent
     launch exists; ``MOELORA_SHRINK_OVERLAP=0`` turns it off (to compare)."""
-    mode = os.environ.get("MOELORA_SHRINK_OVERLAP", "")
-    if mode not in ("", "0", "1"):
-        raise ValueError(f"MOELORA_SHRINK_OVERLAP must be 0 or 1, got {mode!r}")
-    return mode != "0" and dependent_launch_supported(device)
+    return env_switch("MOELORA_SHRINK_OVERLAP", default=True) and dependent_launch_supported(device)
 
 
 def programmatic_launch(device: torch.device) -> dict:
     """Keyword arguments for a launch with PDL: ``{"USE_PDL": True, "launch_pdl": True}`` with
     ``MOELORA_PDL=1`` on an sm_90+ GPU, else ``{}``. Off by default until it is measured on the device
     (``benchmarks/ab_env.py --env MOELORA_PDL=1``)."""
-    mode = os.environ.get("MOELORA_PDL", "")
-    if mode not in ("", "0", "1"):
-        raise ValueError(f"MOELORA_PDL must be 0 or 1, got {mode!r}")
-    if mode != "1" or not dependent_launch_supported(device):
+    if not env_switch("MOELORA_PDL", default=False) or not dependent_launch_supported(device):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}
