@@ -61,9 +61,10 @@ class LaunchSpy:
     """Counts the alignment and top-k sum launches ``fused_experts`` makes (wrapping its module names)."""
 
     def __init__(self, monkeypatch):
-        self.calls = {"align": 0, "align+shrink": 0, "shrink only": 0, "sum": 0, "down shrink": 0}
+        self.calls = {"align": 0, "align+shrink": 0, "shrink only": 0, "sum": 0, "down shrink": 0,
+                      "down gemv": 0}
         align, align_shrink = fe.moe_align_block_size, fe.moe_align_with_gate_up_shrink
-        moe_sum, shrink = fe.moe_sum_reduce, fe.moe_lora_a
+        moe_sum, shrink, down_gemv = fe.moe_sum_reduce, fe.moe_lora_a, fe.one_token_down_shrink
 
         def counted_align(*args, **kwargs):
             self.calls["align"] += 1
@@ -83,8 +84,13 @@ class LaunchSpy:
             self.calls["down shrink"] += 1
             return shrink(*args, **kwargs)
 
+        def counted_down_gemv(*args, **kwargs):
+            self.calls["down gemv"] += 1
+            return down_gemv(*args, **kwargs)
+
         monkeypatch.setattr(fe, "moe_sum_reduce", counted_sum)
         monkeypatch.setattr(fe, "moe_lora_a", counted_shrink)
+        monkeypatch.setattr(fe, "one_token_down_shrink", counted_down_gemv)
 
     def take(self):
         calls, self.calls = self.calls, dict.fromkeys(self.calls, 0)
@@ -105,12 +111,14 @@ def run_modes(monkeypatch, fn):
 
 def expected_launches(m, top_k, *, lora=False, down_launch=False):
     """Alignment, sum and down-shrink launches of each mode at a decode size (<= 128 pairs). With
-    ``down_launch`` (the down shrink does not fit GEMM1's epilogue) its own launch walks the aligned
-    blocks, so even one token keeps the alignment."""
+    ``down_launch`` (the down shrink does not fit GEMM1's epilogue) it is a launch of its own: for one
+    token a GEMV on the routed pairs ("down gemv"), else one that walks the aligned blocks."""
     expected = {}
     for direct, fused in MODES:
-        is_direct = direct == "1" and m == 1 and not down_launch
-        calls = {"align": 0, "align+shrink": 0, "shrink only": 0, "sum": 0, "down shrink": int(down_launch)}
+        is_direct = direct == "1" and m == 1
+        calls = {"align": 0, "align+shrink": 0, "shrink only": 0, "sum": 0,
+                 "down shrink": int(down_launch and not is_direct),
+                 "down gemv": int(down_launch and is_direct)}
         if lora:
             calls["shrink only" if is_direct else "align+shrink"] = 1
         elif not is_direct:
@@ -166,7 +174,8 @@ def test_prefill_keeps_alignment_and_sum_launches(monkeypatch):
     x, w13, w2, weights, ids = make_inputs(22, 10, 6, 40, 24, F32, seed=5)
     results = run_modes(monkeypatch, lambda: fe.fused_experts(x, w13, w2, weights, ids))
     for mode, (out, calls) in results.items():
-        assert calls == {"align": 1, "align+shrink": 0, "shrink only": 0, "sum": 1, "down shrink": 0}, mode
+        assert calls == {"align": 1, "align+shrink": 0, "shrink only": 0, "sum": 1, "down shrink": 0,
+                         "down gemv": 0}, mode
         assert torch.equal(out, results[("0", "0")][0])
 
 
@@ -264,19 +273,20 @@ def test_lora_split_decode_modes_bit_equal(monkeypatch, dtype, m, top_k):
         assert torch.equal(out, reference), f"mode {mode} differs from the four-launch path"
 
 
-# One token, a rank-64 adapter, I in 32-column GEMM1 tiles. I=520: 17 x 64 partial columns, past the
-# few-pair limit (64 x 16) but within one token's (MAX_ONE_TOKEN_DOWN_PARTIALS, 128 x 16), so GEMM1 writes
-# the down shrink and the layer needs no alignment (DeepSeek-V2-Lite rank 64 at M=1: 22 tiles). I=1040:
-# 33 x 64 columns, past it, so the down shrink is its own launch, which walks the aligned blocks: one
-# token keeps the alignment.
+# One token, a rank-64 adapter, I in 32-column GEMM1 tiles. I=500: 16 x 64 partial columns, at the
+# few-pair limit (MAX_DECODE_DOWN_PARTIALS, 64 x 16), so GEMM1 writes the down shrink (Qwen3-30B rank 64
+# at M=1: 12 tiles). I=520: 17 x 64 columns, one tile past it, so the down shrink is a GEMV launch of its
+# own on the routed pairs (DeepSeek-V2-Lite rank 64 at M=1: 22 tiles; Mixtral-8x7B: 448). Neither needs
+# the alignment.
 @pytest.mark.parametrize(("inter", "expected_calls"), [
-    (520, {"align": 0, "align+shrink": 0, "shrink only": 1, "sum": 0, "down shrink": 0}),
-    (1040, {"align": 0, "align+shrink": 1, "shrink only": 0, "sum": 0, "down shrink": 1}),
+    (500, {"align": 0, "align+shrink": 0, "shrink only": 1, "sum": 0, "down shrink": 0, "down gemv": 0}),
+    (520, {"align": 0, "align+shrink": 0, "shrink only": 1, "sum": 0, "down shrink": 0, "down gemv": 1}),
 ], ids=["in-gemm1", "own-launch"])
+@pytest.mark.parametrize("top_k", [1, 2, 6])
 @interpreter
-def test_one_token_rank_64_down_shrink_placement(monkeypatch, inter, expected_calls):
+def test_one_token_rank_64_down_shrink_placement(monkeypatch, inter, expected_calls, top_k):
     num_experts, hidden = 9, 48
-    x, w13, w2, weights, ids = make_inputs(1, num_experts, 6, hidden, inter, F32, seed=2)
+    x, w13, w2, weights, ids = make_inputs(1, num_experts, top_k, hidden, inter, F32, seed=2)
     lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, F32, ranks=(40, 64), pool_rank=64,
                                             slots_per_token=[2])
     spy = LaunchSpy(monkeypatch)
@@ -420,17 +430,20 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
 
 # (E, top_k, H, I) for the overlap test: two model shapes, and a small one whose GEMM1 K-loop (256 columns)
 # is about as short as the shrink, so a GEMM1 that read the partials before they were written would do so.
-OVERLAP_SHAPES = dict(GPU_SHAPES, small=(16, 4, 256, 128))
+# Mixtral-8x7B and "small-gemv" (rank 64 over at least 33 GEMM1 N tiles, whatever the default tile) have a
+# down-shrink launch of their own, which GEMM2 overlaps the same way.
+OVERLAP_SHAPES = dict(GPU_SHAPES, small=(16, 4, 256, 128), **{"small-gemv": (16, 4, 256, 4160)})
+DOWN_GEMV_SHAPES = ("mixtral-8x7b", "small-gemv")
 
 
 @gpu
-@pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3-30b-a3b", "small"])
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3-30b-a3b", "small", *DOWN_GEMV_SHAPES])
 @pytest.mark.parametrize("pdl", ["0", "1"])
 def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
     """One token with an adapter: GEMM1 launched dependently on the gate/up shrink (waiting for it after
-    its K-loop) gives bit for bit what the plain launches give, in replays with new x, routing and
-    adapter slot each time (a replay that read the last replay's partials would differ); also with every
-    launch dependent (``MOELORA_PDL=1``)."""
+    its K-loop), and GEMM2 on the down shrink where that is a launch, give bit for bit what the plain
+    launches give, in replays with new x, routing and adapter slot each time (a replay that read the last
+    replay's partials would differ); also with every launch dependent (``MOELORA_PDL=1``)."""
     from triton_ops.pdl import dependent_launch_supported
 
     if not dependent_launch_supported(torch.device("cuda")):
@@ -438,7 +451,9 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
     monkeypatch.setenv("MOELORA_PDL", pdl)
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     x, w13, w2, weights, ids = make_inputs(1, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=5)
-    lora, _, _ = lora_inputs(1, num_experts, hidden, inter, BF16, seed=5, device="cuda")
+    ranks = dict(ranks=(40, 64), pool_rank=64) if name == "small-gemv" else {}
+    lora, _, _ = lora_inputs(1, num_experts, hidden, inter, BF16, seed=5, device="cuda", **ranks)
+    down_gemv = name in DOWN_GEMV_SHAPES
     late_waits = []
     invoke = fe.invoke_fused_moe_kernel
 
@@ -453,7 +468,7 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
 
     monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
     graph, graph_out = captured(layer)
-    assert late_waits[-2:] == [True, False], "GEMM1 must wait late, GEMM2 as usual"
+    assert late_waits[-2:] == [True, down_gemv], "GEMM1 must wait late, GEMM2 only after a down-shrink launch"
     gen = torch.Generator("cuda").manual_seed(9)
     for step in range(12):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))

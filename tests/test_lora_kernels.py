@@ -11,7 +11,11 @@ import torch
 from moelora.reference import reference_moe_from_pool
 from triton_ops import MoEConfig
 from triton_ops.configs import GemmConfig
-from triton_ops.decode_shrink import decode_shrink_splits, moe_align_with_gate_up_shrink
+from triton_ops.decode_shrink import (
+    decode_shrink_splits,
+    moe_align_with_gate_up_shrink,
+    one_token_down_shrink,
+)
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts
 from triton_ops.fused_moe import lora_slot_group
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
@@ -262,6 +266,52 @@ def test_align_with_gate_up_shrink(dtype):
         expected[:rank] = a[:rank] @ x[p // top_k].float()
         expected[rank_block:rank_block + rank] = a[pool_rank:pool_rank + rank] @ x[p // top_k].float()
         torch.testing.assert_close(summed[p], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# top-k 1, 2, 6, 8; slot 2 (rank 16) in a max-rank-24 pool read with a rank tile of 16 (the columns past a
+# real rank must come out 0), slot 0 (rank 5), and no adapter (rows left unwritten). I=300: four K tiles
+# of 64 plus a ragged one.
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+@pytest.mark.parametrize("slot", [0, 2, -1])
+def test_one_token_down_shrink(dtype, top_k, slot):
+    """One token's down shrink without an alignment: the partials sum to A_down h per routed pair."""
+    gen = torch.Generator().manual_seed(top_k)
+    inter, num_experts, pool_rank, rank_block = 300, 9, 24, 16
+    ids = torch.randperm(num_experts, generator=gen)[:top_k].int().view(1, top_k)
+    activated = torch.randn(top_k, inter, generator=gen).to(dtype)
+    down_a = torch.randn(3, num_experts, pool_rank, inter, generator=gen).to(dtype)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    ranks = torch.tensor([5, 0, 16], dtype=torch.int32)
+    splits = decode_shrink_splits(top_k, inter, 64)
+    assert splits > 1
+    out = torch.full((top_k, splits, rank_block), float("nan"))
+    one_token_down_shrink(activated, down_a, ids, slots, ranks, rank_block=rank_block, out=out)
+    if slot < 0:
+        assert out.isnan().all()
+        return
+    rank = int(ranks[slot])
+    for p in range(top_k):
+        expected = torch.zeros(rank_block)
+        expected[:rank] = down_a[slot, ids[0, p], :rank].float() @ activated[p].float()
+        torch.testing.assert_close(out[p].sum(0), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_one_token_down_shrink_rejects_bad_operands():
+    activated, down_a = torch.zeros(2, 40), torch.zeros(3, 9, 16, 40)
+    ids, slots, ranks = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.ones(3)
+    out = torch.zeros(2, 1, 16)
+    with pytest.raises(ValueError, match=r"one token's topk_ids \(1, top_k\)"):
+        one_token_down_shrink(activated, down_a, ids.view(2, 1), slots, ranks, rank_block=16, out=out)
+    with pytest.raises(ValueError, match="a row per routed pair"):
+        one_token_down_shrink(activated[:1], down_a, ids, slots, ranks, rank_block=16, out=out)
+    with pytest.raises(ValueError, match=r"down_a must be \(L, E, R, 40\)"):
+        one_token_down_shrink(activated, down_a[..., :20], ids, slots, ranks, rank_block=16, out=out)
+    with pytest.raises(ValueError, match=r"out must be fp32 \(2, splits, 16\)"):
+        one_token_down_shrink(activated, down_a, ids, slots, ranks, rank_block=16, out=out[..., :8])
+    with pytest.raises(ValueError, match="sm_90"):
+        one_token_down_shrink(activated, down_a, ids, slots, ranks, rank_block=16, out=out, release_next=True)
 
 
 @pytest.mark.interpreter

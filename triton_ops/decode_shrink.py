@@ -1,4 +1,4 @@
-"""Decode: the routing alignment and GEMM1's LoRA shrink in one launch.
+"""Decode: the routing alignment and GEMM1's LoRA shrink in one launch; one token's down shrink.
 
 Semantics:  program 0:     the alignment of ``moe_align_block_size`` (one program, numel <= 128 pairs;
                            not launched for one token, whose GEMMs take the routed pairs directly)
@@ -7,12 +7,16 @@ Semantics:  program 0:     the alignment of ``moe_align_block_size`` (one progra
             for every routed pair p = t*top_k + j with a = token_slots[t] >= 0, e_p = topk_ids[t, j] and
             split s of K (ks = its columns); columns past rank_a hold 0, so every column GEMM1 reads is
             written. Pairs of tokens without an adapter are not written (nobody reads them).
+            Down shrink (``one_token_down_shrink``, GATED=False, no alignment):
+                           out[p, s, :R]  = A_down[a, e_p, :rank_a, ks] @ h[p, ks]
 Grid:       (1 + numel * splits,), or (numel * splits,) without the alignment
 
 The shrink needs only the routing and x, not the sorted order, so at decode it rides in the alignment's
 launch instead of following it: the layer then has the base path's launches (the down shrink is written
-by GEMM1's epilogue). Each shrink program is a GEMV on one pair's K slice (fp32 products and sums, no
-tensor cores at one row); the split partials are summed by GEMM1 in a fixed order (no atomics).
+by GEMM1's epilogue). Where GEMM1 has too many N tiles for that (one token of Mixtral-8x7B: 448), the down
+shrink is a launch of the same GEMVs on the activated rows, between the GEMMs, so the token still needs
+no alignment. Each shrink program is a GEMV on one pair's K slice (fp32 products and sums, no tensor cores
+at one row); the split partials are summed by the GEMM that reads them in a fixed order (no atomics).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from triton_ops.pdl import dependent_launch_supported, programmatic_launch, wait
 
 
 @triton.jit
-def _align_and_gate_up_shrink_kernel(
+def _align_and_pair_shrink_kernel(
     # Pointers: alignment
     topk_ids_ptr,  # (numel,) int32/int64 flat routed expert ids
     expert_start_ptr,  # (E,) int32 scratch
@@ -34,11 +38,11 @@ def _align_and_gate_up_shrink_kernel(
     sorted_ids_ptr,  # (max_padded,) int32 out
     num_post_padded_ptr,  # (1,) int32 out
     # Pointers: shrink
-    x_ptr,  # (M, K) fp16/bf16/fp32 activations
-    lora_a_ptr,  # (L, E, 2R_pool, K) gate_up_a: gate rows, then up rows from lora_up_offset
+    x_ptr,  # (M, K) fp16/bf16/fp32 activations x; GATED=False: (numel, K) the activated rows h
+    lora_a_ptr,  # (L, E, 2R_pool, K) gate_up_a: gate rows, then up rows from lora_up_offset; or down_a
     token_slots_ptr,  # (M,) int32 slot per token, -1 = no adapter
     slot_ranks_ptr,  # (L,) int32 real rank per slot
-    out_ptr,  # (numel, splits, 2 * LORA_R) fp32 out: [gate | up] partials
+    out_ptr,  # (numel, splits, 2 * LORA_R) fp32 out: [gate | up] partials (GATED=False: LORA_R wide)
     # Sizes
     numel,
     num_experts,
@@ -48,6 +52,7 @@ def _align_and_gate_up_shrink_kernel(
     k_per_split,
     num_splits,
     top_k,
+    x_row_div,
     lora_up_offset,
     # Strides
     stride_xm,
@@ -66,6 +71,7 @@ def _align_and_gate_up_shrink_kernel(
     LORA_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ALIGN: tl.constexpr = True,
+    GATED: tl.constexpr = True,
     USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -89,7 +95,7 @@ def _align_and_gate_up_shrink_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             rank_valid = offs_r < rank
             la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
-            x_row = x_ptr + token.to(tl.int64) * stride_xm
+            x_row = x_ptr + (pair // x_row_div).to(tl.int64) * stride_xm
             k_start = split * k_per_split
             k_end = tl.minimum(k_start + k_per_split, K)
             gate = tl.zeros((LORA_R, BLOCK_K), dtype=tl.float32)
@@ -101,10 +107,12 @@ def _align_and_gate_up_shrink_kernel(
                 a_ptrs = la_ptr + offs_r[:, None] * stride_la_r + cols[None, :] * stride_la_k
                 mask = rank_valid[:, None] & k_valid[None, :]
                 gate += tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
-                up += tl.load(a_ptrs + lora_up_offset, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
+                if GATED:
+                    up += tl.load(a_ptrs + lora_up_offset, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
             out_row = out_ptr + pair.to(tl.int64) * stride_om + split * stride_os
             tl.store(out_row + offs_r, tl.sum(gate, axis=1))
-            tl.store(out_row + LORA_R + offs_r, tl.sum(up, axis=1))
+            if GATED:
+                tl.store(out_row + LORA_R + offs_r, tl.sum(up, axis=1))
 
 
 def decode_shrink_splits(numel: int, k: int, block_k: int, target_programs: int = 256,
@@ -141,43 +149,92 @@ def moe_align_with_gate_up_shrink(
     if release_next and (align or not dependent_launch_supported(x.device)):
         raise ValueError("release_next needs align=False (the next launch may read only the shrink) and an "
                          "sm_90+ GPU")
-    (sorted_ids, expert_ids, num_post_padded), align_kwargs, num_warps = single_program_align_args(
-        topk_ids, block_size, num_experts)
-    numel, splits, width = out.shape
     num_tokens, hidden = x.shape
-    if numel != topk_ids.numel() or width != 2 * rank_block or out.dtype != torch.float32:
-        raise ValueError(f"out must be fp32 ({topk_ids.numel()}, splits, {2 * rank_block}), got {out.dtype} "
-                         f"{tuple(out.shape)}")
     if gate_up_a.dim() != 4 or gate_up_a.shape[3] != hidden or gate_up_a.shape[2] % 2:
         raise ValueError(f"gate_up_a must be (L, E, 2R, {hidden}), got {tuple(gate_up_a.shape)}")
     if token_slots.shape != (num_tokens,):
         raise ValueError(f"token_slots must be ({num_tokens},), got {tuple(token_slots.shape)}")
-    pool_rank = gate_up_a.shape[2] // 2
+    return _launch_pair_shrink(topk_ids, block_size, num_experts, x, gate_up_a, token_slots, slot_ranks,
+                               rank_block=rank_block, out=out, align=align, gated=True,
+                               release_next=release_next)
+
+
+def one_token_down_shrink(
+    activated: torch.Tensor,
+    down_a: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    *,
+    rank_block: int,
+    out: torch.Tensor,
+    release_next: bool = False,
+) -> None:
+    """GEMM2's LoRA shrink for one token's routed pairs, without an alignment: ``sum_s out[p, s] =
+    A_down[slot, e_p] @ activated[p]`` into ``out`` (top_k, splits, rank_block) fp32 (splits from
+    ``decode_shrink_splits``), for a token whose GEMM1 has too many N tiles to write it in its epilogue.
+
+    ``release_next`` (sm_90+): every program, once the kernel before it (GEMM1) is done, lets the next
+    launch be scheduled (a GEMM2 launched with ``late_wait``: it reads ``activated``, complete by then,
+    in its K-loop, and these partials only after its wait)."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != 1:
+        raise ValueError(f"one_token_down_shrink takes one token's topk_ids (1, top_k), got "
+                         f"{tuple(topk_ids.shape)}")
+    if release_next and not dependent_launch_supported(activated.device):
+        raise ValueError("release_next needs an sm_90+ GPU")
+    pairs, inter = activated.shape
+    if pairs != topk_ids.numel():
+        raise ValueError(f"activated must be ({topk_ids.numel()}, I), a row per routed pair, got "
+                         f"{tuple(activated.shape)}")
+    if down_a.dim() != 4 or down_a.shape[3] != inter:
+        raise ValueError(f"down_a must be (L, E, R, {inter}), got {tuple(down_a.shape)}")
+    if token_slots.shape != (1,):
+        raise ValueError(f"token_slots must be (1,) for one token, got {tuple(token_slots.shape)}")
+    # The alignment outputs only fill the kernel's signature: align=False leaves them unwritten.
+    _launch_pair_shrink(topk_ids, 16, down_a.shape[1], activated, down_a, token_slots, slot_ranks,
+                        rank_block=rank_block, out=out, align=False, gated=False, release_next=release_next)
+
+
+def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: int, x: torch.Tensor,
+                        lora_a: torch.Tensor, token_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
+                        rank_block: int, out: torch.Tensor, align: bool, gated: bool,
+                        release_next: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    (sorted_ids, expert_ids, num_post_padded), align_kwargs, num_warps = single_program_align_args(
+        topk_ids, block_size, num_experts)
+    numel, splits, width = out.shape
+    k = x.shape[1]
+    expected_width = (2 if gated else 1) * rank_block
+    if numel != topk_ids.numel() or width != expected_width or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 ({topk_ids.numel()}, splits, {expected_width}), got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    pool_rank = lora_a.shape[2] // 2 if gated else lora_a.shape[2]
     block_k = decode_shrink_block_k(x.dtype)
-    k_per_split = triton.cdiv(triton.cdiv(hidden, block_k), splits) * block_k
-    _align_and_gate_up_shrink_kernel[(int(align) + numel * splits,)](
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+    _align_and_pair_shrink_kernel[(int(align) + numel * splits,)](
         **align_kwargs,
         x_ptr=x,
-        lora_a_ptr=gate_up_a,
+        lora_a_ptr=lora_a,
         token_slots_ptr=token_slots,
         slot_ranks_ptr=slot_ranks,
         out_ptr=out,
-        K=hidden,
+        K=k,
         k_per_split=k_per_split,
         num_splits=splits,
         top_k=topk_ids.shape[1],
-        lora_up_offset=pool_rank * gate_up_a.stride(2),
+        x_row_div=topk_ids.shape[1] if gated else 1,
+        lora_up_offset=pool_rank * lora_a.stride(2) if gated else 0,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
-        stride_la_l=gate_up_a.stride(0),
-        stride_la_e=gate_up_a.stride(1),
-        stride_la_r=gate_up_a.stride(2),
-        stride_la_k=gate_up_a.stride(3),
+        stride_la_l=lora_a.stride(0),
+        stride_la_e=lora_a.stride(1),
+        stride_la_r=lora_a.stride(2),
+        stride_la_k=lora_a.stride(3),
         stride_os=out.stride(1),
         stride_om=out.stride(0),
         LORA_R=rank_block,
         BLOCK_K=block_k,
         ALIGN=align,
+        GATED=gated,
         # USE_PDL compiles the wait-then-release prologue; launch_pdl (this launch dependent on the one
         # before) only with MOELORA_PDL=1.
         **(programmatic_launch(x.device) | ({"USE_PDL": True} if release_next else {})),
@@ -186,4 +243,9 @@ def moe_align_with_gate_up_shrink(
     return (sorted_ids, expert_ids, num_post_padded) if align else None
 
 
-__all__ = ["SINGLE_PROGRAM_MAX_PAIRS", "decode_shrink_splits", "moe_align_with_gate_up_shrink"]
+__all__ = [
+    "SINGLE_PROGRAM_MAX_PAIRS",
+    "decode_shrink_splits",
+    "moe_align_with_gate_up_shrink",
+    "one_token_down_shrink",
+]

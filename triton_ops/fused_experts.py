@@ -26,6 +26,7 @@ from triton_ops.decode_shrink import (
     decode_shrink_block_k,
     decode_shrink_splits,
     moe_align_with_gate_up_shrink,
+    one_token_down_shrink,
 )
 from triton_ops.fused_moe import (
     _ACTIVATIONS,
@@ -56,13 +57,13 @@ LORA_PATHS = ("fused", "split", "staged")
 # With at most 32 pairs (a few decode tokens) GEMM2 has few programs and 64 rank-16 partials are still
 # cheap (DeepSeek-V2-Lite M=1, 44 partials: +14.1 % vs +17.0 % with the launch, moelora bench).
 MAX_DOWN_PARTIALS = 16
-# Rank-16-equivalent partials GEMM2 sums when the batch has at most 32 pairs (see above).
+# Rank-16-equivalent partials GEMM2 sums when the batch has at most 32 pairs (see above). Past them one
+# token's down shrink is a GEMV launch on its routed pairs (``one_token_down_shrink``), which GEMM2
+# overlaps like GEMM1 the gate/up shrink. H100, M=1, one adapter, GEMM1 epilogue -> GEMV launch (graph
+# replays, median of 5 interleaved rounds): rank 64 DeepSeek-V2-Lite (88 partials) 57.0 -> 55.3 us,
+# DeepSeek-V3 (128) 260.3 -> 258.5, but Qwen3-30B (48) 44.0 -> 46.0; rank 16 Qwen3-30B (12) 42.9 -> 44.4,
+# DeepSeek-V2-Lite (22) 52.2 -> 54.0.
 MAX_DECODE_DOWN_PARTIALS = 64
-# And for one token (rank 64 at 32 GEMM1 N tiles): its GEMMs then need no alignment and the layer is
-# three launches instead of five. H100, M=1, one rank-64 adapter, 64 -> 128 (cold-L2 graph replays):
-# DeepSeek-V2-Lite 61.8 -> 56.7 us (22 tiles), DeepSeek-V2 126.7 -> 115.2 (24), DeepSeek-V3 270.4 -> 259.6
-# (32); 192 or 256 gained nothing more.
-MAX_ONE_TOKEN_DOWN_PARTIALS = 128
 
 
 def decode_direct_pairs(num_tokens: int) -> bool:
@@ -190,9 +191,10 @@ def fused_experts(
             launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
             epilogues: two more launches, no recomputation across N tiles; at decode the gate/up
             shrink rides in the alignment's launch and, up to ``MAX_DOWN_PARTIALS`` GEMM1 N tiles, the
-            down shrink in GEMM1's epilogue, so decode has the base path's launches; where many N
-            tiles would each re-sum a shrink's split-K partials, ``reduce_shrink_splits`` sums them once
-            first) or "staged"
+            down shrink in GEMM1's epilogue, so decode has the base path's launches (one token past that
+            many: a GEMV launch between the GEMMs, ``one_token_down_shrink``, still no alignment); where
+            many N tiles would each re-sum a shrink's split-K partials, ``reduce_shrink_splits`` sums them
+            once first) or "staged"
             (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -262,14 +264,14 @@ def fused_experts(
         partial_width = down_tiles * rank_block if lora is not None else 0
         down_in_gemm1 = decode_shrink and (
             partial_width <= MAX_DOWN_PARTIALS * 16
-            or (pairs <= 32 and partial_width <= MAX_DECODE_DOWN_PARTIALS * 16)
-            or (rows == 1 and partial_width <= MAX_ONE_TOKEN_DOWN_PARTIALS * 16))
-        # Without an alignment every LoRA shrink must ride in a launch that needs none (a down shrink
-        # launch of its own, moe_lora_a, walks the aligned blocks).
-        direct = (not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and (not split or down_in_gemm1)
-                  and decode_direct_pairs(rows))
-        # GEMM1 streams its base weights while the gate/up shrink launch before it runs.
+            or (pairs <= 32 and partial_width <= MAX_DECODE_DOWN_PARTIALS * 16))
+        # One token needs no alignment: its down shrink rides in GEMM1's epilogue or, past that many
+        # partials, is a GEMV launch on its routed pairs (one_token_down_shrink) between the GEMMs.
+        direct = not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and decode_direct_pairs(rows)
+        # GEMM1 streams its base weights while the gate/up shrink launch before it runs; GEMM2 likewise
+        # while the down shrink launch runs, when there is one.
         overlap = decode_shrink and direct and decode_shrink_overlap(x.device)
+        down_launch_direct = split and direct and not down_in_gemm1
         if decode_shrink:
             shrunk_gate_up = torch.empty(
                 (pairs, decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype)), 2 * rank_block),
@@ -313,6 +315,9 @@ def fused_experts(
             shrunk_down = torch.empty((pairs, down_tiles, rank_block), dtype=torch.float32, device=x.device)
             gemm1_lora = replace(gemm1_lora, down_a=lora.down_a, down_shrunk=shrunk_down)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
+        elif down_launch_direct:
+            down_splits = decode_shrink_splits(pairs, intermediate, decode_shrink_block_k(x.dtype))
+            shrunk_down = torch.empty((pairs, down_splits, rank_block), dtype=torch.float32, device=x.device)
         elif split or staged:
             shrunk_down = torch.empty(
                 (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
@@ -350,7 +355,11 @@ def fused_experts(
                 **align,
             )
 
-        if split and not down_in_gemm1:
+        if down_launch_direct:
+            one_token_down_shrink(chunk_activated, lora.down_a, chunk_ids, chunk_slots, lora.slot_ranks,
+                                  rank_block=rank_block, out=shrunk_down, release_next=overlap)
+            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
+        elif split and not down_in_gemm1:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
@@ -376,6 +385,7 @@ def fused_experts(
             scale=routed_scaling_factor,
             lora=None if staged else gemm2_lora,
             topk_sum=topk_sum,
+            late_wait=down_launch_direct and overlap,
             **align,
         )
         if pair_out is not None and topk_sum is None:
