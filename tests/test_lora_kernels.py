@@ -298,6 +298,16 @@ def test_one_token_down_shrink(dtype, top_k, slot):
         torch.testing.assert_close(out[p].sum(0), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_one_token_down_splits_rule():
+    from triton_ops.decode_shrink import one_token_down_splits
+
+    assert one_token_down_splits(2, 14336, 16, 128) == 8  # Mixtral rank 16: the decode rule's 8
+    assert one_token_down_splits(2, 14336, 64, 128) == 28  # rank 64: 32K elements of A a program
+    assert one_token_down_splits(6, 1408, 64, 128) == 8  # DeepSeek-V2-Lite rank 64: the decode rule
+    assert one_token_down_splits(2, 300, 64, 128) == 3  # never more splits than K tiles
+    assert one_token_down_splits(1, 10**6, 64, 128) == 32  # at most DOWN_GEMV_MAX_SPLITS
+
+
 def test_one_token_down_shrink_rejects_bad_operands():
     activated, down_a = torch.zeros(2, 40), torch.zeros(3, 9, 16, 40)
     ids, slots, ranks = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.ones(3)

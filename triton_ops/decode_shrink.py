@@ -122,6 +122,24 @@ def decode_shrink_splits(numel: int, k: int, block_k: int, target_programs: int 
     return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, max(numel, 1)), max_splits))
 
 
+# Elements of A (rank rows x K columns) one program of the one-token down GEMV walks, at most, and the
+# split count that may take (GEMM2 sums the splits in its epilogue). GEMM2 overlaps the GEMV and takes its
+# programs' bandwidth, so a long serial walk ends after GEMM2's K-loop: H200, Mixtral-8x7B M=1 rank 64
+# (14336 columns), 8 -> 16 -> 32 splits 227.6 -> 207.3 -> 194.3 us (64: 194.1); at rank 16 (8 splits,
+# 28K elements a program) and for DeepSeek-V2-Lite rank 64 (1408 columns) more splits gained nothing or
+# lost (V2-Lite 44.8 -> 47.2 us at 16: more partials for GEMM2 to sum).
+DOWN_GEMV_ELEMENTS_PER_PROGRAM = 32768
+DOWN_GEMV_MAX_SPLITS = 32
+
+
+def one_token_down_splits(numel: int, k: int, rank_block: int, block_k: int) -> int:
+    """Splits of K for ``one_token_down_shrink``: ``decode_shrink_splits``, or more where a split would
+    walk more than ``DOWN_GEMV_ELEMENTS_PER_PROGRAM`` elements of A (at most ``DOWN_GEMV_MAX_SPLITS``, at
+    most one per K tile)."""
+    by_work = min(triton.cdiv(rank_block * k, DOWN_GEMV_ELEMENTS_PER_PROGRAM), DOWN_GEMV_MAX_SPLITS)
+    return min(triton.cdiv(k, block_k), max(decode_shrink_splits(numel, k, block_k), by_work))
+
+
 def decode_shrink_block_k(dtype: torch.dtype) -> int:
     return 64 if dtype == torch.float32 else 128
 
@@ -172,7 +190,7 @@ def one_token_down_shrink(
 ) -> None:
     """GEMM2's LoRA shrink for one token's routed pairs, without an alignment: ``sum_s out[p, s] =
     A_down[slot, e_p] @ activated[p]`` into ``out`` (top_k, splits, rank_block) fp32 (splits from
-    ``decode_shrink_splits``), for a token whose GEMM1 has too many N tiles to write it in its epilogue.
+    ``one_token_down_splits``), for a token whose GEMM1 has too many N tiles to write it in its epilogue.
 
     ``release_next`` (sm_90+): every program, once the kernel before it (GEMM1) is done, lets the next
     launch be scheduled (a GEMM2 launched with ``late_wait``: it reads ``activated``, complete by then,
@@ -248,4 +266,5 @@ __all__ = [
     "decode_shrink_splits",
     "moe_align_with_gate_up_shrink",
     "one_token_down_shrink",
+    "one_token_down_splits",
 ]

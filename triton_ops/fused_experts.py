@@ -27,6 +27,7 @@ from triton_ops.decode_shrink import (
     decode_shrink_splits,
     moe_align_with_gate_up_shrink,
     one_token_down_shrink,
+    one_token_down_splits,
 )
 from triton_ops.fused_moe import (
     _ACTIVATIONS,
@@ -316,7 +317,8 @@ def fused_experts(
             gemm1_lora = replace(gemm1_lora, down_a=lora.down_a, down_shrunk=shrunk_down)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
         elif down_launch_direct:
-            down_splits = decode_shrink_splits(pairs, intermediate, decode_shrink_block_k(x.dtype))
+            down_splits = one_token_down_splits(pairs, intermediate, rank_block,
+                                                decode_shrink_block_k(x.dtype))
             shrunk_down = torch.empty((pairs, down_splits, rank_block), dtype=torch.float32, device=x.device)
         elif split or staged:
             shrunk_down = torch.empty(
