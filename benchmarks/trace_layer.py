@@ -123,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                         points.append((f"r{rank} x{n_adapters} {path}", lora, path))
             base_span = None
             for label, lora, path in points:
-                trace = trace_call(lambda lora=lora, path=path: fused_experts(
-                    x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path), args.replays)
-                trace["timed_us"], _ = graph_time_us(lambda lora=lora, path=path: fused_experts(
-                    x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path), 10, 40)
+                def layer(lora=lora, path=path):
+                    return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path)
+
+                trace = trace_call(layer, args.replays)
+                trace["timed_us"], _ = graph_time_us(layer, 10, 40)
                 if base_span is None:
                     base_span, base_timed = trace["span_us"], trace["timed_us"]
                 print(f"{name} M={m} {label}: span {trace['span_us']:.1f} us "

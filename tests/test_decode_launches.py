@@ -63,34 +63,22 @@ class LaunchSpy:
     def __init__(self, monkeypatch):
         self.calls = {"align": 0, "align+shrink": 0, "shrink only": 0, "sum": 0, "down shrink": 0,
                       "down gemv": 0}
-        align, align_shrink = fe.moe_align_block_size, fe.moe_align_with_gate_up_shrink
-        moe_sum, shrink, down_gemv = fe.moe_sum_reduce, fe.moe_lora_a, fe.one_token_down_shrink
 
-        def counted_align(*args, **kwargs):
-            self.calls["align"] += 1
-            return align(*args, **kwargs)
+        def count(attr, key_of_call):
+            original = getattr(fe, attr)
 
-        def counted_align_shrink(*args, **kwargs):
-            self.calls["align+shrink" if kwargs.get("align", True) else "shrink only"] += 1
-            return align_shrink(*args, **kwargs)
+            def counted(*args, **kwargs):
+                self.calls[key_of_call(kwargs)] += 1
+                return original(*args, **kwargs)
 
-        def counted_sum(*args, **kwargs):
-            self.calls["sum"] += 1
-            return moe_sum(*args, **kwargs)
+            monkeypatch.setattr(fe, attr, counted)
 
-        monkeypatch.setattr(fe, "moe_align_block_size", counted_align)
-        monkeypatch.setattr(fe, "moe_align_with_gate_up_shrink", counted_align_shrink)
-        def counted_shrink(*args, **kwargs):
-            self.calls["down shrink"] += 1
-            return shrink(*args, **kwargs)
-
-        def counted_down_gemv(*args, **kwargs):
-            self.calls["down gemv"] += 1
-            return down_gemv(*args, **kwargs)
-
-        monkeypatch.setattr(fe, "moe_sum_reduce", counted_sum)
-        monkeypatch.setattr(fe, "moe_lora_a", counted_shrink)
-        monkeypatch.setattr(fe, "one_token_down_shrink", counted_down_gemv)
+        count("moe_align_block_size", lambda kwargs: "align")
+        count("moe_align_with_gate_up_shrink",
+              lambda kwargs: "align+shrink" if kwargs.get("align", True) else "shrink only")
+        count("moe_sum_reduce", lambda kwargs: "sum")
+        count("moe_lora_a", lambda kwargs: "down shrink")
+        count("one_token_down_shrink", lambda kwargs: "down gemv")
 
     def take(self):
         calls, self.calls = self.calls, dict.fromkeys(self.calls, 0)
