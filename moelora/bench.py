@@ -13,7 +13,10 @@ adapter popularity this times
 Timing (GPU): each call is warmed up on a side stream, captured in a CUDA graph and its replays timed as
 ``triton.testing.do_bench`` does (median on CUDA events, L2 flushed before every replay), except that the
 flush reads 256 MB instead of writing it (``cold_l2_time_ms``: a write flush leaves ~50 MB of dirty lines
-whose write-back lands in the timed call; ``--l2-flush write`` restores it). ``--dry-run``
+whose write-back lands in the timed call; ``--l2-flush write`` restores it). Each LoRA path is timed
+interleaved with the base (``cold_l2_times_ms``: a replay of each in turn), and its row's ``base_us`` is
+that base, so an overhead compares two calls that ran under the same clocks; the ``base`` row is its own
+timing. ``--dry-run``
 runs tiny shapes (on CPU through Triton's interpreter when there is no GPU) timed with
 ``time.perf_counter``: it checks the pipeline, its numbers mean nothing.
 
@@ -337,7 +340,21 @@ _FLUSH_BYTES = 256 * 1024**2  # 5x the L2 of an H100/H200 (50 MB), as triton.tes
 
 
 def cold_l2_time_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, flush: str = "read") -> float:
-    """Median time of ``fn`` (ms), every call after an L2 flush, on CUDA events: ``do_bench``'s loop.
+    """Median time of ``fn`` (ms), every call after an L2 flush, on CUDA events: ``do_bench``'s loop
+    (``cold_l2_times_ms`` of one function)."""
+    return cold_l2_times_ms([fn], warmup_ms, rep_ms, flush)[0]
+
+
+def cold_l2_times_ms(fns: Sequence[Callable[[], Any]], warmup_ms: float, rep_ms: float,
+                     flush: str = "read") -> list[float]:
+    """Median time of each of ``fns`` (ms), every call after an L2 flush, on CUDA events, the functions
+    interleaved: round i calls each once (in reverse order on odd rounds), so all of them run under the
+    same clocks. Each gets about as many samples as ``rep_ms`` of its own calls would give.
+
+    Why interleaved: a compute-bound call (Mixtral-8x7B, M=4096) keeps an H100 at its power limit, and
+    its clocks keep sinking as it heats. Timed one after the other, base then LoRA, the later call paid
+    for the earlier one's heat: the LoRA layer read +18.6 % over its base on the timer while the kernels
+    of the same two graphs, traced a moment later, differed by +7.0 %.
 
     ``flush="read"`` (default) empties L2 by reading a 256 MB buffer, so the timed call finds its weights
     cold and L2 holding clean lines. ``"write"`` zeroes the buffer as ``triton.testing.do_bench`` does:
@@ -349,6 +366,8 @@ def cold_l2_time_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, flus
     ``--l2-flush write`` brings the other back."""
     if flush not in L2_FLUSHES:
         raise ValueError(f"flush must be one of {L2_FLUSHES}, got {flush!r}")
+    if not fns:
+        raise ValueError("nothing to time: fns is empty")
     buffer = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     sink = torch.empty((), dtype=torch.int32, device="cuda")
 
@@ -360,36 +379,38 @@ def cold_l2_time_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, flus
 
     if flush == "read":
         buffer.zero_()  # defined contents, then a sync: none of these writes is left for the timed calls
-    fn()
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        clear_l2()
-        fn()
+        for fn in fns:
+            clear_l2()
+            fn()
     end.record()
     torch.cuda.synchronize()
-    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    estimate_ms = max(start.elapsed_time(end) / (5 * len(fns)), 1e-3)  # mean call, flush included
     for _ in range(max(1, int(warmup_ms / estimate_ms))):
-        fn()
+        for fn in fns:
+            fn()
     repeats = max(1, int(rep_ms / estimate_ms))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for begin, finish in zip(starts, ends, strict=True):
-        clear_l2()
-        begin.record()
-        fn()
-        finish.record()
+    starts = [[torch.cuda.Event(enable_timing=True) for _ in fns] for _ in range(repeats)]
+    ends = [[torch.cuda.Event(enable_timing=True) for _ in fns] for _ in range(repeats)]
+    for i in range(repeats):
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for j in order:
+            clear_l2()
+            starts[i][j].record()
+            fns[j]()
+            ends[i][j].record()
     torch.cuda.synchronize()
-    return statistics.median(b.elapsed_time(f) for b, f in zip(starts, ends, strict=True))
+    return [statistics.median(starts[i][j].elapsed_time(ends[i][j]) for i in range(repeats))
+            for j in range(len(fns))]
 
 
-def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
-                  flush: str = "read") -> tuple[float, bool]:
-    """Warm up on a side stream, capture one call in a CUDA graph, median of its replays after an L2
-    flush each (``cold_l2_time_ms``).
-
-    Falls back to timing eager calls when the capture fails; returns (µs, whether a graph was used)."""
+def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph | None:
+    """``fn`` warmed up on a side stream and captured in a CUDA graph; None when the capture fails."""
     warm_up_on_side_stream(fn)
     graph = torch.cuda.CUDAGraph()
     try:
@@ -399,11 +420,28 @@ def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
         print(f"\n[warn] CUDA graph capture failed ({type(err).__name__}: {err}); timing eagerly",
               file=sys.stderr)
         torch.cuda.synchronize()
-        del graph
-        return cold_l2_time_ms(fn, warmup_ms, rep_ms, flush) * 1e3, False
-    us = cold_l2_time_ms(graph.replay, warmup_ms, rep_ms, flush) * 1e3
-    del graph
-    return us, True
+        return None
+    return graph
+
+
+def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
+                  flush: str = "read") -> tuple[float, bool]:
+    """Warm up on a side stream, capture one call in a CUDA graph, median of its replays after an L2
+    flush each (``cold_l2_time_ms``).
+
+    Falls back to timing eager calls when the capture fails; returns (µs, whether a graph was used)."""
+    return graph_times_us([fn], warmup_ms, rep_ms, flush)[0]
+
+
+def graph_times_us(fns: Sequence[Callable[[], Any]], warmup_ms: float, rep_ms: float,
+                   flush: str = "read") -> list[tuple[float, bool]]:
+    """``graph_time_us`` of several calls timed interleaved (``cold_l2_times_ms``): (µs, graph used) each."""
+    graphs = [_capture(fn) for fn in fns]
+    replays = [fn if graph is None else graph.replay for fn, graph in zip(fns, graphs, strict=True)]
+    times = cold_l2_times_ms(replays, warmup_ms, rep_ms, flush)
+    used = [graph is not None for graph in graphs]
+    del graphs, replays
+    return [(ms * 1e3, ok) for ms, ok in zip(times, used, strict=True)]
 
 
 def eager_time_us(fn: Callable[[], Any], on_gpu: bool, warmup_ms: float, rep_ms: float,
@@ -564,6 +602,14 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
             return graph_time_us(fn, cfg.warmup_ms, cfg.rep_ms, cfg.l2_flush)
         return eager_time_us(fn, False, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps), False
 
+    def time_with_base(fn: Callable[[], Any]) -> tuple[float, float, bool]:
+        """(base µs, fn µs, graph used): the two timed interleaved, so the overhead compares calls that
+        ran under the same clocks (``cold_l2_times_ms``)."""
+        if on_gpu:
+            (base, _), (us, graph) = graph_times_us([moe, fn], cfg.warmup_ms, cfg.rep_ms, cfg.l2_flush)
+            return base, us, graph
+        return time_call(moe)[0], *time_call(fn)
+
     def moe(lora: Any = None, path: str = "fused") -> torch.Tensor:
         return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path)
 
@@ -591,11 +637,12 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                 point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs,
                              pool_rank=max(rank, cfg.pool_rank))
                 label = f"{shape.name} M={m} r={rank} n={n_adapters} {popularity}"
-                timed: dict[str, tuple[float, bool]] = {}
+                timed: dict[str, tuple[float, float, bool]] = {}
                 errs: dict[str, float] = {}
                 reference = None
                 for path in (p for p in cfg.paths if p != "base"):  # naive first: the reference
                     extra: dict[str, Any] = {"cuda_graph": False}
+                    row_base_us = base_us  # the LoRA paths' rows carry the base timed beside them
                     if path == "naive":
                         est = naive_estimate_s(shape, m, experts, lora_pairs, rank)
                         if on_gpu and est > cfg.naive_max_s:
@@ -613,11 +660,11 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                             call = functools.partial(moe, lora, resolved)
                             if reference is not None:
                                 errs[resolved] = rel_err(call(), reference)
-                            timed[resolved] = time_call(call)
-                        us, extra["cuda_graph"] = timed[resolved]
+                            timed[resolved] = time_with_base(call)
+                        row_base_us, us, extra["cuda_graph"] = timed[resolved]
                         if resolved in errs:
                             extra["rel_err_vs_naive"] = errs[resolved]
-                    records.append(_record(cfg, shape, m, path, base_us, us, experts, **point, **extra))
+                    records.append(_record(cfg, shape, m, path, row_base_us, us, experts, **point, **extra))
                     progress.step(f"{label} {path}")
     return records
 
@@ -822,8 +869,9 @@ def run_bench(args: argparse.Namespace) -> int:
                      "rep_ms": rep, "dry_run": args.dry_run, "quick": quick},
         "peaks": cfg.peaks,
         "timing": ("CUDA graph (warm-up on a side stream), median of graph.replay on CUDA events, L2 "
-                   f"flushed before each replay by a 256 MB {cfg.l2_flush} (do_bench's loop); naive eager, "
-                   "same timer" if on_gpu else
+                   f"flushed before each replay by a 256 MB {cfg.l2_flush} (do_bench's loop); each LoRA path "
+                   "timed interleaved with the base (a replay of each in turn; its row's base µs is that "
+                   "base); naive eager, same timer" if on_gpu else
                    "time.perf_counter of one call (Triton interpreter: not a performance number)"),
         "bytes_model": "distinct routed experts * 3*H*I*elem + 2*M*H*elem + distinct (adapter, expert) "
                        "pairs * 3*r*(H+I)*elem (LoRA paths)",

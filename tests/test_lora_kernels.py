@@ -217,22 +217,33 @@ def test_unroll_rule(monkeypatch):
     one_block = GemmConfig(128, 128, 64, 8, 8, 3)  # gated: 144 KiB, one block per SM (Mixtral M=4096)
     two_blocks = GemmConfig(128, 64, 64, 8, 8, 3)  # gated: 96 KiB, two blocks per SM
 
-    def rule(config, adapters, group=1, prefetch=False):
-        return lora_unroll_slots(config, gated=True, num_adapters=adapters, group=group, prefetch=prefetch)
+    def rule(config, group=1, prefetch=False):
+        return lora_unroll_slots(config, gated=True, group=group, prefetch=prefetch)
 
-    assert rule(one_block, 4) == 4  # every adapter's B in one round
-    assert rule(one_block, 8) == 4  # at most four per round
-    assert rule(one_block, 0) == 2  # adapter count unknown
-    assert rule(two_blocks, 4) == 0  # the other block hides the epilogue
-    assert rule(one_block, 4, group=4) == 0  # the stacked group form covers them
-    assert rule(one_block, 4, prefetch=True) == 0
+    assert rule(one_block) == 1  # the partials once, then a slot's B per round
+    assert rule(two_blocks) == 0  # the other block hides the epilogue
+    assert rule(one_block, group=4) == 0  # the stacked group form covers them
+    assert rule(one_block, prefetch=True) == 0
     monkeypatch.setenv("MOELORA_LORA_UNROLL", "0")
-    assert rule(one_block, 4) == 0
+    assert rule(one_block) == 0
     monkeypatch.setenv("MOELORA_LORA_UNROLL", "3")
-    assert rule(two_blocks, 4) == 3 and rule(one_block, 4, prefetch=True) == 0
+    assert rule(two_blocks) == 3 and rule(one_block, prefetch=True) == 0
     monkeypatch.setenv("MOELORA_LORA_UNROLL", "four")
     with pytest.raises(ValueError, match="MOELORA_LORA_UNROLL must be a slot count 0-4"):
-        rule(one_block, 4)
+        rule(one_block)
+
+
+def test_big_tile_slot_group_rule():
+    from triton_ops.fused_moe import lora_tile_slot_group
+
+    big = GemmConfig(128, 256, 64, 8, 8, 3)  # GEMM2 at M=4096
+    small = GemmConfig(16, 64, 64, 1, 4, 3)  # decode tile: the whole stacked group
+    assert lora_tile_slot_group(small, 16, 4, 16, gated=False, K=14336) == 4
+    assert lora_tile_slot_group(big, 16, 4, 128, gated=False, K=1536) == 2  # DeepSeek-V2's short K
+    assert lora_tile_slot_group(big, 16, 4, 128, gated=False, K=14336) == 1  # Mixtral's long K
+    assert lora_tile_slot_group(big, 16, 4, 128, gated=True, K=1536) == 1  # two accumulators
+    assert lora_tile_slot_group(big, 16, 1, 128, gated=False, K=1536) == 1  # one adapter
+    assert lora_tile_slot_group(big, 64, 4, 128, gated=False, K=1536) == 1  # 64 rank columns already
 
 
 @pytest.mark.interpreter

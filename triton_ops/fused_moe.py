@@ -571,6 +571,14 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) 
 BIG_TILE = 128 * 64
 BIG_TILE_SLOT_GROUP = 2
 BIG_TILE_SLOT_GROUP_GATED = 1
+# ... and one for GEMM2 too once its K-loop is long: the prefetched group's operands stay live through
+# the loop (tile at 255 registers), so their cost grows with K while the epilogue latency they hide does
+# not. H100, 4 rank-16 adapters, layer times interleaved with the base: Mixtral-8x7B M=4096 (K 14336)
+# +15.3 -> +12.2 % with one; DeepSeek-V3 (K 2048) +10.3 -> +11.6 % and DeepSeek-V2 (K 1536) +17.9 ->
+# +20.9 % lost with one.
+LONG_K_SLOT_GROUP_MIN_K = 8192
+# Slots per round of lora_expand_unrolled (lora_unroll_slots).
+UNROLL_MAX_SLOTS = 1
 
 
 def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
@@ -583,17 +591,29 @@ def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
     return max(1, min(group, triton.next_power_of_2(max(1, rows))))
 
 
-def lora_unroll_slots(config: GemmConfig, *, gated: bool, num_adapters: int, group: int, prefetch: bool,
+def lora_tile_slot_group(config: GemmConfig, rank_block: int, num_adapters: int, rows: int, *, gated: bool,
+                         K: int) -> int:
+    """``lora_slot_group`` capped on big tiles: ``BIG_TILE_SLOT_GROUP`` for GEMM2, one for the gated
+    GEMM1 and for a GEMM2 whose K reaches ``LONG_K_SLOT_GROUP_MIN_K``."""
+    group = lora_slot_group(rank_block, num_adapters, rows)
+    if config.block_m * config.block_n >= BIG_TILE:
+        one = gated or K >= LONG_K_SLOT_GROUP_MIN_K
+        group = min(group, BIG_TILE_SLOT_GROUP_GATED if one else BIG_TILE_SLOT_GROUP)
+    return group
+
+
+def lora_unroll_slots(config: GemmConfig, *, gated: bool, group: int, prefetch: bool,
                       elem_bytes: int = 2) -> int:
     """Slots per round of the split epilogue's unrolled expand (``lora_expand_unrolled``; 0: one slot
     at a time, partials and B reloaded per slot). Only on tiles that expand one slot per dot (``group``
     1), do not prefetch, and that shared memory holds to one block per SM: there nothing else on the SM
-    hides the epilogue, so loading every slot's B tiles before the first dot pays for the registers.
-    Rounds of up to 4 slots, fewer when the batch has fewer adapters (unknown: 2). H100, rank 16, 4
-    adapters, benchmarks/ab_env.py, without -> with the rounds: Mixtral M=4096 (GEMM1 128x128, one
-    block per SM) 6366 -> 6031 us; on two-block tiles they lost: DeepSeek-V2-Lite M=4096 (GEMM1 128x64,
-    4 warps) 1273 -> 1321 us, Mixtral M=1024 (GEMM1 128x64 capped at 128 registers: 8 -> 48 spilled
-    bytes) 2199 -> 2449 us; and after the prefetched group Qwen3-30B M=4096 GEMM2 went 1113 -> 1150 us.
+    hides the epilogue, so loading every row's partials once, before the first dot, pays. Rounds of one
+    slot (``UNROLL_MAX_SLOTS``): more B tiles loaded together cost the K-loop more registers than the
+    latency they save. H100, 4 rank-16 adapters, layer times interleaved with the base (rounds of 4 ->
+    1): Mixtral-8x7B M=4096 (GEMM1 128x128) +11.7 -> +8.0 % (with GEMM2's one-slot groups,
+    ``LONG_K_SLOT_GROUP_MIN_K``), DeepSeek-V2 M=4096 +19.4 -> +17.6 %, DeepSeek-V3 M=4096 the same. Off
+    on two-block tiles, where they lost: DeepSeek-V2-Lite M=4096 (GEMM1 128x64, 4 warps) 1273 -> 1321
+    us, Mixtral M=1024 (GEMM1 128x64 capped at 128 registers: 8 -> 48 spilled bytes) 2199 -> 2449 us.
     ``MOELORA_LORA_UNROLL=0`` turns it off, ``=N`` forces N slots per round wherever ``group`` is 1
     outside the prefetch (to compare)."""
     if prefetch or group > 1:
@@ -605,7 +625,7 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, num_adapters: int, gro
         return min(4, int(forced))
     if gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2:
         return 0
-    return min(4, num_adapters) if num_adapters > 0 else 2
+    return UNROLL_MAX_SLOTS
 
 
 def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
@@ -716,9 +736,7 @@ def invoke_fused_moe_kernel(
     lora_group = 1
     if lora is not None:
         rows = min(config.block_m, triton.cdiv(numel, b.shape[0]))
-        lora_group = lora_slot_group(lora.rank_block, lora.num_adapters, rows)
-        if config.block_m * config.block_n >= BIG_TILE:
-            lora_group = min(lora_group, BIG_TILE_SLOT_GROUP_GATED if gated else BIG_TILE_SLOT_GROUP)
+        lora_group = lora_tile_slot_group(config, lora.rank_block, lora.num_adapters, rows, gated=gated, K=K)
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
@@ -726,7 +744,7 @@ def invoke_fused_moe_kernel(
                 and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size()))
     unroll = 0
     if lora is not None and shrunk_splits and lora.rank_block <= lora_chunk_r:
-        unroll = lora_unroll_slots(config, gated=gated, num_adapters=lora.num_adapters, group=lora_group,
+        unroll = lora_unroll_slots(config, gated=gated, group=lora_group,
                                    prefetch=prefetch, elem_bytes=a.element_size())
     counters = zero_counters if zero_counters is not None else topk_sum
     num_counters = counters.counters.numel() if counters is not None else 0
