@@ -144,3 +144,28 @@ def test_cold_l2_timer_times_a_kernel(flush):
     ms = cold_l2_time_ms(lambda: dst.copy_(src), 5.0, 20.0, flush=flush)
     assert 2 * src.numel() * 4 / (ms * 1e-3) < 10e12
     assert torch.equal(dst, src)
+
+
+def test_interleaved_timer_needs_a_function():
+    from moelora.bench import cold_l2_times_ms
+
+    with pytest.raises(ValueError, match="nothing to time"):
+        cold_l2_times_ms([], 1.0, 1.0)
+
+
+@pytest.mark.gpu
+def test_interleaved_timer_keeps_each_functions_time():
+    # Two copies of 4x different size timed in turn: each median is its own call's (ordered, and the
+    # big one within its bytes over a generous 10 TB/s), not a mix of the two.
+    import torch
+
+    from moelora.bench import cold_l2_times_ms
+
+    small_src = torch.ones(4 * 1024**2, device="cuda")
+    big_src = torch.ones(16 * 1024**2, device="cuda")
+    small_dst, big_dst = torch.empty_like(small_src), torch.empty_like(big_src)
+    small_ms, big_ms = cold_l2_times_ms([lambda: small_dst.copy_(small_src), lambda: big_dst.copy_(big_src)],
+                                        5.0, 20.0)
+    assert small_ms < big_ms
+    assert 2 * big_src.numel() * 4 / (big_ms * 1e-3) < 10e12
+    assert torch.equal(big_dst, big_src) and torch.equal(small_dst, small_src)
