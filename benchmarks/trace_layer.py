@@ -7,7 +7,9 @@ replayed ``--replays`` times under ``torch.profiler``, L2 emptied by a 256 MB re
 in ``moelora.bench.cold_l2_time_ms``. Reported per kernel: its mean duration per replay and its share of
 the replay's span (first kernel start to last kernel end), so the time between launches shows too. The
 kernels run as the layer runs them, back to back: ``benchmarks/micro_lora.py`` times them one at a time.
-Adapters and routing are those of ``moelora bench`` (same seeds).
+Adapters and routing are those of ``moelora bench`` (same seeds). Beside each trace, the time ``moelora
+bench`` reports: a LoRA point timed interleaved with the base (``moelora.bench.graph_times_us``), as the
+bench times it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moelora.bench import (  # noqa: E402
     MODELS,
     graph_time_us,
+    graph_times_us,
     lora_inputs,
     make_lora_buffers,
     make_routing,
@@ -127,13 +130,17 @@ def main(argv: list[str] | None = None) -> int:
                     return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path)
 
                 trace = trace_call(layer, args.replays)
-                trace["timed_us"], _ = graph_time_us(layer, 10, 40)
                 if base_span is None:
+                    base_layer = layer
+                    trace["timed_us"], _ = graph_time_us(layer, 10, 40)
                     base_span, base_timed = trace["span_us"], trace["timed_us"]
+                else:  # interleaved with the base, as moelora bench times a LoRA path
+                    (base_timed, _), (trace["timed_us"], _) = graph_times_us([base_layer, layer], 10, 40)
+                trace["timed_base_us"] = base_timed
                 print(f"{name} M={m} {label}: span {trace['span_us']:.1f} us "
                       f"({100 * (trace['span_us'] / base_span - 1):+.1f}% over base), "
                       f"lead {trace['lead_us']:.1f} us; moelora bench's timer {trace['timed_us']:.1f} us "
-                      f"({100 * (trace['timed_us'] / base_timed - 1):+.1f}%)")
+                      f"({100 * (trace['timed_us'] / base_timed - 1):+.1f}% over the base timed beside it)")
                 busy = 0.0
                 for kernel, us in trace["kernels"].items():
                     busy += us
