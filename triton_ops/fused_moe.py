@@ -577,6 +577,7 @@ BIG_TILE_SLOT_GROUP_GATED = 1
 # +15.3 -> +12.2 % with one; DeepSeek-V3 (K 2048) +10.3 -> +11.6 % and DeepSeek-V2 (K 1536) +17.9 ->
 # +20.9 % lost with one.
 LONG_K_SLOT_GROUP_MIN_K = 8192
+BIG_TILE_SLOT_GROUP_LONG_K = 1
 # Slots per round of lora_expand_unrolled (lora_unroll_slots).
 UNROLL_MAX_SLOTS = 1
 
@@ -593,12 +594,18 @@ def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
 
 def lora_tile_slot_group(config: GemmConfig, rank_block: int, num_adapters: int, rows: int, *, gated: bool,
                          K: int) -> int:
-    """``lora_slot_group`` capped on big tiles: ``BIG_TILE_SLOT_GROUP`` for GEMM2, one for the gated
-    GEMM1 and for a GEMM2 whose K reaches ``LONG_K_SLOT_GROUP_MIN_K``."""
+    """``lora_slot_group`` capped on big tiles: ``BIG_TILE_SLOT_GROUP_GATED`` for the gated GEMM1,
+    ``BIG_TILE_SLOT_GROUP_LONG_K`` for a GEMM2 whose K reaches ``LONG_K_SLOT_GROUP_MIN_K``,
+    ``BIG_TILE_SLOT_GROUP`` for any other GEMM2."""
     group = lora_slot_group(rank_block, num_adapters, rows)
     if config.block_m * config.block_n >= BIG_TILE:
-        one = gated or K >= LONG_K_SLOT_GROUP_MIN_K
-        group = min(group, BIG_TILE_SLOT_GROUP_GATED if one else BIG_TILE_SLOT_GROUP)
+        if gated:
+            cap = BIG_TILE_SLOT_GROUP_GATED
+        elif K >= LONG_K_SLOT_GROUP_MIN_K:
+            cap = BIG_TILE_SLOT_GROUP_LONG_K
+        else:
+            cap = BIG_TILE_SLOT_GROUP
+        group = min(group, cap)
     return group
 
 
