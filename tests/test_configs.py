@@ -277,3 +277,33 @@ def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
     assert "B: MOELORA_LORA_PREFETCH=0" in table and "| tiny | 80 | 16 | 3 |" in table
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         ab_env.parse_env(["MOELORA_LORA_PREFETCH"])
+
+
+def test_lora_tile_sweep_candidates():
+    """benchmarks/lora_tile_sweep.py: every candidate differs from the current tiles, keeps its GROUP_SIZE_M,
+    and both GEMMs of a candidate share one BLOCK_M (one alignment feeds them). M=64: 16-row tiles, where a
+    GEMM2 candidate equal to the current one must drop out; M=256: a 16- and a 64-row GEMM1 candidate
+    change GEMM2's BLOCK_M too; M=4096: 128-row tiles."""
+    import lora_tile_sweep
+
+    cases = {
+        64: MoEConfig(GemmConfig(16, 32, 256, 1, 4, 5), GemmConfig(16, 32, 128, 1, 4, 5)),
+        256: MoEConfig(GemmConfig(32, 64, 128, 8, 4, 4), GemmConfig(32, 128, 128, 8, 4, 3)),
+        4096: MoEConfig(GemmConfig(128, 64, 64, 8, 4, 3), GemmConfig(128, 256, 64, 8, 8, 4)),
+    }
+    for m, current in cases.items():
+        configs = lora_tile_sweep.candidate_configs(m, current)
+        assert configs.pop("current") == current
+        assert configs and current not in configs.values()
+        for label, cfg in configs.items():
+            assert cfg.gemm1.block_m == cfg.gemm2.block_m, label
+            changed = cfg.gemm1 if label.startswith("gemm1") else cfg.gemm2
+            kept = cfg.gemm2 if label.startswith("gemm1") else cfg.gemm1
+            assert changed.group_m == (current.gemm1 if label.startswith("gemm1") else current.gemm2).group_m
+            if label.startswith("gemm2"):
+                assert kept == current.gemm1
+            else:
+                assert kept == replace(current.gemm2, block_m=cfg.gemm1.block_m)
+    assert "gemm2 16x32x128 w4 s5" not in lora_tile_sweep.candidate_configs(64, cases[64])
+    small = lora_tile_sweep.candidate_configs(256, cases[256])
+    assert small["gemm1 64x64x64 w4 s3"].gemm2.block_m == 64

@@ -1,0 +1,141 @@
+"""Sweep the split LoRA layer's own tiles at a few points, each candidate timed interleaved with the base.
+
+    python benchmarks/lora_tile_sweep.py --models qwen3-30b-a3b --M 16 64 --adapters 1 4
+
+For each (model, M, adapters): the base layer (its tuned tiles) and the split LoRA layer with its current
+tiles (``get_moe_config(..., lora=True)``) and with every candidate, all captured in CUDA graphs and timed
+interleaved (``moelora.bench.cold_l2_times_ms``: one replay of each in turn, L2 emptied before each), so
+clock drift falls on all of them alike. Printed: each one's overhead over the base. A GEMM1 candidate keeps
+the current GEMM2 (with its BLOCK_M when theirs differ: one alignment feeds both), a GEMM2 candidate the
+current GEMM1. A winner goes into the device's config file as the entry's ``"lora"`` object by hand, after
+a ``moelora bench`` run confirms it. Adapters, routing and inputs are those of ``moelora bench``.
+
+``benchmarks/tune_moe.py --lora-rank`` searches the whole candidate space per point (compiles dominate);
+this times a handful around the current tiles, cheap enough for several points in one device call. The
+H100 ``"lora"`` entries of DeepSeek-V2-Lite (M=64, 256, 4096) and Qwen3-30B-A3B (M=16, 64) came from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moelora.bench import (  # noqa: E402
+    MODELS,
+    LoRABuffers,
+    _capture,
+    cold_l2_times_ms,
+    lora_inputs,
+    make_lora_buffers,
+    make_routing,
+    make_weights,
+    token_slots_for,
+)
+from triton_ops.configs import GemmConfig, MoEConfig, get_moe_config  # noqa: E402
+from triton_ops.fused_experts import fused_experts  # noqa: E402
+
+# (GEMM1 tiles, GEMM2 tiles) per regime, as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+DECODE_SIZED = (  # M <= 128: 16-row blocks, few pairs per expert
+    [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 32, 128, 4, 5), (16, 128, 128, 4, 3),
+     (16, 32, 256, 4, 4), (16, 32, 256, 4, 5), (16, 64, 128, 4, 3)],
+    [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 32, 128, 4, 5), (16, 128, 128, 4, 3),
+     (16, 32, 256, 4, 4), (16, 64, 128, 4, 5)],
+)
+SMALL_PREFILL = (  # M <= 512: 32-row blocks
+    [(32, 64, 128, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (32, 128, 128, 8, 3),
+     (32, 64, 64, 4, 4), (16, 64, 128, 4, 4), (64, 64, 64, 4, 3)],
+    [(32, 128, 128, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (32, 256, 64, 8, 3),
+     (32, 128, 128, 8, 3)],
+)
+PREFILL = (  # 128-row blocks
+    [(128, 64, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+     (128, 64, 128, 8, 3), (128, 64, 64, 8, 4)],
+    [(128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+     (128, 64, 64, 4, 4), (128, 256, 64, 8, 3)],
+)
+
+
+def _label(gemm: str, tile: GemmConfig) -> str:
+    return f"{gemm} {tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
+
+
+def candidate_configs(num_tokens: int, current: MoEConfig) -> dict[str, MoEConfig]:
+    """The current tiles ("current") and every candidate that differs from them, by label. GEMM_SIZE_M
+    stays the current one's; both GEMMs of a candidate share its BLOCK_M."""
+    gemm1_tiles, gemm2_tiles = (DECODE_SIZED if num_tokens <= 128 else
+                                SMALL_PREFILL if num_tokens <= 512 else PREFILL)
+    out = {"current": current}
+    for bm, bn, bk, warps, stages in gemm1_tiles:
+        tile = GemmConfig(bm, bn, bk, current.gemm1.group_m, warps, stages)
+        if tile != current.gemm1:
+            out[_label("gemm1", tile)] = MoEConfig(tile, replace(current.gemm2, block_m=bm))
+    for bm, bn, bk, warps, stages in gemm2_tiles:
+        tile = GemmConfig(current.gemm2.block_m, bn, bk, current.gemm2.group_m, warps, stages)
+        if bm == current.gemm2.block_m and tile != current.gemm2:
+            out[_label("gemm2", tile)] = MoEConfig(current.gemm1, tile)
+    return out
+
+
+def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: torch.Tensor, w2: torch.Tensor,
+                buffers: LoRABuffers) -> dict[str, float]:
+    """Overhead over the base layer of the current LoRA tiles and of each candidate, by label."""
+    shape = MODELS[name]
+    device, dtype = w13.device, w13.dtype
+    weights, ids = make_routing(m, shape, m + seed, device)
+    x = torch.randn(m, shape.H, generator=torch.Generator().manual_seed(7 * m + 1 + seed)).to(device, dtype)
+    slots = token_slots_for(m, adapters, "uniform", 13 * m + adapters + seed)
+    lora = lora_inputs(buffers, slots, 8, adapters, rank, device)
+    current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, dtype, device, lora=True)
+    labels, graphs = [], []
+    base = _capture(lambda: fused_experts(x, w13, w2, weights, ids))
+    for label, cfg in candidate_configs(m, current).items():
+        graph = _capture(lambda cfg=cfg: fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split",
+                                                       config=cfg))
+        if graph is not None:  # a capture that failed (out of resources, say) is not a candidate
+            labels.append(label)
+            graphs.append(graph)
+    if base is None:
+        raise RuntimeError(f"{name} M={m}: the base layer could not be captured")
+    times = cold_l2_times_ms([base.replay] + [g.replay for g in graphs], 25, 120)
+    return {label: t / times[0] - 1 for label, t in zip(labels, times[1:], strict=True)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(MODELS))
+    parser.add_argument("--M", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if min(args.M + args.adapters + [args.rank]) < 1:
+        raise SystemExit("--M, --adapters and --rank must be >= 1")
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset)")
+    for name in args.models:
+        shape, device = MODELS[name], torch.device("cuda")
+        w13, w2 = make_weights(shape, torch.bfloat16, device, args.seed)
+        buffers = make_lora_buffers(shape, args.rank, 8, torch.bfloat16, device, 16)
+        for m in args.M:
+            for adapters in args.adapters:
+                overheads = sweep_point(name, m, args.rank, adapters, args.seed, w13, w2, buffers)
+                best = min(overheads, key=overheads.get)
+                print(f"{name} M={m} rank {args.rank} x{adapters}: best {best} "
+                      f"({100 * overheads[best]:+.1f} %)", flush=True)
+                for label, overhead in overheads.items():
+                    print(f"    {label:32s} {100 * overhead:+6.1f} %", flush=True)
+        del w13, w2, buffers
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
