@@ -83,6 +83,16 @@ def candidate_configs(num_tokens: int, current: MoEConfig) -> dict[str, MoEConfi
     return out
 
 
+def _capture_candidate(fn) -> torch.cuda.CUDAGraph | None:
+    """``fn`` captured in a CUDA graph, or None when it cannot run here: the warm-up compiles the tile, and
+    a tile that asks more shared memory than the device has raises there (not a candidate)."""
+    try:
+        return _capture(fn)
+    except Exception as err:
+        print(f"    skipped: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
+
+
 def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: torch.Tensor, w2: torch.Tensor,
                 buffers: LoRABuffers) -> dict[str, float]:
     """Overhead over the base layer of the current LoRA tiles and of each candidate, by label."""
@@ -93,16 +103,16 @@ def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: tor
     slots = token_slots_for(m, adapters, "uniform", 13 * m + adapters + seed)
     lora = lora_inputs(buffers, slots, 8, adapters, rank, device)
     current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, dtype, device, lora=True)
-    labels, graphs = [], []
     base = _capture(lambda: fused_experts(x, w13, w2, weights, ids))
-    for label, cfg in candidate_configs(m, current).items():
-        graph = _capture(lambda cfg=cfg: fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split",
-                                                       config=cfg))
-        if graph is not None:  # a capture that failed (out of resources, say) is not a candidate
-            labels.append(label)
-            graphs.append(graph)
     if base is None:
         raise RuntimeError(f"{name} M={m}: the base layer could not be captured")
+    labels, graphs = [], []
+    for label, cfg in candidate_configs(m, current).items():
+        graph = _capture_candidate(lambda cfg=cfg: fused_experts(x, w13, w2, weights, ids, lora=lora,
+                                                                 lora_path="split", config=cfg))
+        if graph is not None:
+            labels.append(label)
+            graphs.append(graph)
     times = cold_l2_times_ms([base.replay] + [g.replay for g in graphs], 25, 120)
     return {label: t / times[0] - 1 for label, t in zip(labels, times[1:], strict=True)}
 
