@@ -24,6 +24,8 @@ from moelora.bench import warm_up_on_side_stream
 from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
 from triton_ops.configs import GemmConfig
 from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
+from triton_ops.moe_align import moe_align_block_size
+from triton_ops.moe_lora import moe_lora_a
 
 # The module, not the function of the same name that triton_ops re-exports.
 fe = importlib.import_module("triton_ops.fused_experts")
@@ -341,7 +343,7 @@ def test_overlap_operands_are_checked():
     lora, _, _ = lora_inputs(1, 10, 40, 24, F32)
     act = torch.empty(2, 24)
     cfg = GemmConfig(block_m=16, block_n=16, block_k=32)
-    with pytest.raises(ValueError, match="late_wait needs direct_ids and lora.shrunk"):
+    with pytest.raises(ValueError, match="late_wait needs lora.shrunk"):
         invoke_fused_moe_kernel(x, w13, act, topk_weights=None, a_row_div=2, config=cfg, activation="silu",
                                 direct_ids=ids.reshape(-1), late_wait=True)
     out = torch.empty(2, 1, 32)
@@ -351,6 +353,12 @@ def test_overlap_operands_are_checked():
     with pytest.raises(ValueError, match="sm_90"):
         moe_align_with_gate_up_shrink(ids, 16, 10, x, lora.gate_up_a, lora.token_slots, lora.slot_ranks,
                                       rank_block=16, out=out, align=False, release_next=True)
+    # The prefill shrink's release (prefill_shrink_overlap) needs sm_90+ too.
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, 16, 10)
+    with pytest.raises(ValueError, match="sm_90"):
+        moe_lora_a(x, lora.gate_up_a, lora.token_slots, lora.slot_ranks, sorted_ids=sorted_ids,
+                   expert_ids=expert_ids, num_post_padded=num_post_padded, block_m=16, top_k=2, x_row_div=2,
+                   rank_block=16, gated=True, out=out, release_next=True)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -469,5 +477,87 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         eager = layer()
         assert late_waits[-2:] == [False, False]
         monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+        assert torch.isfinite(eager).all()
+        assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
+
+
+# (name, M): past decode (more than 128 pairs), so the shrinks are launches over the alignment. "small" has
+# a GEMM1 K-loop of 256 columns, about as short as the shrink, so a GEMM that read the partials before
+# they were written would do so; the model shapes have enough tokens that every expert gets pairs of
+# both adapters and of tokens without one.
+PREFILL_OVERLAP_POINTS = [("small", 40), ("deepseek-v2-lite", 300), ("qwen3-30b-a3b", 300)]
+
+
+@gpu
+@pytest.mark.parametrize(("name", "m"), PREFILL_OVERLAP_POINTS)
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("reduce", ["0", "1"], ids=["partials-in-gemm", "split-sum-launch"])
+def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, pdl, reduce):
+    """Past decode, with ``MOELORA_PREFILL_SHRINK_OVERLAP=1``: each GEMM launched dependently on the shrink
+    before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
+    replays with new x, routing and token slots each time (a replay that read the previous replay's
+    partials would differ). With a split-sum launch between a shrink and its GEMM there is no overlap."""
+    from triton_ops.pdl import dependent_launch_supported
+
+    if not dependent_launch_supported(torch.device("cuda")):
+        pytest.skip("dependent launch needs sm_90 or later")
+    monkeypatch.setenv("MOELORA_PDL", pdl)
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=7)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=7, device="cuda")
+    events = []  # the layer's launches in order: ("shrink", release_next), ("reduce",), ("gemm", late_wait)
+    spied = {"moe_lora_a": lambda kw: ("shrink", kw.get("release_next", False)),
+             "reduce_shrink_splits": lambda kw: ("reduce",),
+             "invoke_fused_moe_kernel": lambda kw: ("gemm", kw.get("late_wait", False))}
+    def spying(fn, event):
+        def spy(*args, **kwargs):
+            events.append(event(kwargs))
+            return fn(*args, **kwargs)
+        return spy
+
+    for fn_name, event in spied.items():
+        monkeypatch.setattr(fe, fn_name, spying(getattr(fe, fn_name), event))
+
+    def layer():
+        events.clear()
+        return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+
+    def overlaps():
+        """Per GEMM, whether it waits late; checked against what precedes it: a GEMM waits late exactly
+        when the launch before it is a shrink that releases it."""
+        gemms = [i for i, event in enumerate(events) if event[0] == "gemm"]
+        assert len(gemms) == 2, events
+        for i in gemms:
+            released = events[i - 1] == ("shrink", True)
+            assert events[i][1] == released, events
+        assert all(event[1] == (events[i + 1] == ("gemm", True))
+                   for i, event in enumerate(events) if event[0] == "shrink"), events
+        return [events[i][1] for i in gemms]
+
+    monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+    eager_overlap = layer()
+    late = overlaps()
+    if reduce == "0":  # no split-sum launch: both GEMMs overlap their shrink
+        assert late == [True, True], events
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    err = rel_err(eager_overlap, ref)
+    assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
+    graph, graph_out = captured(layer)
+    gen = torch.Generator("cuda").manual_seed(11)
+    for step in range(6):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
+        new_ids = torch.stack([torch.randperm(num_experts, generator=gen, device="cuda")[:top_k]
+                               for _ in range(m)]).to(ids.dtype)
+        ids.copy_(new_ids)
+        # Rotate the slots (0, none, 2) by the step, so every row's adapter changes between replays.
+        slots = [(0, -1, 2)[(t + step) % 3] for t in range(m)]
+        lora.token_slots.copy_(torch.tensor(slots, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "0")
+        eager = layer()
+        assert overlaps() == [False, False]
+        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
         assert torch.isfinite(eager).all()
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"

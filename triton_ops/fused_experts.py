@@ -45,7 +45,7 @@ from triton_ops.moe_lora import (
     shrink_k_splits,
 )
 from triton_ops.moe_sum import moe_sum_reduce
-from triton_ops.pdl import decode_shrink_overlap
+from triton_ops.pdl import decode_shrink_overlap, prefill_shrink_overlap
 from triton_ops.shrink_reduce import reduce_shrink_splits, reduce_splits_pays
 
 LORA_PATHS = ("fused", "split", "staged")
@@ -273,6 +273,9 @@ def fused_experts(
         # while the down shrink launch runs, when there is one.
         overlap = decode_shrink and direct and decode_shrink_overlap(x.device)
         down_launch_direct = split and direct and not down_in_gemm1
+        # Past decode: each GEMM streams its base weights while the shrink launch before it runs, when
+        # nothing else (a split-sum launch) sits between them.
+        prefill_overlap = split and not decode_shrink and not direct and prefill_shrink_overlap(x.device)
         if decode_shrink:
             shrunk_gate_up = torch.empty(
                 (pairs, decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype)), 2 * rank_block),
@@ -299,6 +302,7 @@ def fused_experts(
                 top_k=top_k)
 
         chunk_activated = activated[: rows * top_k]
+        gemm2_late_wait = False
         gemm1_lora = gemm2_lora = None
         if lora is not None:
             common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
@@ -325,14 +329,17 @@ def fused_experts(
                 (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
                 dtype=torch.float32, device=x.device,
             )
+        reduce_gate_up = (split and not decode_shrink
+                          and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles))
+        gemm1_late_wait = overlap or (prefill_overlap and not reduce_gate_up)
         if (split or staged) and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=top_k, rank_block=rank_block, gated=True,
-                       out=shrunk_gate_up)
+                       out=shrunk_gate_up, release_next=prefill_overlap and gemm1_late_wait)
         if split:
             gemm1_shrunk = shrunk_gate_up
-            if not decode_shrink and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles):
+            if reduce_gate_up:
                 gemm1_shrunk = reduce_shrink_splits(shrunk_gate_up, chunk_slots, slot_row_div=top_k)
             gemm1_lora = replace(gemm1_lora, shrunk=gemm1_shrunk)
         if staged:
@@ -353,7 +360,7 @@ def fused_experts(
                 activation=activation,
                 lora=gemm1_lora,
                 zero_counters=topk_sum,
-                late_wait=overlap,
+                late_wait=gemm1_late_wait,
                 **align,
             )
 
@@ -362,13 +369,15 @@ def fused_experts(
                                   rank_block=rank_block, out=shrunk_down, release_next=overlap)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
         elif split and not down_in_gemm1:
+            reduce_down = not decode_shrink and reduce_splits_pays(shrunk_down.shape[1],
+                                                                   triton.cdiv(hidden, cfg.gemm2.block_n))
+            gemm2_late_wait = prefill_overlap and not reduce_down
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
-                       out=shrunk_down)
+                       out=shrunk_down, release_next=gemm2_late_wait)
             gemm2_shrunk = shrunk_down
-            if not decode_shrink and reduce_splits_pays(shrunk_down.shape[1],
-                                                         triton.cdiv(hidden, cfg.gemm2.block_n)):
+            if reduce_down:
                 gemm2_shrunk = reduce_shrink_splits(shrunk_down, chunk_slots, slot_row_div=top_k)
             gemm2_lora = replace(gemm2_lora, shrunk=gemm2_shrunk)
         if no_combine:
@@ -387,7 +396,7 @@ def fused_experts(
             scale=routed_scaling_factor,
             lora=None if staged else gemm2_lora,
             topk_sum=topk_sum,
-            late_wait=down_launch_direct and overlap,
+            late_wait=(down_launch_direct and overlap) or gemm2_late_wait,
             **align,
         )
         if pair_out is not None and topk_sum is None:

@@ -677,17 +677,19 @@ def invoke_fused_moe_kernel(
     (GEMM2) also writes the top-k sum of ``c``'s rows; ``zero_counters`` (GEMM1) zeroes its counters.
 
     ``late_wait`` (sm_90+): the launch before this one wrote only ``lora.shrunk`` and let this one be
-    scheduled early (``decode_shrink_overlap``); this launch is dependent and waits for it only after its
-    K-loop. Needs ``direct_ids`` (no alignment from that launch) and precomputed shrink partials."""
+    scheduled early (``decode_shrink_overlap``, ``prefill_shrink_overlap``); this launch is dependent and
+    waits for it only after its K-loop. Everything else it reads (the alignment, ``a``) must have been
+    complete before that launch started (a plain launch after its writer), so only the precomputed shrink
+    partials are read after the wait."""
     numel = c.shape[0]
     if direct_ids is None and (sorted_ids is None or expert_ids is None or num_post_padded is None):
         raise ValueError("pass the alignment (sorted_ids, expert_ids, num_post_padded) or direct_ids")
     if direct_ids is not None and direct_ids.shape != (numel,):
         raise ValueError(f"direct_ids must be the flat topk_ids ({numel},), got {tuple(direct_ids.shape)}")
     if late_wait:
-        if direct_ids is None or lora is None or lora.shrunk is None:
-            raise ValueError("late_wait needs direct_ids and lora.shrunk: the launch before may write "
-                             "nothing else this one reads")
+        if lora is None or lora.shrunk is None:
+            raise ValueError("late_wait needs lora.shrunk: the launch before writes the shrink partials, "
+                             "which only the epilogue reads")
         if not dependent_launch_supported(a.device):
             raise ValueError(f"late_wait needs dependent launch (an sm_90+ GPU), not {a.device}")
     for counted in (zero_counters, topk_sum):

@@ -28,6 +28,7 @@ from triton_ops.lora_tiles import (
     select_group_columns,
     slot_group,
 )
+from triton_ops.pdl import dependent_launch_supported, programmatic_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -65,8 +66,10 @@ def _moe_lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SLOT_GROUP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One BLOCK_M slice of an alignment block (one expert) times one K slice."""
+    wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -318,6 +321,7 @@ def moe_lora_a(
     num_warps: int | None = None,
     num_stages: int = 4,
     num_adapters: int = 0,
+    release_next: bool = False,
 ) -> torch.Tensor:
     """LoRA shrink over the base alignment: ``sum_s out[p, s] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
 
@@ -337,6 +341,8 @@ def moe_lora_a(
     if out.dtype != torch.float32 or width != (2 if gated else 1) * rank_block:
         expected = (2 if gated else 1) * rank_block
         raise ValueError(f"out must be fp32 (numel, splits, {expected}), got {out.dtype} {tuple(out.shape)}")
+    if release_next and not dependent_launch_supported(x.device):
+        raise ValueError(f"release_next needs dependent launch (an sm_90+ GPU), not {x.device}")
     if numel == 0:
         return out
     sub_m = sub_block_m or shrink_block_m(block_m)
@@ -380,6 +386,9 @@ def moe_lora_a(
         BLOCK_M=sub_m,
         BLOCK_K=block_k,
         SLOT_GROUP=slot_group,
+        # USE_PDL compiles the wait-then-release prologue; launch_pdl (dependent on the launch before)
+        # only where MOELORA_PDL asks for it.
+        **(programmatic_launch(x.device) | ({"USE_PDL": True} if release_next else {})),
         num_warps=num_warps,
         num_stages=num_stages,
     )
