@@ -26,6 +26,7 @@ from triton_ops.configs import GemmConfig
 from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
 from triton_ops.moe_align import moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a
+from triton_ops.shrink_reduce import reduce_shrink_splits
 
 # The module, not the function of the same name that triton_ops re-exports.
 fe = importlib.import_module("triton_ops.fused_experts")
@@ -359,6 +360,8 @@ def test_overlap_operands_are_checked():
         moe_lora_a(x, lora.gate_up_a, lora.token_slots, lora.slot_ranks, sorted_ids=sorted_ids,
                    expert_ids=expert_ids, num_post_padded=num_post_padded, block_m=16, top_k=2, x_row_div=2,
                    rank_block=16, gated=True, out=out, release_next=True)
+    with pytest.raises(ValueError, match="sm_90"):
+        reduce_shrink_splits(torch.zeros(2, 2, 32), lora.token_slots, slot_row_div=2, release_next=True)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -496,7 +499,8 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     """Past decode, with ``MOELORA_PREFILL_SHRINK_OVERLAP=1``: each GEMM launched dependently on the shrink
     before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
     replays with new x, routing and token slots each time (a replay that read the previous replay's
-    partials would differ). With a split-sum launch between a shrink and its GEMM there is no overlap."""
+    partials would differ); also with a split-sum launch between a shrink and its GEMM (it releases the
+    GEMM, then waits for the shrink)."""
     from triton_ops.pdl import dependent_launch_supported
 
     if not dependent_launch_supported(torch.device("cuda")):
@@ -506,9 +510,10 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=7)
     lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=7, device="cuda")
-    events = []  # the layer's launches in order: ("shrink", release_next), ("reduce",), ("gemm", late_wait)
+    # The layer's launches in order: ("shrink", release_next), ("reduce", release_next), ("gemm", late_wait).
+    events = []
     spied = {"moe_lora_a": lambda kw: ("shrink", kw.get("release_next", False)),
-             "reduce_shrink_splits": lambda kw: ("reduce",),
+             "reduce_shrink_splits": lambda kw: ("reduce", kw.get("release_next", False)),
              "invoke_fused_moe_kernel": lambda kw: ("gemm", kw.get("late_wait", False))}
     def spying(fn, event):
         def spy(*args, **kwargs):
@@ -525,21 +530,28 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
 
     def overlaps():
         """Per GEMM, whether it waits late; checked against what precedes it: a GEMM waits late exactly
-        when the launch before it is a shrink that releases it."""
+        when the launch before it releases it, and a split-sum launch releases only after a shrink that
+        released it (each waits for the launch before it)."""
         gemms = [i for i, event in enumerate(events) if event[0] == "gemm"]
         assert len(gemms) == 2, events
-        for i in gemms:
-            released = events[i - 1] == ("shrink", True)
-            assert events[i][1] == released, events
-        assert all(event[1] == (events[i + 1] == ("gemm", True))
-                   for i, event in enumerate(events) if event[0] == "shrink"), events
+        for i, event in enumerate(events):
+            if event[0] == "gemm":
+                assert event[1] == (events[i - 1][0] != "gemm" and events[i - 1][1]), events
+            elif event[1]:
+                assert events[i + 1] in (("gemm", True), ("reduce", True)), events
+                if event[0] == "reduce":
+                    assert events[i - 1] == ("shrink", True), events
         return [events[i][1] for i in gemms]
 
     monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
     eager_overlap = layer()
-    late = overlaps()
-    if reduce == "0":  # no split-sum launch: both GEMMs overlap their shrink
-        assert late == [True, True], events
+    # Each GEMM overlaps its shrink; past a split-sum launch only from enough pairs on (small: 160 pairs).
+    through_sum = m * top_k >= fe.PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
+    expected = [through_sum or events[i - 1][0] != "reduce"
+                for i, event in enumerate(events) if event[0] == "gemm"]
+    assert overlaps() == expected, events
+    if reduce == "1" and name != "small":  # 1800 / 2400 pairs; K 2048 / 1408: the shrinks split K
+        assert through_sum and ("reduce", True) in events, events
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     err = rel_err(eager_overlap, ref)
     assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"

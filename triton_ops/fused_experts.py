@@ -67,6 +67,14 @@ MAX_DOWN_PARTIALS = 16
 MAX_DECODE_DOWN_PARTIALS = 64
 
 
+# Past decode the GEMMs overlap the shrink launch before them (``prefill_shrink_overlap``); where a
+# split-sum launch (``reduce_shrink_splits``) follows the shrink, only from this many routed pairs on.
+# H100, rank 16, 4 adapters, interleaved A/B (benchmarks/ab_env.py), overlap off -> on through the sums:
+# M=256 DeepSeek-V2-Lite (1536 pairs) +13.9 -> +11.7 %, Qwen3-30B-A3B (2048) +16.2 -> +14.9 %; but M=64
+# DeepSeek-V2-Lite (384 pairs) +11.7 -> +12.5 % (Qwen3-30B-A3B, 512: +14.0 -> +13.3 %).
+PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS = 1024
+
+
 def decode_direct_pairs(num_tokens: int) -> bool:
     """Whether the GEMMs take the routed pairs straight from topk_ids, without the alignment launch: for
     one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
@@ -273,8 +281,8 @@ def fused_experts(
         # while the down shrink launch runs, when there is one.
         overlap = decode_shrink and direct and decode_shrink_overlap(x.device)
         down_launch_direct = split and direct and not down_in_gemm1
-        # Past decode: each GEMM streams its base weights while the shrink launch before it runs, when
-        # nothing else (a split-sum launch) sits between them.
+        # Past decode: each GEMM streams its base weights while the shrink launch before it (and the
+        # split-sum launch after that shrink, from PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS on) runs.
         prefill_overlap = split and not decode_shrink and not direct and prefill_shrink_overlap(x.device)
         if decode_shrink:
             shrunk_gate_up = torch.empty(
@@ -331,16 +339,18 @@ def fused_experts(
             )
         reduce_gate_up = (split and not decode_shrink
                           and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles))
-        gemm1_late_wait = overlap or (prefill_overlap and not reduce_gate_up)
+        overlap_through_sum = pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
+        gate_up_overlap = prefill_overlap and (overlap_through_sum or not reduce_gate_up)
         if (split or staged) and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=top_k, rank_block=rank_block, gated=True,
-                       out=shrunk_gate_up, release_next=prefill_overlap and gemm1_late_wait)
+                       out=shrunk_gate_up, release_next=gate_up_overlap)
         if split:
             gemm1_shrunk = shrunk_gate_up
             if reduce_gate_up:
-                gemm1_shrunk = reduce_shrink_splits(shrunk_gate_up, chunk_slots, slot_row_div=top_k)
+                gemm1_shrunk = reduce_shrink_splits(shrunk_gate_up, chunk_slots, slot_row_div=top_k,
+                                                    release_next=gate_up_overlap)
             gemm1_lora = replace(gemm1_lora, shrunk=gemm1_shrunk)
         if staged:
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
@@ -360,7 +370,7 @@ def fused_experts(
                 activation=activation,
                 lora=gemm1_lora,
                 zero_counters=topk_sum,
-                late_wait=gemm1_late_wait,
+                late_wait=overlap or gate_up_overlap,
                 **align,
             )
 
@@ -371,14 +381,15 @@ def fused_experts(
         elif split and not down_in_gemm1:
             reduce_down = not decode_shrink and reduce_splits_pays(shrunk_down.shape[1],
                                                                    triton.cdiv(hidden, cfg.gemm2.block_n))
-            gemm2_late_wait = prefill_overlap and not reduce_down
+            gemm2_late_wait = prefill_overlap and (overlap_through_sum or not reduce_down)
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down, release_next=gemm2_late_wait)
             gemm2_shrunk = shrunk_down
             if reduce_down:
-                gemm2_shrunk = reduce_shrink_splits(shrunk_down, chunk_slots, slot_row_div=top_k)
+                gemm2_shrunk = reduce_shrink_splits(shrunk_down, chunk_slots, slot_row_div=top_k,
+                                                    release_next=gemm2_late_wait)
             gemm2_lora = replace(gemm2_lora, shrunk=gemm2_shrunk)
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)

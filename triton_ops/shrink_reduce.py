@@ -18,6 +18,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from triton_ops.pdl import dependent_launch_supported
 
 
 @triton.jit
@@ -35,7 +38,14 @@ def _reduce_shrink_splits_kernel(
     SPLITS: tl.constexpr,
     WIDTH: tl.constexpr,  # LORA_R or 2 * LORA_R (a power of two)
     BLOCK_ROWS: tl.constexpr,
+    RELEASE_FIRST: tl.constexpr = False,
 ):
+    if RELEASE_FIRST:
+        # Launched dependently on the shrink: let the GEMM after this launch be scheduled at once (it
+        # waits for this launch, hence for the shrink, only before its epilogue), then wait for the
+        # shrink's partials.
+        gdc_launch_dependents()
+        gdc_wait()
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_valid = rows < numel
     slot = tl.load(token_slots_ptr + rows // slot_row_div, mask=row_valid, other=-1)
@@ -50,11 +60,16 @@ def _reduce_shrink_splits_kernel(
 
 
 def reduce_shrink_splits(
-    partials: torch.Tensor, token_slots: torch.Tensor, *, slot_row_div: int
+    partials: torch.Tensor, token_slots: torch.Tensor, *, slot_row_div: int, release_next: bool = False
 ) -> torch.Tensor:
     """Sums ``partials`` (numel, splits, width) fp32 over its splits into split 0, in place, for the rows
     whose token (``p // slot_row_div``) has an adapter; returns the (numel, 1, width) view the GEMM
-    epilogue then reads. No host sync: the grid depends only on the shape."""
+    epilogue then reads. No host sync: the grid depends only on the shape.
+
+    ``release_next`` (sm_90+; the launch before is the shrink, launched with ``release_next`` itself):
+    this launch is dependent on the shrink and lets the next one be scheduled before it waits for the
+    shrink, so a GEMM launched with ``late_wait`` runs its K-loop beside both (``prefill_shrink_overlap``).
+    """
     if partials.dim() != 3 or partials.dtype != torch.float32:
         raise ValueError(f"partials must be fp32 (numel, splits, width), got {partials.dtype} "
                          f"{tuple(partials.shape)}")
@@ -65,6 +80,8 @@ def reduce_shrink_splits(
     if token_slots.dtype != torch.int32 or token_slots.numel() * slot_row_div < numel:
         raise ValueError(f"token_slots must be int32 with one slot per {slot_row_div} rows of the {numel} "
                          f"partials, got {token_slots.dtype} {tuple(token_slots.shape)}")
+    if release_next and not dependent_launch_supported(partials.device):
+        raise ValueError(f"release_next needs dependent launch (an sm_90+ GPU), not {partials.device}")
     if numel == 0 or splits == 1:
         return partials[:, :1]
     block_rows = reduce_block_rows(numel, width)
@@ -78,6 +95,7 @@ def reduce_shrink_splits(
         SPLITS=splits,
         WIDTH=width,
         BLOCK_ROWS=block_rows,
+        **({"RELEASE_FIRST": True, "launch_pdl": True} if release_next else {}),
         num_warps=max(1, min(4, block_rows * width // 256)),
     )
     return partials[:, :1]
