@@ -364,6 +364,50 @@ def test_overlap_operands_are_checked():
         reduce_shrink_splits(torch.zeros(2, 2, 32), lora.token_slots, slot_row_div=2, release_next=True)
 
 
+# 40 tokens x top-4 = 160 routed pairs (past decode): with the split-sum threshold at 100 the GEMMs overlap
+# through the sums, at 1000 only where no sum follows the shrink. K of 96 and 72 (block_k 32 for fp32): the
+# shrinks split K, so the forced sums ("1") run.
+@pytest.mark.parametrize("min_pairs", [100, 1000])
+@pytest.mark.parametrize("reduce", ["0", "1"], ids=["partials-in-gemm", "split-sum-launch"])
+@interpreter
+def test_prefill_overlap_plan(monkeypatch, min_pairs, reduce):
+    """Which launches release the next and which GEMMs wait late, past decode, with the overlap on (forced
+    here: the interpreter has no dependent launch, so the flags are recorded and then dropped): each GEMM
+    waits late exactly when the launch before it released it; a split sum releases only after a shrink
+    that did, and only from ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` pairs on. The output is the oracle's."""
+    m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=3)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=3)
+    monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
+    monkeypatch.setattr(fe, "PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS", min_pairs)
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    events = []
+
+    def recording(fn, kind, flag):
+        def launch(*args, **kwargs):
+            events.append((kind, kwargs.get(flag, False)))
+            return fn(*args, **dict(kwargs, **({flag: False} if flag in kwargs else {})))
+        return launch
+
+    for name, kind, flag in (("moe_lora_a", "shrink", "release_next"),
+                             ("reduce_shrink_splits", "reduce", "release_next"),
+                             ("invoke_fused_moe_kernel", "gemm", "late_wait")):
+        monkeypatch.setattr(fe, name, recording(getattr(fe, name), kind, flag))
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("gemm") == 2 and kinds.count("shrink") == 2, events
+    assert kinds.count("reduce") == (2 if reduce == "1" else 0), events
+    through_sum = m * top_k >= min_pairs
+    for i, (kind, flag) in enumerate(events):
+        if kind == "gemm":
+            expected = events[i - 1][0] == "shrink" or through_sum
+            assert flag == expected and events[i - 1][1] == expected, events
+        if kind == "reduce":
+            assert flag == events[i - 1][1] == through_sum, events
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert rel_err(out, ref) <= TOL[F32]
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 # (E, top_k, H, I): DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B (top-2, 8 experts: at M=16 every expert
