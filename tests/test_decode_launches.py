@@ -364,6 +364,43 @@ def test_overlap_operands_are_checked():
         reduce_shrink_splits(torch.zeros(2, 2, 32), lora.token_slots, slot_row_div=2, release_next=True)
 
 
+def record_overlap_launches(monkeypatch, *, drop_flags=False):
+    """The list ``fused_experts``' shrink, split-sum and GEMM launches are appended to, in order, as
+    (kind, flag): ("shrink", release_next), ("reduce", release_next), ("gemm", late_wait). With
+    ``drop_flags`` the flags are recorded, then not passed on (the interpreter has no dependent launch)."""
+    events = []
+
+    def recording(fn, kind, flag):
+        def launch(*args, **kwargs):
+            events.append((kind, kwargs.get(flag, False)))
+            if drop_flags and flag in kwargs:
+                kwargs[flag] = False
+            return fn(*args, **kwargs)
+        return launch
+
+    for name, kind, flag in (("moe_lora_a", "shrink", "release_next"),
+                             ("reduce_shrink_splits", "reduce", "release_next"),
+                             ("invoke_fused_moe_kernel", "gemm", "late_wait")):
+        monkeypatch.setattr(fe, name, recording(getattr(fe, name), kind, flag))
+    return events
+
+
+def check_overlap_plan(events, *, overlap, through_sum):
+    """Asserts the launch plan of one prefill layer call: two shrinks and two GEMMs; with the overlap on,
+    a GEMM waits late exactly when the launch before it released it, which a shrink does unless a split
+    sum follows it below ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` pairs (``through_sum`` False), and a split
+    sum does exactly when the shrink before it did. Returns the GEMMs' late-wait flags."""
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("gemm") == 2 and kinds.count("shrink") == 2, events
+    for i, (kind, flag) in enumerate(events):
+        if kind == "gemm":
+            expected = overlap and (events[i - 1][0] == "shrink" or through_sum)
+            assert flag == expected and events[i - 1][1] == expected, events
+        elif kind == "reduce":
+            assert flag == events[i - 1][1] == (overlap and through_sum), events
+    return [flag for kind, flag in events if kind == "gemm"]
+
+
 # 40 tokens x top-4 = 160 routed pairs (past decode): with the split-sum threshold at 100 the GEMMs overlap
 # through the sums, at 1000 only where no sum follows the shrink. K of 96 and 72 (block_k 32 for fp32): the
 # shrinks split K, so the forced sums ("1") run.
@@ -381,29 +418,10 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, reduce):
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
     monkeypatch.setattr(fe, "PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS", min_pairs)
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
-    events = []
-
-    def recording(fn, kind, flag):
-        def launch(*args, **kwargs):
-            events.append((kind, kwargs.get(flag, False)))
-            return fn(*args, **dict(kwargs, **({flag: False} if flag in kwargs else {})))
-        return launch
-
-    for name, kind, flag in (("moe_lora_a", "shrink", "release_next"),
-                             ("reduce_shrink_splits", "reduce", "release_next"),
-                             ("invoke_fused_moe_kernel", "gemm", "late_wait")):
-        monkeypatch.setattr(fe, name, recording(getattr(fe, name), kind, flag))
+    events = record_overlap_launches(monkeypatch, drop_flags=True)
     out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
-    kinds = [kind for kind, _ in events]
-    assert kinds.count("gemm") == 2 and kinds.count("shrink") == 2, events
-    assert kinds.count("reduce") == (2 if reduce == "1" else 0), events
-    through_sum = m * top_k >= min_pairs
-    for i, (kind, flag) in enumerate(events):
-        if kind == "gemm":
-            expected = events[i - 1][0] == "shrink" or through_sum
-            assert flag == expected and events[i - 1][1] == expected, events
-        if kind == "reduce":
-            assert flag == events[i - 1][1] == through_sum, events
+    check_overlap_plan(events, overlap=True, through_sum=m * top_k >= min_pairs)
+    assert [kind for kind, _ in events].count("reduce") == (2 if reduce == "1" else 0), events
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert rel_err(out, ref) <= TOL[F32]
 
@@ -554,46 +572,19 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=7)
     lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=7, device="cuda")
-    # The layer's launches in order: ("shrink", release_next), ("reduce", release_next), ("gemm", late_wait).
-    events = []
-    spied = {"moe_lora_a": lambda kw: ("shrink", kw.get("release_next", False)),
-             "reduce_shrink_splits": lambda kw: ("reduce", kw.get("release_next", False)),
-             "invoke_fused_moe_kernel": lambda kw: ("gemm", kw.get("late_wait", False))}
-    def spying(fn, event):
-        def spy(*args, **kwargs):
-            events.append(event(kwargs))
-            return fn(*args, **kwargs)
-        return spy
-
-    for fn_name, event in spied.items():
-        monkeypatch.setattr(fe, fn_name, spying(getattr(fe, fn_name), event))
+    events = record_overlap_launches(monkeypatch)
+    through_sum = m * top_k >= fe.PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
 
     def layer():
         events.clear()
         return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
 
-    def overlaps():
-        """Per GEMM, whether it waits late; checked against what precedes it: a GEMM waits late exactly
-        when the launch before it releases it, and a split-sum launch releases only after a shrink that
-        released it (each waits for the launch before it)."""
-        gemms = [i for i, event in enumerate(events) if event[0] == "gemm"]
-        assert len(gemms) == 2, events
-        for i, event in enumerate(events):
-            if event[0] == "gemm":
-                assert event[1] == (events[i - 1][0] != "gemm" and events[i - 1][1]), events
-            elif event[1]:
-                assert events[i + 1] in (("gemm", True), ("reduce", True)), events
-                if event[0] == "reduce":
-                    assert events[i - 1] == ("shrink", True), events
-        return [events[i][1] for i in gemms]
-
     monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
     eager_overlap = layer()
     # Each GEMM overlaps its shrink; past a split-sum launch only from enough pairs on (small: 160 pairs).
-    through_sum = m * top_k >= fe.PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
-    expected = [through_sum or events[i - 1][0] != "reduce"
-                for i, event in enumerate(events) if event[0] == "gemm"]
-    assert overlaps() == expected, events
+    late = check_overlap_plan(events, overlap=True, through_sum=through_sum)
+    if reduce == "0":  # no split-sum launch: both GEMMs overlap their shrink
+        assert late == [True, True], events
     if reduce == "1" and name != "small":  # 1800 / 2400 pairs; K 2048 / 1408: the shrinks split K
         assert through_sum and ("reduce", True) in events, events
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
@@ -613,7 +604,7 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
         torch.cuda.synchronize()
         monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "0")
         eager = layer()
-        assert overlaps() == [False, False]
+        check_overlap_plan(events, overlap=False, through_sum=through_sum)
         monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
         assert torch.isfinite(eager).all()
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
-from triton_ops.pdl import dependent_launch_supported, programmatic_launch, wait_for_previous_kernel
+from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -253,9 +253,7 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
         BLOCK_K=block_k,
         ALIGN=align,
         GATED=gated,
-        # USE_PDL compiles the wait-then-release prologue; launch_pdl (this launch dependent on the one
-        # before) only with MOELORA_PDL=1.
-        **(programmatic_launch(x.device) | ({"USE_PDL": True} if release_next else {})),
+        **releasing_launch(x.device, release_next),
         num_warps=num_warps,
     )
     return (sorted_ids, expert_ids, num_post_padded) if align else None

@@ -62,8 +62,8 @@ from triton_ops.lora_tiles import (
 )
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
-    dependent_launch_supported,
     programmatic_launch,
+    require_dependent_launch,
     wait_for_previous_kernel,
     wait_for_previous_kernel_late,
 )
@@ -690,8 +690,7 @@ def invoke_fused_moe_kernel(
         if lora is None or lora.shrunk is None:
             raise ValueError("late_wait needs lora.shrunk: the launch before writes the shrink partials, "
                              "which only the epilogue reads")
-        if not dependent_launch_supported(a.device):
-            raise ValueError(f"late_wait needs dependent launch (an sm_90+ GPU), not {a.device}")
+        require_dependent_launch(a.device, "late_wait")
     for counted in (zero_counters, topk_sum):
         if counted is not None and counted.counters.dtype != torch.int32:
             raise TypeError(f"top-k sum counters must be int32, got {counted.counters.dtype}")

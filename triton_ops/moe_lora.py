@@ -28,7 +28,7 @@ from triton_ops.lora_tiles import (
     select_group_columns,
     slot_group,
 )
-from triton_ops.pdl import dependent_launch_supported, programmatic_launch, wait_for_previous_kernel
+from triton_ops.pdl import releasing_launch, require_dependent_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -341,8 +341,8 @@ def moe_lora_a(
     if out.dtype != torch.float32 or width != (2 if gated else 1) * rank_block:
         expected = (2 if gated else 1) * rank_block
         raise ValueError(f"out must be fp32 (numel, splits, {expected}), got {out.dtype} {tuple(out.shape)}")
-    if release_next and not dependent_launch_supported(x.device):
-        raise ValueError(f"release_next needs dependent launch (an sm_90+ GPU), not {x.device}")
+    if release_next:
+        require_dependent_launch(x.device, "release_next")
     if numel == 0:
         return out
     sub_m = sub_block_m or shrink_block_m(block_m)
@@ -386,9 +386,7 @@ def moe_lora_a(
         BLOCK_M=sub_m,
         BLOCK_K=block_k,
         SLOT_GROUP=slot_group,
-        # USE_PDL compiles the wait-then-release prologue; launch_pdl (dependent on the launch before)
-        # only where MOELORA_PDL asks for it.
-        **(programmatic_launch(x.device) | ({"USE_PDL": True} if release_next else {})),
+        **releasing_launch(x.device, release_next),
         num_warps=num_warps,
         num_stages=num_stages,
     )

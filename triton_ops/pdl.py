@@ -39,11 +39,27 @@ def wait_for_previous_kernel_late(LATE_WAIT: tl.constexpr):
         gdc_wait()
 
 
+@triton.jit
+def release_next_then_wait(RELEASE_FIRST: tl.constexpr):
+    """The prologue of a kernel launched dependently between a kernel it reads and one that waits late:
+    it lets the next kernel be scheduled at once (that one waits for this one, hence for the one before,
+    only before it reads their output), then waits for the kernel before it."""
+    if RELEASE_FIRST:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
 def dependent_launch_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched dependently (sm_90+; not the Triton interpreter)."""
     if torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def require_dependent_launch(device: torch.device, what: str) -> None:
+    """Raises ``ValueError`` naming ``what`` (a launch option) where dependent launch is not available."""
+    if not dependent_launch_supported(device):
+        raise ValueError(f"{what} needs dependent launch (an sm_90+ GPU), not {device}")
 
 
 def decode_shrink_overlap(device: torch.device) -> bool:
@@ -68,6 +84,13 @@ def prefill_shrink_overlap(device: torch.device) -> bool:
     M=1024 +81.6 -> +70.6 %. Elsewhere within 0.5 % (DeepSeek-V3 M=4096 +0.4 %, in a spread of 10 %).
     On by default where dependent launch exists; ``MOELORA_PREFILL_SHRINK_OVERLAP=0`` turns it off."""
     return env_switch("MOELORA_PREFILL_SHRINK_OVERLAP", default=True) and dependent_launch_supported(device)
+
+
+def releasing_launch(device: torch.device, release_next: bool) -> dict:
+    """Keyword arguments for a launch of a kernel whose ``USE_PDL`` prologue waits for the kernel before
+    it and then releases the next (``wait_for_previous_kernel``): ``programmatic_launch``'s, plus the
+    prologue compiled in with ``release_next`` (the launch itself dependent only with ``MOELORA_PDL=1``)."""
+    return programmatic_launch(device) | ({"USE_PDL": True} if release_next else {})
 
 
 def programmatic_launch(device: torch.device) -> dict:

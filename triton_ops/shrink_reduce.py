@@ -18,9 +18,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_ops.pdl import dependent_launch_supported
+from triton_ops.pdl import release_next_then_wait, require_dependent_launch
 
 
 @triton.jit
@@ -40,12 +39,9 @@ def _reduce_shrink_splits_kernel(
     BLOCK_ROWS: tl.constexpr,
     RELEASE_FIRST: tl.constexpr = False,
 ):
-    if RELEASE_FIRST:
-        # Launched dependently on the shrink: let the GEMM after this launch be scheduled at once (it
-        # waits for this launch, hence for the shrink, only before its epilogue), then wait for the
-        # shrink's partials.
-        gdc_launch_dependents()
-        gdc_wait()
+    # Launched dependently on the shrink: the GEMM after this launch is scheduled at once, this waits
+    # for the shrink's partials.
+    release_next_then_wait(RELEASE_FIRST)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_valid = rows < numel
     slot = tl.load(token_slots_ptr + rows // slot_row_div, mask=row_valid, other=-1)
@@ -80,8 +76,8 @@ def reduce_shrink_splits(
     if token_slots.dtype != torch.int32 or token_slots.numel() * slot_row_div < numel:
         raise ValueError(f"token_slots must be int32 with one slot per {slot_row_div} rows of the {numel} "
                          f"partials, got {token_slots.dtype} {tuple(token_slots.shape)}")
-    if release_next and not dependent_launch_supported(partials.device):
-        raise ValueError(f"release_next needs dependent launch (an sm_90+ GPU), not {partials.device}")
+    if release_next:
+        require_dependent_launch(partials.device, "release_next")
     if numel == 0 or splits == 1:
         return partials[:, :1]
     block_rows = reduce_block_rows(numel, width)
