@@ -388,7 +388,7 @@ def record_overlap_launches(monkeypatch, *, drop_flags=False):
 def check_overlap_plan(events, *, overlap, through_sum):
     """Asserts the launch plan of one prefill layer call: two shrinks and two GEMMs; with the overlap on,
     a GEMM waits late exactly when the launch before it released it, which a shrink does unless a split
-    sum follows it below ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` pairs (``through_sum`` False), and a split
+    sum follows it below ``overlap_through_split_sum``'s pairs and rank (``through_sum`` False), and a split
     sum does exactly when the shrink before it did. Returns the GEMMs' late-wait flags."""
     kinds = [kind for kind, _ in events]
     assert kinds.count("gemm") == 2 and kinds.count("shrink") == 2, events
@@ -402,25 +402,29 @@ def check_overlap_plan(events, *, overlap, through_sum):
 
 
 # 40 tokens x top-4 = 160 routed pairs (past decode): with the split-sum threshold at 100 the GEMMs overlap
-# through the sums, at 1000 only where no sum follows the shrink. K of 96 and 72 (block_k 32 for fp32): the
-# shrinks split K, so the forced sums ("1") run.
+# through the sums, at 1000 only where no sum follows the shrink, unless the rank tile is 64 (adapters of
+# ranks 8/16 -> tile 16, 40/64 -> tile 64). K of 96 and 72 (block_k 32 for fp32): the shrinks split K, so
+# the forced sums ("1") run.
 @pytest.mark.parametrize("min_pairs", [100, 1000])
+@pytest.mark.parametrize("ranks", [(8, 16), (40, 64)], ids=["rank-tile-16", "rank-tile-64"])
 @pytest.mark.parametrize("reduce", ["0", "1"], ids=["partials-in-gemm", "split-sum-launch"])
 @interpreter
-def test_prefill_overlap_plan(monkeypatch, min_pairs, reduce):
+def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
     """Which launches release the next and which GEMMs wait late, past decode, with the overlap on (forced
     here: the interpreter has no dependent launch, so the flags are recorded and then dropped): each GEMM
     waits late exactly when the launch before it released it; a split sum releases only after a shrink
-    that did, and only from ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` pairs on. The output is the oracle's."""
+    that did, and only from ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` pairs or
+    ``PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK`` rank columns on. The output is the oracle's."""
     m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
     x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=3)
-    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=3)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=3, ranks=ranks,
+                                            pool_rank=ranks[1])
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
     monkeypatch.setattr(fe, "PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS", min_pairs)
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
     events = record_overlap_launches(monkeypatch, drop_flags=True)
     out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
-    check_overlap_plan(events, overlap=True, through_sum=m * top_k >= min_pairs)
+    check_overlap_plan(events, overlap=True, through_sum=m * top_k >= min_pairs or ranks[1] == 64)
     assert [kind for kind, _ in events].count("reduce") == (2 if reduce == "1" else 0), events
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert rel_err(out, ref) <= TOL[F32]
@@ -549,15 +553,18 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
 # (name, M): past decode (more than 128 pairs), so the shrinks are launches over the alignment. "small" has
 # a GEMM1 K-loop of 256 columns, about as short as the shrink, so a GEMM that read the partials before
 # they were written would do so; the model shapes have enough tokens that every expert gets pairs of
-# both adapters and of tokens without one.
-PREFILL_OVERLAP_POINTS = [("small", 40), ("deepseek-v2-lite", 300), ("qwen3-30b-a3b", 300)]
+# both adapters and of tokens without one. Rank 64 (adapters of ranks 40 and 64): the GEMMs overlap their
+# shrinks through the split sums below PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS too (M=64 of DeepSeek-V2-Lite:
+# 384 pairs).
+PREFILL_OVERLAP_POINTS = [("small", 40, 16), ("deepseek-v2-lite", 300, 16), ("qwen3-30b-a3b", 300, 16),
+                          ("small", 40, 64), ("deepseek-v2-lite", 64, 64)]
 
 
 @gpu
-@pytest.mark.parametrize(("name", "m"), PREFILL_OVERLAP_POINTS)
+@pytest.mark.parametrize(("name", "m", "rank"), PREFILL_OVERLAP_POINTS)
 @pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("reduce", ["0", "1"], ids=["partials-in-gemm", "split-sum-launch"])
-def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, pdl, reduce):
+def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, pdl, reduce):
     """Past decode, with ``MOELORA_PREFILL_SHRINK_OVERLAP=1``: each GEMM launched dependently on the shrink
     before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
     replays with new x, routing and token slots each time (a replay that read the previous replay's
@@ -571,9 +578,11 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=7)
-    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=7, device="cuda")
+    ranks = dict(ranks=(40, 64), pool_rank=64) if rank == 64 else {}
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=7, device="cuda",
+                                            **ranks)
     events = record_overlap_launches(monkeypatch)
-    through_sum = m * top_k >= fe.PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
+    through_sum = fe.overlap_through_split_sum(m * top_k, rank)
 
     def layer():
         events.clear()
@@ -581,11 +590,11 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
 
     monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
     eager_overlap = layer()
-    # Each GEMM overlaps its shrink; past a split-sum launch only from enough pairs on (small: 160 pairs).
+    # Each GEMM overlaps its shrink; past a split-sum launch only from enough pairs (small: 160) or rank on.
     late = check_overlap_plan(events, overlap=True, through_sum=through_sum)
-    if reduce == "0":  # no split-sum launch: both GEMMs overlap their shrink
+    if reduce == "0" or rank == 64:  # no split-sum launch, or overlapped through it: both GEMMs wait late
         assert late == [True, True], events
-    if reduce == "1" and name != "small":  # 1800 / 2400 pairs; K 2048 / 1408: the shrinks split K
+    if reduce == "1" and name != "small":  # 384 / 1800 / 2400 pairs; K 2048 / 1408: the shrinks split K
         assert through_sum and ("reduce", True) in events, events
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     err = rel_err(eager_overlap, ref)

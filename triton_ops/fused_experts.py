@@ -68,11 +68,23 @@ MAX_DECODE_DOWN_PARTIALS = 64
 
 
 # Past decode the GEMMs overlap the shrink launch before them (``prefill_shrink_overlap``); where a
-# split-sum launch (``reduce_shrink_splits``) follows the shrink, only from this many routed pairs on.
-# H100, rank 16, 4 adapters, interleaved A/B (benchmarks/ab_env.py), overlap off -> on through the sums:
-# M=256 DeepSeek-V2-Lite (1536 pairs) +13.9 -> +11.7 %, Qwen3-30B-A3B (2048) +16.2 -> +14.9 %; but M=64
-# DeepSeek-V2-Lite (384 pairs) +11.7 -> +12.5 % (Qwen3-30B-A3B, 512: +14.0 -> +13.3 %).
+# split-sum launch (``reduce_shrink_splits``) follows the shrink, only from this many routed pairs on, or
+# from this rank tile on (``overlap_through_split_sum``).
 PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS = 1024
+PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK = 64
+
+
+def overlap_through_split_sum(pairs: int, rank_block: int) -> bool:
+    """Whether a GEMM overlaps its shrink through the split-sum launch between them (the sum releases
+    the GEMM, then waits for the shrink), where there is one. H100, interleaved A/B (benchmarks/ab_env.py),
+    overlap off -> on through the sums, LoRA layer overhead over the base:
+    - rank 16, 4 adapters: M=256 DeepSeek-V2-Lite (1536 pairs) +13.9 -> +11.7 %, Qwen3-30B-A3B (2048)
+      +16.2 -> +14.9 %; but M=64 DeepSeek-V2-Lite (384 pairs) +11.7 -> +12.5 % in one run, +12.0 -> +12.0 %
+      in another, DeepSeek-V2 (384) +5.2 -> +5.5 %, Qwen3-30B-A3B (512) +13.5 -> +13.2 %: hence the pairs;
+    - rank 64 at M=64 it pays (the shrinks it hides are 4x longer), 1 / 4 adapters: DeepSeek-V2-Lite
+      +14.8 -> +13.0 % / +47.1 -> +42.2 %, Qwen3-30B-A3B +16.8 -> +14.8 % / +48.2 -> +46.0 %, DeepSeek-V2
+      +8.9 -> +8.0 % / +20.1 -> +19.1 %, DeepSeek-V3 unchanged (+5.1 % / +12.4 %): hence the rank tile."""
+    return pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS or rank_block >= PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK
 
 
 def decode_direct_pairs(num_tokens: int) -> bool:
@@ -282,7 +294,7 @@ def fused_experts(
         overlap = decode_shrink and direct and decode_shrink_overlap(x.device)
         down_launch_direct = split and direct and not down_in_gemm1
         # Past decode: each GEMM streams its base weights while the shrink launch before it (and the
-        # split-sum launch after that shrink, from PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS on) runs.
+        # split-sum launch after that shrink, ``overlap_through_split_sum``) runs.
         prefill_overlap = split and not decode_shrink and not direct and prefill_shrink_overlap(x.device)
         if decode_shrink:
             shrunk_gate_up = torch.empty(
@@ -339,7 +351,7 @@ def fused_experts(
             )
         reduce_gate_up = (split and not decode_shrink
                           and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles))
-        overlap_through_sum = pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
+        overlap_through_sum = lora is not None and overlap_through_split_sum(pairs, rank_block)
         gate_up_overlap = prefill_overlap and (overlap_through_sum or not reduce_gate_up)
         if (split or staged) and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,

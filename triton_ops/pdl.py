@@ -74,9 +74,10 @@ def prefill_shrink_overlap(device: torch.device) -> bool:
     """Whether a batch's GEMMs (past one decode token) overlap the LoRA shrink launch before each: the
     shrink (``moe_lora_a``) lets the next launch be scheduled as soon as its programs start, and the GEMM
     (launched dependently) runs its K-loop over the base weights while the shrink still runs, waiting for
-    it only before its epilogue (through a split-sum launch after the shrink only from
-    ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` routed pairs on, ``fused_experts.py``). The shrinks read
-    the LoRA A weights and re-read x or h: memory-bound work that the GEMMs' K-loops leave room for.
+    it only before its epilogue (through a split-sum launch after the shrink only where
+    ``fused_experts.overlap_through_split_sum`` says so: enough routed pairs or a wide rank tile). The
+    shrinks read the LoRA A weights and re-read x or h: memory-bound work that the GEMMs' K-loops leave
+    room for.
     H100, interleaved A/B (``benchmarks/ab_env.py``), off -> on, LoRA layer overhead over the base:
     rank 16, 4 adapters: Qwen3-30B-A3B M=1024 +23.0 -> +17.1 %, M=4096 +25.9 -> +23.0 %; DeepSeek-V2-Lite
     M=1024 +21.0 -> +19.1 %, M=4096 +15.7 -> +13.2 %; DeepSeek-V2 M=4096 +18.1 -> +14.1 %; Mixtral-8x7B
