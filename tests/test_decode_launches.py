@@ -430,6 +430,25 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
     assert rel_err(out, ref) <= TOL[F32]
 
 
+# 7 tokens x top-6 = 42 routed pairs: an aligned decode (the gate/up shrink rides in the alignment's launch).
+# Rank tile 64 over I=600 (at least 5 GEMM1 N tiles: 320 partial columns) is too many down-shrink partials
+# for GEMM1's epilogue, so the down shrink is a launch (moe_lora_a), which GEMM2 overlaps when it is on.
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@interpreter
+def test_aligned_decode_down_overlap_plan(monkeypatch, overlap):
+    m, top_k, num_experts, hidden, inter = 7, 6, 9, 48, 600
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=4)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=4, ranks=(40, 64),
+                                            pool_rank=64)
+    monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: overlap)
+    events = record_overlap_launches(monkeypatch, drop_flags=True)
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    # GEMM1 follows the alignment's launch (plain); the down shrink releases GEMM2, which waits late.
+    assert events == [("gemm", False), ("shrink", overlap), ("gemm", overlap)], events
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert rel_err(out, ref) <= TOL[F32]
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 # (E, top_k, H, I): DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B (top-2, 8 experts: at M=16 every expert
@@ -546,6 +565,60 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         eager = layer()
         assert late_waits[-2:] == [False, False]
         monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+        assert torch.isfinite(eager).all()
+        assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
+
+
+# (name, M, rank): a few decode tokens (at most 128 pairs, aligned) whose down shrink is a launch of its own:
+# DeepSeek-V2-Lite M=16 rank 64 (22 GEMM1 N tiles x 64 partial columns), Mixtral M=16 (448 tiles), and the
+# small shape with I=4160 at M=7 (28 pairs, over 33 tiles x 64), whose GEMM2 K-loop is short.
+DECODE_DOWN_OVERLAP_POINTS = [("deepseek-v2-lite", 16, 64), ("mixtral-8x7b", 16, 16), ("small-gemv", 7, 64)]
+
+
+@gpu
+@pytest.mark.parametrize(("name", "m", "rank"), DECODE_DOWN_OVERLAP_POINTS)
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_gpu_aligned_decode_down_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, pdl):
+    """A few aligned decode tokens: GEMM2 launched dependently on the down-shrink launch (waiting for it
+    after its K-loop) gives bit for bit what the plain launches give, in graph replays with new x, routing
+    and token slots each time, and matches the fp32 oracle; also with every launch dependent."""
+    from triton_ops.pdl import dependent_launch_supported
+
+    if not dependent_launch_supported(torch.device("cuda")):
+        pytest.skip("dependent launch needs sm_90 or later")
+    monkeypatch.setenv("MOELORA_PDL", pdl)
+    num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=8)
+    ranks = dict(ranks=(40, 64), pool_rank=64) if rank == 64 else {}
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=8, device="cuda",
+                                            **ranks)
+    events = record_overlap_launches(monkeypatch)
+
+    def layer():
+        events.clear()
+        return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+
+    monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+    eager_overlap = layer()
+    assert events == [("gemm", False), ("shrink", True), ("gemm", True)], events
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    err = rel_err(eager_overlap, ref)
+    assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
+    graph, graph_out = captured(layer)
+    gen = torch.Generator("cuda").manual_seed(12)
+    for step in range(6):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
+        new_ids = torch.stack([torch.randperm(num_experts, generator=gen, device="cuda")[:top_k]
+                               for _ in range(m)]).to(ids.dtype)
+        ids.copy_(new_ids)
+        slots = [(0, -1, 2)[(t + step) % 3] for t in range(m)]
+        lora.token_slots.copy_(torch.tensor(slots, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "0")
+        eager = layer()
+        assert events == [("gemm", False), ("shrink", False), ("gemm", False)], events
+        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
         assert torch.isfinite(eager).all()
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
 
