@@ -569,6 +569,31 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
 
 
+def replays_match_plain_launches(monkeypatch, layer, x, ids, lora, num_experts, *, seed, check_plain):
+    """Captures ``layer`` (with ``MOELORA_PREFILL_SHRINK_OVERLAP=1`` set) in a CUDA graph and replays it 6
+    times with new x, routing and token slots; each replay must be bit for bit the eager layer with the
+    overlap off, whose launch plan ``check_plain()`` asserts."""
+    m, top_k = ids.shape
+    graph, graph_out = captured(layer)
+    gen = torch.Generator("cuda").manual_seed(seed)
+    for step in range(6):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
+        new_ids = torch.stack([torch.randperm(num_experts, generator=gen, device="cuda")[:top_k]
+                               for _ in range(m)]).to(ids.dtype)
+        ids.copy_(new_ids)
+        # Rotate the slots (0, none, 2) by the step, so every row's adapter changes between replays.
+        slots = [(0, -1, 2)[(t + step) % 3] for t in range(m)]
+        lora.token_slots.copy_(torch.tensor(slots, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "0")
+        eager = layer()
+        check_plain()
+        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+        assert torch.isfinite(eager).all()
+        assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
+
+
 # (name, M, rank): a few decode tokens (at most 128 pairs, aligned) whose down shrink is a launch of its own:
 # DeepSeek-V2-Lite M=16 rank 64 (22 GEMM1 N tiles x 64 partial columns), Mixtral M=16 (448 tiles), and the
 # small shape with I=4160 at M=7 (28 pairs, over 33 tiles x 64), whose GEMM2 K-loop is short.
@@ -604,23 +629,12 @@ def test_gpu_aligned_decode_down_overlap_bit_equal_over_replays(monkeypatch, nam
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     err = rel_err(eager_overlap, ref)
     assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
-    graph, graph_out = captured(layer)
-    gen = torch.Generator("cuda").manual_seed(12)
-    for step in range(6):
-        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
-        new_ids = torch.stack([torch.randperm(num_experts, generator=gen, device="cuda")[:top_k]
-                               for _ in range(m)]).to(ids.dtype)
-        ids.copy_(new_ids)
-        slots = [(0, -1, 2)[(t + step) % 3] for t in range(m)]
-        lora.token_slots.copy_(torch.tensor(slots, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "0")
-        eager = layer()
+
+    def check_plain():
         assert events == [("gemm", False), ("shrink", False), ("gemm", False)], events
-        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
-        assert torch.isfinite(eager).all()
-        assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
+
+    replays_match_plain_launches(monkeypatch, layer, x, ids, lora, num_experts, seed=12,
+                                 check_plain=check_plain)
 
 
 # (name, M): past decode (more than 128 pairs), so the shrinks are launches over the alignment. "small" has
@@ -672,21 +686,6 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     err = rel_err(eager_overlap, ref)
     assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
-    graph, graph_out = captured(layer)
-    gen = torch.Generator("cuda").manual_seed(11)
-    for step in range(6):
-        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
-        new_ids = torch.stack([torch.randperm(num_experts, generator=gen, device="cuda")[:top_k]
-                               for _ in range(m)]).to(ids.dtype)
-        ids.copy_(new_ids)
-        # Rotate the slots (0, none, 2) by the step, so every row's adapter changes between replays.
-        slots = [(0, -1, 2)[(t + step) % 3] for t in range(m)]
-        lora.token_slots.copy_(torch.tensor(slots, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "0")
-        eager = layer()
-        check_overlap_plan(events, overlap=False, through_sum=through_sum)
-        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
-        assert torch.isfinite(eager).all()
-        assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
+    replays_match_plain_launches(
+        monkeypatch, layer, x, ids, lora, num_experts, seed=11,
+        check_plain=lambda: check_overlap_plan(events, overlap=False, through_sum=through_sum))

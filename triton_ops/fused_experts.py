@@ -293,13 +293,11 @@ def fused_experts(
         # while the down shrink launch runs, when there is one.
         overlap = decode_shrink and direct and decode_shrink_overlap(x.device)
         down_launch_direct = split and direct and not down_in_gemm1
-        # Past decode: each GEMM streams its base weights while the shrink launch before it (and the
-        # split-sum launch after that shrink, ``overlap_through_split_sum``) runs.
-        prefill_overlap = split and not decode_shrink and not direct and prefill_shrink_overlap(x.device)
-        # A few decode tokens (aligned, the gate/up shrink in the alignment's launch) whose down shrink
-        # does not fit GEMM1's epilogue: GEMM2 overlaps that shrink launch as past decode (no split sum).
-        decode_down_overlap = (split and decode_shrink and not direct and not down_in_gemm1
-                               and prefill_shrink_overlap(x.device))
+        # Aligned batches: each GEMM streams its base weights while the moe_lora_a shrink launch before it
+        # (and the split-sum launch after that shrink, ``overlap_through_split_sum``) runs. At decode only
+        # GEMM2 has one (when the down shrink does not fit GEMM1's epilogue; no split sum there): the
+        # gate/up shrink rides in the alignment's launch.
+        shrink_launch_overlap = split and not direct and prefill_shrink_overlap(x.device)
         if decode_shrink:
             shrunk_gate_up = torch.empty(
                 (pairs, decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype)), 2 * rank_block),
@@ -356,7 +354,8 @@ def fused_experts(
         reduce_gate_up = (split and not decode_shrink
                           and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles))
         overlap_through_sum = lora is not None and overlap_through_split_sum(pairs, rank_block)
-        gate_up_overlap = prefill_overlap and (overlap_through_sum or not reduce_gate_up)
+        gate_up_overlap = (shrink_launch_overlap and not decode_shrink
+                           and (overlap_through_sum or not reduce_gate_up))
         if (split or staged) and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
@@ -397,8 +396,7 @@ def fused_experts(
         elif split and not down_in_gemm1:
             reduce_down = not decode_shrink and reduce_splits_pays(shrunk_down.shape[1],
                                                                    triton.cdiv(hidden, cfg.gemm2.block_n))
-            gemm2_late_wait = decode_down_overlap or (
-                prefill_overlap and (overlap_through_sum or not reduce_down))
+            gemm2_late_wait = shrink_launch_overlap and (overlap_through_sum or not reduce_down)
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
