@@ -449,6 +449,31 @@ def test_aligned_decode_down_overlap_plan(monkeypatch, overlap):
     assert rel_err(out, ref) <= TOL[F32]
 
 
+def test_one_row_rule(monkeypatch):
+    """When a direct-pair GEMM takes the one-row prologue (``fused_moe.one_row_lora``): never without
+    the prefetch or off the direct pairs; partials read before the K-loop only as one chunk (held raw
+    through it); a launch that waits late only while its grid is one program per SM; the switch turns
+    it off."""
+    from triton_ops import fused_moe
+
+    # An H100's 132 SMs, whatever runs the test.
+    monkeypatch.setattr(fused_moe, "_fits_one_wave", lambda programs, device: programs <= 132)
+
+    def rule(**kw):
+        args = dict(direct=True, prefetch=True, late_wait=False, splits=16, split_chunk=16, programs=256,
+                    device=torch.device("cuda"))
+        return fused_moe.one_row_lora(**(args | kw))
+
+    assert rule() and not rule(direct=False) and not rule(prefetch=False)
+    # Two chunks of partials before the loop (DeepSeek-V3's 32 down partials): the general prefetch.
+    assert not rule(splits=32)
+    # Waiting late, the partials are read after the loop (any count), but only one program per SM
+    # (DeepSeek-V3 M=1 GEMM1: 256 programs keeps the general prefetch).
+    assert rule(late_wait=True, splits=64, programs=132) and not rule(late_wait=True, programs=256)
+    monkeypatch.setenv("MOELORA_ONE_ROW_LORA", "0")
+    assert not rule()
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 # (E, top_k, H, I): DeepSeek-V2-Lite, Qwen3-30B-A3B, Mixtral-8x7B (top-2, 8 experts: at M=16 every expert

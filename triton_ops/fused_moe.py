@@ -42,12 +42,14 @@ import triton.language as tl
 from triton_ops.configs import (
     GemmConfig,
     blocks_per_sm_by_shared,
+    env_switch,
     pipeline_smem_bytes,
 )
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
     load_group_b,
+    load_raw_partials,
     load_scaled_gate_up_partials,
     load_shrink_partials,
     lora_expand_from_partials,
@@ -59,6 +61,7 @@ from triton_ops.lora_tiles import (
     next_slot,
     slot_group,
     spread_to_group,
+    sum_raw_partials,
 )
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
@@ -154,6 +157,7 @@ def _fused_moe_kernel(
     LORA_PREFETCH: tl.constexpr,
     LORA_UNROLL: tl.constexpr,
     LORA_SKIP_PAST_RANK: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -243,7 +247,40 @@ def _fused_moe_kernel(
                 )
                 slot = next_slot(row_slot, others, slot)
 
-        if LORA_SHRINK == 1:
+        if LORA_SHRINK == 1 and ONE_ROW:
+            # One decode token (direct pairs): row 0, pair pid_m, is the program's only row, so its slot
+            # is a scalar load beside the expert's and no reduction finds it; nothing loaded here is used
+            # before the K-loop (rank masks and scaling apply after it), so the weights stream at once
+            # instead of after two dependent round trips (slot, then its rank) and the slot reductions.
+            shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
+            one_slot = tl.load(token_slots_ptr + pid_m // slot_row_div)
+            one_has = one_slot >= 0
+            one_safe = tl.where(one_has, one_slot, 0).to(tl.int64)
+            one_rank = tl.load(slot_ranks_ptr + one_safe)
+            one_scaling = tl.load(slot_scalings_ptr + one_safe)
+            # Masks from the slot broadcast first (the interpreter rejects scalar & block masks).
+            one_has_r = (tl.zeros((LORA_R,), dtype=tl.int32) + one_slot) >= 0
+            one_rows = (tl.arange(0, BLOCK_M) == 0) & ((tl.zeros((BLOCK_M,), dtype=tl.int32) + one_slot) >= 0)
+            one_b = (lora_b_ptr + one_safe * stride_lb_l + expert * stride_lb_e
+                     + offs_r[:, None] * stride_lb_r + offs_n.to(tl.int64)[None, :] * stride_lb_n)
+            b_live = one_has_r[:, None] & col_valid[None, :]
+            b0_gate = tl.load(one_b, mask=b_live, other=0.0)
+            b0_up = b0_gate
+            if ACTIVATION != 0:
+                b0_up = tl.load(one_b + N * stride_lb_n, mask=b_live, other=0.0)
+            if DOWN_PREFETCH:
+                da0 = tl.load(
+                    down_a_ptr + one_safe * stride_da_l + expert * stride_da_e
+                    + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
+                    mask=col_valid[:, None] & one_has_r[None, :], other=0.0)
+            if not LATE_WAIT:
+                # Summed after the K-loop (one chunk: ``one_row_lora``).
+                gate_parts = load_raw_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, one_rows,
+                                               SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+                if ACTIVATION != 0:
+                    up_parts = load_raw_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, one_rows,
+                                                 SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+        elif LORA_SHRINK == 1:
             shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
             row_scaling = tl.load(slot_scalings_ptr + tl.where(has_slot, row_slot, 0), mask=has_slot,
                                   other=0.0)
@@ -335,6 +372,26 @@ def _fused_moe_kernel(
                 col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
                 stride_lb_n, stride_lb_r, GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
             )
+        elif ONE_ROW:
+            # The same values and dots as the prefetch branch below, so the two give the same bits.
+            one_rank_valid = offs_r < one_rank
+            if one_has:
+                if LATE_WAIT:  # the partials are written by now, not before the K-loop
+                    u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, one_rows,
+                                             SPLITS=LORA_SPLITS, CHUNK_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
+                else:
+                    u = sum_raw_partials(gate_parts)
+                u = tl.where(one_rows[:, None], u * one_scaling, 0.0).to(b0_gate.dtype)
+                acc = _dot(u, tl.where(one_rank_valid[:, None], b0_gate, 0.0), acc, FP32_IEEE)
+                if ACTIVATION != 0:
+                    if LATE_WAIT:
+                        u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, one_rows,
+                                                 SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
+                                                 SPLIT_CHUNK=LORA_SPLIT_CHUNK)
+                    else:
+                        u = sum_raw_partials(up_parts)
+                    u = tl.where(one_rows[:, None], u * one_scaling, 0.0).to(b0_up.dtype)
+                    acc_up = _dot(u, tl.where(one_rank_valid[:, None], b0_up, 0.0), acc_up, FP32_IEEE)
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
         elif LORA_PREFETCH:
             if LATE_WAIT:
@@ -423,7 +480,14 @@ def _fused_moe_kernel(
             tl.store(up_ptrs, acc_up.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
         else:
             acc = _gated_activation(acc, acc_up, ACTIVATION)
-            if DOWN_SHRINK:
+            if DOWN_SHRINK and ONE_ROW and DOWN_PREFETCH:
+                # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
+                if one_has:
+                    part = _dot(acc.to(c_ptr.dtype.element_ty), tl.where(one_rank_valid[None, :], da0, 0.0),
+                                tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32), FP32_IEEE)
+                    down_rows = down_shrunk_ptr + pair.to(tl.int64) * stride_dm + pid_n * stride_ds
+                    tl.store(down_rows[:, None] + offs_r[None, :], part, mask=one_rows[:, None])
+            elif DOWN_SHRINK:
                 # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
                 if not DOWN_PREFETCH:
                     da0 = tl.zeros((BLOCK_N, LORA_R), dtype=c_ptr.dtype.element_ty)
@@ -635,6 +699,27 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, group: int, prefetch: 
     return UNROLL_MAX_SLOTS
 
 
+def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, split_chunk: int,
+                 programs: int, device: torch.device) -> bool:
+    """Whether a split-path GEMM of one decode token (``direct``: one routed pair per program) takes its
+    LoRA operands by the one-row prologue: the pair's slot is a scalar load beside the expert's and no
+    load is used before the K-loop, so the weights stream at once (the prefetch, ``lora_prefetch_pays``,
+    otherwise waits on the slot, then on its rank, before the loop). Where it prefetches, and:
+    - with ``late_wait`` (the GEMM runs beside the shrink launch it waits for after its K-loop), only
+      while its grid is one program per SM: with more, their K-loops starting at once slowed that shrink
+      (DeepSeek-V3 GEMM1, 256 programs: shrink 22 -> 37 us, GEMM1 147 -> 164 us, layer +4.8 -> +14.8 %;
+      its rank-64 GEMM2, 448 programs beside the down GEMV, +7.3 -> +10.0 %);
+    - without, only if the partials are one chunk of splits (held raw through the loop, then summed):
+      DeepSeek-V3's 32 down partials, two chunks, lost 2 % in GEMM2.
+    H100, M=1, rank 16, interleaved A/B (benchmarks/ab_env.py), off -> on: DeepSeek-V2-Lite +14.4 ->
+    +12.7 %, Qwen3-30B-A3B +15.8 -> +12.8 %. ``MOELORA_ONE_ROW_LORA=0`` turns it off (to compare)."""
+    if not (direct and prefetch) or not env_switch("MOELORA_ONE_ROW_LORA", default=True):
+        return False
+    if late_wait:
+        return _fits_one_wave(programs, device)
+    return splits <= split_chunk
+
+
 def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
     """Whether the split epilogue's rank chunks (``lora_rank_chunk``) branch around those past a slot's
     real rank (``lora_expand_from_partials``; measured with 16-column chunks). Not on tiles that shared
@@ -750,6 +835,8 @@ def invoke_fused_moe_kernel(
                                                                   // (config.block_m * lora_chunk_r))))
     prefetch = (bool(shrunk_splits) and lora is not None and lora.rank_block <= lora_chunk_r
                 and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size()))
+    one_row = one_row_lora(direct=direct_ids is not None, prefetch=prefetch, late_wait=late_wait,
+                           splits=lora_splits, split_chunk=split_chunk, programs=grid[0], device=a.device)
     unroll = 0
     if lora is not None and shrunk_splits and lora.rank_block <= lora_chunk_r:
         unroll = lora_unroll_slots(config, gated=gated, group=lora_group,
@@ -822,6 +909,7 @@ def invoke_fused_moe_kernel(
         LORA_UNROLL=unroll,
         LORA_SKIP_PAST_RANK=lora is not None and lora_skip_past_rank(config, gated=gated,
                                                                      elem_bytes=a.element_size()),
+        ONE_ROW=one_row,
         DOWN_SHRINK=down_shrink,
         DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
         MUL_ROUTED_WEIGHT=topk_weights is not None,

@@ -133,6 +133,34 @@ def load_shrink_partials(
 
 
 @triton.jit
+def load_raw_partials(
+    shrunk_rows_ptr,  # (BLOCK_M,) pointers to each row's partials: (splits, width) fp32 per row
+    col_offset,  # first rank column to read
+    num_splits,
+    stride_ss,
+    rows_in_slot,  # (BLOCK_M,) int1
+    SPLITS: tl.constexpr,  # power of two >= num_splits: one 3-D load of them all
+    CHUNK_R: tl.constexpr,
+):
+    """``load_shrink_partials``' load of one chunk of SPLITS splits without its sum: a (BLOCK_M, SPLITS,
+    CHUNK_R) fp32 tile for a caller that sums it later (``sum_raw_partials``), so nothing waits on this
+    load where it is issued."""
+    offs_r = col_offset + tl.arange(0, CHUNK_R)
+    offs_s = tl.arange(0, SPLITS)
+    ptrs = shrunk_rows_ptr[:, None, None] + offs_s[None, :, None] * stride_ss + offs_r[None, None, :]
+    return tl.load(ptrs, mask=rows_in_slot[:, None, None] & (offs_s < num_splits)[None, :, None], other=0.0)
+
+
+@triton.jit
+def sum_raw_partials(raw):
+    """(BLOCK_M, CHUNK_R) sum of a ``load_raw_partials`` tile, as ``load_shrink_partials`` sums one chunk
+    (so the two give the same bits)."""
+    total = tl.zeros((raw.shape[0], raw.shape[2]), dtype=tl.float32)
+    total += tl.sum(raw, axis=1)
+    return total
+
+
+@triton.jit
 def load_scaled_gate_up_partials(
     shrunk_rows_ptr,  # (BLOCK_M,) pointers to each row's partials: (splits, 2*LORA_R or LORA_R) fp32 per row
     num_splits,
