@@ -22,8 +22,9 @@ With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delt
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
 on the host without a sync. With DIRECT_PAIRS (one decode token: its top-k experts are distinct) there is
-no alignment: block b is routed pair b alone, its expert read from the flat topk_ids. Offsets into a, b
-and c are int64.
+no alignment: block b is routed pair b alone, its expert read from the flat topk_ids; there ONE_ROW
+(``one_row_lora``) reads that pair's slot as a scalar and uses nothing it loads for the LoRA epilogue
+before the K-loop. Offsets into a, b and c are int64.
 
 Decode extras (no launch of their own): with ZERO_COUNTERS GEMM1's program 0 zeroes GEMM2's per-column
 arrival counters; with FUSED_SUM the last GEMM2 program of each N-tile column sums the top-k rows of every
