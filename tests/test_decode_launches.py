@@ -449,6 +449,34 @@ def test_aligned_decode_down_overlap_plan(monkeypatch, overlap):
     assert rel_err(out, ref) <= TOL[F32]
 
 
+# M=1: the one-row prologue; M=7 top-6 (42 pairs): the aligned decode's prefetch; M=23 top-6 (138 pairs):
+# past decode, shrink launches and the small-tile prefetch. Each with the prefetch's uses deferred past
+# the K-loop (the default where the partials are one chunk, ``defer_lora_prologue``) and not.
+@pytest.mark.parametrize("m", [1, 7, 23])
+@pytest.mark.parametrize("defer", ["1", "0"])
+@interpreter
+def test_lora_nan_past_rank_never_read(monkeypatch, m, defer):
+    """A pool's rank rows and columns past each slot's real rank (and an idle slot) may hold anything (a
+    user's buffers need not be zeroed there): NaN in them must not reach the output, whichever prologue
+    loads the B tiles and whenever the rank masks apply."""
+    monkeypatch.setenv("MOELORA_LORA_DEFER", defer)
+    num_experts, top_k, hidden, inter = 9, 6, 48, 40
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=m)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=m, ranks=(8, 16))
+    rank, pool_rank = 8, 16  # slot 0 has rank 8 in a rank-16 pool; slot 1 is idle
+    nan = float("nan")
+    for slot, first in ((0, rank), (1, 0)):
+        lora.gate_up_a[slot, :, first:pool_rank] = nan
+        lora.gate_up_a[slot, :, pool_rank + first:] = nan
+        lora.gate_up_b[slot, :, :, first:] = nan
+        lora.down_a[slot, :, first:] = nan
+        lora.down_b[slot, :, :, first:] = nan
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOL[F32]
+
+
 def test_one_row_rule(monkeypatch):
     """When a direct-pair GEMM takes the one-row prologue (``fused_moe.one_row_lora``): never without
     the prefetch or off the direct pairs; partials read before the K-loop only as one chunk (held raw

@@ -369,6 +369,22 @@ def select_group_columns(
 
 
 @triton.jit
+def load_group_ranks(col_slot, slot_ranks_ptr):
+    """(GROUP * LORA_R,) int32: the real rank of each stacked column's slot (0: absent), from ``slot_group``'s
+    ``col_slot``."""
+    present = col_slot < (1 << 30)
+    return tl.load(slot_ranks_ptr + tl.where(present, col_slot, 0), mask=present, other=0)
+
+
+@triton.jit
+def mask_group_ranks(tile, col_rank, LORA_R: tl.constexpr):
+    """``load_group_b``'s tile loaded with ``RANK_MASK_LATER``, with its rank rows past each slot's real rank
+    zeroed as ``load_group_b`` leaves them."""
+    rank_col = tl.arange(0, tile.shape[0]) % LORA_R
+    return tl.where((rank_col < col_rank)[:, None], tile, 0.0)
+
+
+@triton.jit
 def load_group_b(
     lora_b_ptr,  # (L, E, N or 2N, R) B buffer (already offset to the up rows for the up half)
     col_slot,  # (GROUP * LORA_R,) int32 from ``slot_group``
@@ -382,13 +398,19 @@ def load_group_b(
     stride_lb_r,
     LORA_R: tl.constexpr,
     GROUP: tl.constexpr,
+    RANK_MASK_LATER: tl.constexpr = False,
 ):
     """(GROUP * LORA_R, BLOCK_N): the B^T tiles of the group's slots stacked, rank rows past each slot's
-    real rank (and absent slots) not loaded."""
+    real rank (and absent slots) not loaded. With RANK_MASK_LATER the load waits on nothing but the slots:
+    rank rows are loaded too (a rank tile's B is under 1 % of the weight tile the K-loop reads) and
+    ``mask_group_ranks`` zeroes them."""
     rank_col = tl.arange(0, GROUP * LORA_R) % LORA_R
     present = col_slot < (1 << 30)
     safe = tl.where(present, col_slot, 0)
-    valid = present & (rank_col < tl.load(slot_ranks_ptr + safe, mask=present, other=0))
+    if RANK_MASK_LATER:
+        valid = present
+    else:
+        valid = present & (rank_col < tl.load(slot_ranks_ptr + safe, mask=present, other=0))
     rows = lora_b_ptr + safe.to(tl.int64) * stride_lb_l + expert * stride_lb_e + rank_col * stride_lb_r
     ptrs = rows[:, None] + offs_n.to(tl.int64)[None, :] * stride_lb_n
     return tl.load(ptrs, mask=valid[:, None] & col_valid[None, :], other=0.0)
