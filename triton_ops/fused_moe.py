@@ -265,13 +265,16 @@ def _fused_moe_kernel(
             # Masks from the slot broadcast first (the interpreter rejects scalar & block masks).
             one_has_r = (tl.zeros((LORA_R,), dtype=tl.int32) + one_slot) >= 0
             one_rows = (tl.arange(0, BLOCK_M) == 0) & ((tl.zeros((BLOCK_M,), dtype=tl.int32) + one_slot) >= 0)
-            one_b = (lora_b_ptr + one_safe * stride_lb_l + expert * stride_lb_e
-                     + offs_r[:, None] * stride_lb_r + offs_n.to(tl.int64)[None, :] * stride_lb_n)
-            b_live = one_has_r[:, None] & col_valid[None, :]
-            b0_gate = tl.load(one_b, mask=b_live, other=0.0)
+            # The one slot as a group of one (absent: 2**30), its tiles rank-masked after the loop.
+            one_col_slot = tl.where(one_has_r, one_slot, 1 << 30)
+            b0_gate = load_group_b(lora_b_ptr, one_col_slot, expert, offs_n, col_valid, slot_ranks_ptr,
+                                   stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=1,
+                                   RANK_MASK_LATER=True)
             b0_up = b0_gate
             if ACTIVATION != 0:
-                b0_up = tl.load(one_b + N * stride_lb_n, mask=b_live, other=0.0)
+                b0_up = load_group_b(lora_b_ptr + N * stride_lb_n, one_col_slot, expert, offs_n, col_valid,
+                                     slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                                     LORA_R=LORA_R, GROUP=1, RANK_MASK_LATER=True)
             if DOWN_PREFETCH:
                 da0 = tl.load(
                     down_a_ptr + one_safe * stride_da_l + expert * stride_da_e
@@ -308,8 +311,8 @@ def _fused_moe_kernel(
                 slot0 = first_slot(row_slot, has_slot)
                 col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
                                                                 LORA_R=LORA_R)
-                # Deferred: the columns' ranks are loaded here and mask the tiles after the K-loop.
-                col_rank0 = load_group_ranks(col_slot0, slot_ranks_ptr)
+                if LORA_DEFER:  # the columns' ranks, loaded here, mask the tiles after the K-loop
+                    col_rank0 = load_group_ranks(col_slot0, slot_ranks_ptr)
                 b0_gate = load_group_b(lora_b_ptr, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
                                        stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R,
                                        GROUP=LORA_GROUP, RANK_MASK_LATER=LORA_DEFER)
@@ -394,6 +397,8 @@ def _fused_moe_kernel(
         elif ONE_ROW:
             # The same values and dots as the prefetch branch below, so the two give the same bits.
             one_rank_valid = offs_r < one_rank
+            b0_gate = mask_group_ranks(b0_gate, tl.zeros((LORA_R,), dtype=tl.int32) + one_rank, LORA_R=LORA_R)
+            b0_up = mask_group_ranks(b0_up, tl.zeros((LORA_R,), dtype=tl.int32) + one_rank, LORA_R=LORA_R)
             if one_has:
                 if LATE_WAIT:  # the partials are written by now, not before the K-loop
                     u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, one_rows,
@@ -401,7 +406,7 @@ def _fused_moe_kernel(
                 else:
                     u = sum_raw_partials(gate_parts)
                 u = tl.where(one_rows[:, None], u * one_scaling, 0.0).to(b0_gate.dtype)
-                acc = _dot(u, tl.where(one_rank_valid[:, None], b0_gate, 0.0), acc, FP32_IEEE)
+                acc = _dot(u, b0_gate, acc, FP32_IEEE)
                 if ACTIVATION != 0:
                     if LATE_WAIT:
                         u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, one_rows,
@@ -410,7 +415,7 @@ def _fused_moe_kernel(
                     else:
                         u = sum_raw_partials(up_parts)
                     u = tl.where(one_rows[:, None], u * one_scaling, 0.0).to(b0_up.dtype)
-                    acc_up = _dot(u, tl.where(one_rank_valid[:, None], b0_up, 0.0), acc_up, FP32_IEEE)
+                    acc_up = _dot(u, b0_up, acc_up, FP32_IEEE)
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
         elif LORA_PREFETCH:
             if LATE_WAIT:
