@@ -653,6 +653,21 @@ def replays_match_plain_launches(monkeypatch, layer, x, ids, lora, num_experts, 
 DECODE_DOWN_OVERLAP_POINTS = [("deepseek-v2-lite", 16, 64), ("mixtral-8x7b", 16, 16), ("small-gemv", 7, 64)]
 
 
+def overlap_case(monkeypatch, name, m, rank, pdl, *, seed):
+    """The overlap GPU tests' setup: skips without dependent launch, sets ``MOELORA_PDL``, and returns
+    ``make_inputs``' (x, w13, w2, weights, ids) and ``lora_inputs``' (lora, adapters, per_token) for the
+    ``OVERLAP_SHAPES`` entry; rank 64 means adapters of ranks 40 and 64 in a rank-64 pool."""
+    from triton_ops.pdl import dependent_launch_supported
+
+    if not dependent_launch_supported(torch.device("cuda")):
+        pytest.skip("dependent launch needs sm_90 or later")
+    monkeypatch.setenv("MOELORA_PDL", pdl)
+    num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
+    inputs = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=seed)
+    ranks = dict(ranks=(40, 64), pool_rank=64) if rank == 64 else {}
+    return inputs, lora_inputs(m, num_experts, hidden, inter, BF16, seed=seed, device="cuda", **ranks)
+
+
 @gpu
 @pytest.mark.parametrize(("name", "m", "rank"), DECODE_DOWN_OVERLAP_POINTS)
 @pytest.mark.parametrize("pdl", ["0", "1"])
@@ -660,16 +675,9 @@ def test_gpu_aligned_decode_down_overlap_bit_equal_over_replays(monkeypatch, nam
     """A few aligned decode tokens: GEMM2 launched dependently on the down-shrink launch (waiting for it
     after its K-loop) gives bit for bit what the plain launches give, in graph replays with new x, routing
     and token slots each time, and matches the fp32 oracle; also with every launch dependent."""
-    from triton_ops.pdl import dependent_launch_supported
-
-    if not dependent_launch_supported(torch.device("cuda")):
-        pytest.skip("dependent launch needs sm_90 or later")
-    monkeypatch.setenv("MOELORA_PDL", pdl)
-    num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
-    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=8)
-    ranks = dict(ranks=(40, 64), pool_rank=64) if rank == 64 else {}
-    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=8, device="cuda",
-                                            **ranks)
+    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
+                                                                         seed=8)
+    num_experts = OVERLAP_SHAPES[name][0]
     events = record_overlap_launches(monkeypatch)
 
     def layer():
@@ -710,17 +718,10 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     replays with new x, routing and token slots each time (a replay that read the previous replay's
     partials would differ); also with a split-sum launch between a shrink and its GEMM (it releases the
     GEMM, then waits for the shrink)."""
-    from triton_ops.pdl import dependent_launch_supported
-
-    if not dependent_launch_supported(torch.device("cuda")):
-        pytest.skip("dependent launch needs sm_90 or later")
-    monkeypatch.setenv("MOELORA_PDL", pdl)
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
-    num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
-    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=7)
-    ranks = dict(ranks=(40, 64), pool_rank=64) if rank == 64 else {}
-    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, BF16, seed=7, device="cuda",
-                                            **ranks)
+    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
+                                                                         seed=7)
+    num_experts, top_k = OVERLAP_SHAPES[name][:2]
     events = record_overlap_launches(monkeypatch)
     through_sum = fe.overlap_through_split_sum(m * top_k, rank)
 
