@@ -142,10 +142,13 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, 
                         lora_b=torch.empty(slots, E, H, rank, **bf16), **common)
     split_gate_up = replace(gate_up, shrunk=torch.empty(pairs, splits, 2 * rb, dtype=torch.float32, **meta))
     split_down = replace(down, shrunk=torch.empty(pairs, splits, rb, dtype=torch.float32, **meta))
+    ext_gate_up = replace(gate_up, packed=torch.empty(pairs, 2 * rb, **bf16))
+    ext_down = replace(down, packed=torch.empty(pairs, rb, **bf16))
     fused_cfg = _with_lora_tiles(cfg, rank_block=rb)
     variants = [
         ("gemm1 base", cfg.gemm1, None), ("gemm2 base", cfg.gemm2, None),
         ("gemm1 split", cfg.gemm1, split_gate_up), ("gemm2 split", cfg.gemm2, split_down),
+        ("gemm1 ext", cfg.gemm1, ext_gate_up), ("gemm2 ext", cfg.gemm2, ext_down),
         ("gemm1 fused", fused_cfg.gemm1, gate_up), ("gemm2 fused", fused_cfg.gemm2, down),
     ]
     if pairs <= SINGLE_PROGRAM_MAX_PAIRS:  # decode: GEMM1's epilogue may also write GEMM2's shrink

@@ -26,7 +26,7 @@ from triton_ops.configs import GemmConfig
 from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
 from triton_ops.moe_align import moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a
-from triton_ops.shrink_reduce import reduce_shrink_splits
+from triton_ops.shrink_reduce import pack_shrink_partials, reduce_shrink_splits
 
 # The module, not the function of the same name that triton_ops re-exports.
 fe = importlib.import_module("triton_ops.fused_experts")
@@ -475,6 +475,85 @@ def test_lora_nan_past_rank_never_read(monkeypatch, m, defer):
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOL[F32]
+
+
+# Past decode (M=23 x top-6 = 138 pairs, M=45 x top-4 = 180), both GEMMs expanding by the slot range from
+# packed shrinks (forced on the interpreter's small tiles): slots 0 and 2 in every block and idle slot 1
+# between them, ranks 8 and 16 in a rank-16 pool, a third of the tokens without an adapter; NaN past each
+# slot's rank and in the idle slot must not reach the output.
+@pytest.mark.parametrize("m, top_k", [(23, 6), (45, 4)])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
+@interpreter
+def test_slot_range_expand_matches_oracle(monkeypatch, m, top_k, dtype):
+    monkeypatch.setenv("MOELORA_LORA_EXT", "1")
+    packs = []
+    original = fe.pack_shrink_partials
+
+    def counting(partials, *args, **kwargs):
+        packs.append(partials.shape[2])
+        return original(partials, *args, **kwargs)
+
+    monkeypatch.setattr(fe, "pack_shrink_partials", counting)
+    num_experts, hidden, inter = 9, 48, 40
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, dtype, seed=m)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, dtype, seed=m, ranks=(8, 16))
+    nan = float("nan")
+    for slot, first in ((0, 8), (1, 0)):
+        lora.gate_up_a[slot, :, first:16] = nan
+        lora.gate_up_a[slot, :, 16 + first:] = nan
+        lora.gate_up_b[slot, :, :, first:] = nan
+        lora.down_a[slot, :, first:] = nan
+        lora.down_b[slot, :, :, first:] = nan
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
+                        token_adapter=per_token)
+    assert packs == [32, 16], packs  # gate/up (2 x rank tile), then down: both GEMMs took the packed shrink
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out.float(), ref) <= TOL[dtype]
+
+
+@interpreter
+def test_pack_shrink_partials_matches_torch():
+    """The packed shrink is the split sum times the token's slot scaling, rounded to the GEMM's dtype, 0
+    for tokens without an adapter. 37 pairs of 2 per token (19 tokens: the last pair has no token
+    partner), 3 splits, width 32; the partials of rows without an adapter hold NaN (never written)."""
+    gen = torch.Generator().manual_seed(3)
+    partials = torch.randn(37, 3, 32, generator=gen)
+    token_slots = torch.tensor([(0, -1, 2, 1)[t % 4] for t in range(19)], dtype=torch.int32)
+    scalings = torch.tensor([0.5, 2.0, 1.5])
+    row_slots = token_slots.repeat_interleave(2)[:37].long()
+    partials[row_slots < 0] = float("nan")
+    packed = pack_shrink_partials(partials, token_slots, scalings, slot_row_div=2, dtype=F16)
+    expected = partials.sum(1) * scalings[row_slots.clamp_min(0)][:, None]
+    expected[row_slots < 0] = 0.0
+    assert packed.dtype == F16 and packed.shape == (37, 32)
+    torch.testing.assert_close(packed, expected.to(F16), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="slot_scalings must be fp32"):
+        pack_shrink_partials(partials, token_slots, scalings.double(), slot_row_div=2, dtype=F16)
+
+
+def test_slot_range_expand_rule(monkeypatch):
+    """Where the slot-range expand runs (``fused_moe.lora_ext_expand``): GEMM2 only, prefill tiles of 64
+    rows and up that hold two blocks an SM, batches of two adapters and more; the switch forces it."""
+    from triton_ops import fused_moe
+
+    two_blocks = GemmConfig(128, 128, 64, 8, 8, 3)  # DeepSeek-V2-Lite M=1024 GEMM2 (96 KiB)
+    one_block = GemmConfig(128, 256, 64, 8, 8, 4)  # Qwen3-30B-A3B M=1024 GEMM2 (192 KiB)
+    assert fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=4)
+    assert not fused_moe.lora_ext_expand(two_blocks, gated=True, num_adapters=4)
+    assert not fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=1)
+    assert not fused_moe.lora_ext_expand(one_block, gated=False, num_adapters=4)
+    assert not fused_moe.lora_ext_expand(GemmConfig(32, 128, 128, 8, 4, 3), gated=False, num_adapters=4)
+    monkeypatch.setenv("MOELORA_LORA_EXT", "1")
+    assert fused_moe.lora_ext_expand(one_block, gated=True, num_adapters=1)
+    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
+    assert not fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=4)
+    monkeypatch.setenv("MOELORA_LORA_EXT", "yes")
+    with pytest.raises(ValueError, match="MOELORA_LORA_EXT must be 0 or 1"):
+        fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=4)
+    # Stacked columns per dot: two rank-16 slots, one slot from rank tile 32 on, no more than the adapters.
+    assert fused_moe.lora_ext_cols(16, 4) == 32 and fused_moe.lora_ext_cols(16, 1) == 16
+    assert fused_moe.lora_ext_cols(64, 4) == 64
 
 
 def test_one_row_rule(monkeypatch):

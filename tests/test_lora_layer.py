@@ -683,6 +683,23 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
 
 
 @gpu
+@pytest.mark.parametrize("ext", ["", "1"])
+def test_gpu_split_slot_range_expand(dsv2, fp32_highest, monkeypatch, ext):
+    """Tiles that hold two blocks an SM (DeepSeek-V2-Lite M=1024 on an H100): GEMM2 expands by the slot
+    range from the packed shrink (``lora_ext_expand``; "1" forces GEMM1 too), bf16 against the oracle.
+    M=300 x top-6 = 1800 pairs: the GEMMs overlap the shrinks through the pack launches on sm_90."""
+    from triton_ops.configs import GemmConfig, MoEConfig
+    from triton_ops.fused_moe import lora_ext_expand
+
+    two_blocks = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3))
+    force_layer_config(monkeypatch, two_blocks)
+    monkeypatch.setenv("MOELORA_LORA_EXT", ext)
+    assert lora_ext_expand(two_blocks.gemm2, gated=False, num_adapters=4)
+    assert lora_ext_expand(two_blocks.gemm1, gated=True, num_adapters=4) is (ext == "1")
+    check_bf16_layer_against_oracle(dsv2, 300, "split", f"split slot-range expand ext={ext or 'rule'}")
+
+
+@gpu
 @pytest.mark.parametrize("path", ["split", "fused", "staged"])
 # 1: decode; 300: prefill-sized, several slots and rows without one per 128-row block.
 @pytest.mark.parametrize("m", [1, 300])

@@ -34,6 +34,7 @@ from triton_ops.fused_moe import (
     LoRAOperands,
     TopkSumOperands,
     invoke_fused_moe_kernel,
+    lora_ext_expand,
     lora_rank_block,
 )
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
@@ -46,7 +47,7 @@ from triton_ops.moe_lora import (
 )
 from triton_ops.moe_sum import moe_sum_reduce
 from triton_ops.pdl import decode_shrink_overlap, prefill_shrink_overlap
-from triton_ops.shrink_reduce import reduce_shrink_splits, reduce_splits_pays
+from triton_ops.shrink_reduce import pack_shrink_partials, reduce_shrink_splits, reduce_splits_pays
 
 LORA_PATHS = ("fused", "split", "staged")
 
@@ -351,11 +352,15 @@ def fused_experts(
                 (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
                 dtype=torch.float32, device=x.device,
             )
-        reduce_gate_up = (split and not decode_shrink
+        # Prefill tiles take the shrink packed (summed, scaled, rounded) by a launch in the split sum's
+        # place, and expand it in a K-loop of their own (lora_ext_expand).
+        ext_gate_up = split and not decode_shrink and lora_ext_expand(
+            cfg.gemm1, gated=True, num_adapters=lora.num_adapters, elem_bytes=x.element_size())
+        reduce_gate_up = (split and not decode_shrink and not ext_gate_up
                           and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles))
         overlap_through_sum = lora is not None and overlap_through_split_sum(pairs, rank_block)
         gate_up_overlap = (shrink_launch_overlap and not decode_shrink
-                           and (overlap_through_sum or not reduce_gate_up))
+                           and (overlap_through_sum or not (reduce_gate_up or ext_gate_up)))
         if (split or staged) and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
@@ -366,7 +371,12 @@ def fused_experts(
             if reduce_gate_up:
                 gemm1_shrunk = reduce_shrink_splits(shrunk_gate_up, chunk_slots, slot_row_div=top_k,
                                                     release_next=gate_up_overlap)
-            gemm1_lora = replace(gemm1_lora, shrunk=gemm1_shrunk)
+            if ext_gate_up:
+                gemm1_lora = replace(gemm1_lora, packed=pack_shrink_partials(
+                    shrunk_gate_up, chunk_slots, lora.slot_scalings, slot_row_div=top_k, dtype=x.dtype,
+                    release_next=gate_up_overlap))
+            else:
+                gemm1_lora = replace(gemm1_lora, shrunk=gemm1_shrunk)
         if staged:
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
@@ -394,9 +404,11 @@ def fused_experts(
                                   rank_block=rank_block, out=shrunk_down, release_next=overlap)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
         elif split and not down_in_gemm1:
-            reduce_down = not decode_shrink and reduce_splits_pays(shrunk_down.shape[1],
-                                                                   triton.cdiv(hidden, cfg.gemm2.block_n))
-            gemm2_late_wait = shrink_launch_overlap and (overlap_through_sum or not reduce_down)
+            ext_down = not decode_shrink and lora_ext_expand(
+                cfg.gemm2, gated=False, num_adapters=lora.num_adapters, elem_bytes=x.element_size())
+            reduce_down = not decode_shrink and not ext_down and reduce_splits_pays(
+                shrunk_down.shape[1], triton.cdiv(hidden, cfg.gemm2.block_n))
+            gemm2_late_wait = shrink_launch_overlap and (overlap_through_sum or not (reduce_down or ext_down))
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
@@ -405,7 +417,12 @@ def fused_experts(
             if reduce_down:
                 gemm2_shrunk = reduce_shrink_splits(shrunk_down, chunk_slots, slot_row_div=top_k,
                                                     release_next=gemm2_late_wait)
-            gemm2_lora = replace(gemm2_lora, shrunk=gemm2_shrunk)
+            if ext_down:
+                gemm2_lora = replace(gemm2_lora, packed=pack_shrink_partials(
+                    shrunk_down, chunk_slots, lora.slot_scalings, slot_row_div=top_k, dtype=x.dtype,
+                    release_next=gemm2_late_wait))
+            else:
+                gemm2_lora = replace(gemm2_lora, shrunk=gemm2_shrunk)
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)
         elif top_k == 1:

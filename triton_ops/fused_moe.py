@@ -16,8 +16,10 @@ With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delt
             with a = token_slots[p // slot_row_div] (-1: no delta). The shrink runs over the slots present
             in the block inside the base K-loop (the block's main slot) or before it (other slots; rows of
             other slots are masked out of those loads), or is precomputed by ``moe_lora_a`` (``shrunk``);
-            the expand runs in the epilogue. With DOWN_SHRINK, GEMM1's epilogue also writes GEMM2's shrink
-            A_down[a,e] h as one partial per N tile (``down_shrunk``), which GEMM2 then reads as ``shrunk``.
+            the expand runs in the epilogue (LORA_EXT: from the packed shrink, as a K-loop over the
+            block's slot range, ``lora_expand_slot_range``). With DOWN_SHRINK, GEMM1's epilogue also
+            writes GEMM2's shrink A_down[a,e] h as one partial per N tile (``down_shrunk``), which GEMM2
+            then reads as ``shrunk``.
 
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
@@ -56,6 +58,7 @@ from triton_ops.lora_tiles import (
     load_shrink_partials,
     lora_expand_from_partials,
     lora_expand_groups,
+    lora_expand_slot_range,
     lora_expand_slots,
     lora_expand_unrolled,
     lora_shrink_tile,
@@ -106,6 +109,7 @@ def _fused_moe_kernel(
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
     shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
+    #             or, with LORA_EXT, (numel, 2*LORA_R or LORA_R) a's dtype: packed (pack_shrink_partials)
     down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
     down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile (DOWN_SHRINK)
     sum_out_ptr,  # (num_tokens, N) same dtype as c, out: the top-k sum                   (FUSED_SUM)
@@ -179,6 +183,9 @@ def _fused_moe_kernel(
     SUM_BLOCK_T: tl.constexpr = 16,
     USE_PDL: tl.constexpr = False,
     LATE_WAIT: tl.constexpr = False,
+    LORA_EXT: tl.constexpr = False,
+    LORA_EXT_K: tl.constexpr = 16,
+    LORA_EXT_STAGES: tl.constexpr = 1,
 ):
     # LATE_WAIT: launched dependently after a kernel that writes only the LoRA shrink partials, which the
     # epilogue alone reads: the base K-loop runs first, the wait comes after it.
@@ -416,6 +423,23 @@ def _fused_moe_kernel(
                         u = sum_raw_partials(up_parts)
                     u = tl.where(one_rows[:, None], u * one_scaling, 0.0).to(b0_up.dtype)
                     acc_up = _dot(u, b0_up, acc_up, FP32_IEEE)
+        elif LORA_EXT:
+            # The shrink comes packed (summed, scaled, rounded: pack_shrink_partials); the expand is a
+            # K-loop of its own over the block's slot range, slots side by side (lora_ext_expand).
+            slot_hi = tl.max(tl.where(has_slot, row_slot, -1), axis=0) + 1
+            slot_lo = tl.minimum(tl.min(tl.where(has_slot, row_slot, 1 << 30), axis=0), slot_hi)
+            acc = lora_expand_slot_range(
+                acc, shrunk_rows, 0, row_slot, has_slot, slot_lo, slot_hi, lora_b_ptr, expert, offs_n,
+                col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K, EXT_STAGES=LORA_EXT_STAGES,
+            )
+            if ACTIVATION != 0:
+                acc_up = lora_expand_slot_range(
+                    acc_up, shrunk_rows, LORA_R, row_slot, has_slot, slot_lo, slot_hi,
+                    lora_b_ptr + N * stride_lb_n, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
+                    stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                    EXT_K=LORA_EXT_K, EXT_STAGES=LORA_EXT_STAGES,
+                )
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
         elif LORA_PREFETCH:
             if LATE_WAIT:
@@ -563,6 +587,10 @@ class LoRAOperands:
     # written by the epilogue (GEMM2's shrink without a launch of its own).
     down_a: torch.Tensor | None = None
     down_shrunk: torch.Tensor | None = None
+    # Instead of ``shrunk``: (numel, 2*rank_block or rank_block) in the GEMM's dtype, the shrink summed,
+    # scaled and rounded (``pack_shrink_partials``); the epilogue then expands the block's slot range in a
+    # K-loop of its own (``lora_ext_expand``).
+    packed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -773,6 +801,54 @@ def defer_lora_prologue(*, late_wait: bool, splits: int, split_chunk: int, rank_
     return not late_wait and splits <= split_chunk and rank_block <= 16
 
 
+def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, elem_bytes: int = 2) -> bool:
+    """Whether a prefill GEMM of the split path takes its shrink packed (``pack_shrink_partials``: the
+    split sum, the slot scaling and the rounding done once per pair, in the launch that would sum the
+    splits) and expands in a K-loop of its own over the block's slot range, slots side by side
+    (``lora_expand_slot_range``), instead of finding each slot of the block and loading and summing its
+    fp32 partials before a dot per slot (``lora_expand_groups``, whose stacked operand spills: 304 bytes
+    on DeepSeek-V2-Lite's M=1024 GEMM2, none here; ``benchmarks/resource_report.py``).
+    GEMM2 only, on tiles of 64 rows and up that shared memory lets two blocks share an SM, for batches
+    of two adapters and more. H100, 4 adapters, interleaved A/B (``benchmarks/ab_env.py``), without ->
+    with: DeepSeek-V2-Lite M=1024 (GEMM2 128x128) rank 16 +19.2 -> +17.4 %, rank 64 +69.6 -> +68.3 %;
+    DeepSeek-V2 M=1024 (64x128) rank 64 +24.4 -> +23.4 %, rank 16 the same. GEMM1 lost wherever it took
+    it too (rank 16: Qwen3-30B-A3B M=1024 +17.5 -> +18.8 %, M=4096 +21.3 -> +26.9 %, Mixtral-8x7B M=1024
+    +7.7 -> +10.9 %, DeepSeek-V2-Lite M=4096 +13.0 -> +16.8 %; rank 64 up to 30 points), as did GEMM2
+    tiles that hold one block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills).
+    ``MOELORA_LORA_EXT=0`` / ``=1`` forces either on every aligned GEMM (to compare)."""
+    forced = os.environ.get("MOELORA_LORA_EXT", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"MOELORA_LORA_EXT must be 0 or 1, got {forced!r}")
+    if forced:
+        return forced == "1"
+    return (not gated and config.block_m >= 64 and num_adapters >= 2
+            and gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2)
+
+
+def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
+    """Stacked columns per dot of the slot-range expand: two rank-16 slots, one slot from rank tile 32
+    on, and no more slots than the batch has adapters (0: unknown). Four rank-16 slots a dot spilled on
+    128x64 / 128x128 tiles (256 / 288 bytes) and lost: DeepSeek-V2-Lite M=1024, 4 adapters, +53 %
+    against +19 % without the slot-range expand; two: +16.5 %. ``MOELORA_LORA_EXT_SLOTS=N`` sets the
+    slots a dot (to compare)."""
+    forced = os.environ.get("MOELORA_LORA_EXT_SLOTS", "")
+    if forced and not forced.isdigit():
+        raise ValueError(f"MOELORA_LORA_EXT_SLOTS must be a slot count, got {forced!r}")
+    slots = max(1, int(forced)) if forced else max(1, 32 // rank_block)
+    if num_adapters > 0:
+        slots = min(slots, triton.next_power_of_2(num_adapters))
+    return slots * rank_block
+
+
+def lora_ext_stages() -> int:
+    """Pipeline stages of the slot-range expand's loop (1: not pipelined; its few iterations would each
+    hold shared memory beside the main loop's). ``MOELORA_LORA_EXT_STAGES=N`` sets it (to compare)."""
+    forced = os.environ.get("MOELORA_LORA_EXT_STAGES", "")
+    if forced and not forced.isdigit():
+        raise ValueError(f"MOELORA_LORA_EXT_STAGES must be a stage count, got {forced!r}")
+    return max(1, int(forced)) if forced else 1
+
+
 def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
     """Whether the split epilogue's rank chunks (``lora_rank_chunk``) branch around those past a slot's
     real rank (``lora_expand_from_partials``; measured with 16-column chunks). Not on tiles that shared
@@ -825,9 +901,9 @@ def invoke_fused_moe_kernel(
     if direct_ids is not None and direct_ids.shape != (numel,):
         raise ValueError(f"direct_ids must be the flat topk_ids ({numel},), got {tuple(direct_ids.shape)}")
     if late_wait:
-        if lora is None or lora.shrunk is None:
-            raise ValueError("late_wait needs lora.shrunk: the launch before writes the shrink partials, "
-                             "which only the epilogue reads")
+        if lora is None or (lora.shrunk is None and lora.packed is None):
+            raise ValueError("late_wait needs lora.shrunk or lora.packed: the launch before writes the "
+                             "shrink partials, which only the epilogue reads")
         require_dependent_launch(a.device, "late_wait")
     for counted in (zero_counters, topk_sum):
         if counted is not None and counted.counters.dtype != torch.int32:
@@ -868,6 +944,9 @@ def invoke_fused_moe_kernel(
                 f"GEMM: expected A (L, E, {expected_a_rows}, {K}) and B (L, E, {b.shape[1]}, R)"
             )
         la, lb = lora.lora_a, lora.lora_b
+    ext = lora is not None and lora.packed is not None
+    if ext:
+        _check_packed(lora, a, numel, gated=gated, direct=direct_ids is not None)
     shrunk_splits = lora.shrunk.shape[1] if lora is not None and lora.shrunk is not None else 0
     down_shrink = lora is not None and lora.down_shrunk is not None
     if down_shrink:
@@ -909,7 +988,7 @@ def invoke_fused_moe_kernel(
         lora_b_ptr=lb if lora is not None else b,
         slot_ranks_ptr=lora.slot_ranks if lora is not None else c,
         slot_scalings_ptr=lora.slot_scalings if lora is not None else c,
-        shrunk_ptr=lora.shrunk if lora is not None and lora.shrunk is not None else c,
+        shrunk_ptr=lora.packed if ext else lora.shrunk if lora is not None and lora.shrunk is not None else c,
         down_a_ptr=da if down_shrink else c,
         down_shrunk_ptr=ds if down_shrink else c,
         sum_out_ptr=topk_sum.out if topk_sum is not None else c,
@@ -942,7 +1021,7 @@ def invoke_fused_moe_kernel(
         stride_lb_n=lb.stride(2) if lora is not None else 0,
         stride_lb_r=lb.stride(3) if lora is not None else 0,
         stride_ss=lora.shrunk.stride(1) if shrunk_splits else 0,
-        stride_sm=lora.shrunk.stride(0) if shrunk_splits else 0,
+        stride_sm=lora.packed.stride(0) if ext else lora.shrunk.stride(0) if shrunk_splits else 0,
         stride_da_l=da.stride(0) if down_shrink else 0,
         stride_da_e=da.stride(1) if down_shrink else 0,
         stride_da_r=da.stride(2) if down_shrink else 0,
@@ -952,7 +1031,7 @@ def invoke_fused_moe_kernel(
         stride_om=topk_sum.out.stride(0) if topk_sum is not None else 0,
         stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
         HAS_LORA=lora is not None,
-        LORA_SHRINK=1 if lora is not None and lora.shrunk is not None else 0,
+        LORA_SHRINK=1 if lora is not None and (lora.shrunk is not None or ext) else 0,
         LORA_R=lora.rank_block if lora is not None else 16,
         LORA_CHUNK_R=lora_chunk_r,
         LORA_SPLITS=lora_splits,
@@ -981,6 +1060,9 @@ def invoke_fused_moe_kernel(
         FUSED_SUM=topk_sum is not None,
         SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait else programmatic_launch(a.device)),
+        LORA_EXT=ext,
+        LORA_EXT_K=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
+        LORA_EXT_STAGES=lora_ext_stages() if ext else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         maxnreg=None if lora is None else lora_register_cap(
@@ -997,6 +1079,17 @@ def _fits_one_wave(programs: int, device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     return programs <= torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_packed(lora: LoRAOperands, a: torch.Tensor, numel: int, *, gated: bool, direct: bool) -> None:
+    if lora.shrunk is not None or lora.down_shrunk is not None or direct:
+        raise ValueError("lora.packed replaces lora.shrunk, on aligned rows (no direct_ids) without "
+                         "down_shrunk")
+    expected = (numel, (2 if gated else 1) * lora.rank_block)
+    if lora.packed.dtype != a.dtype or tuple(lora.packed.shape) != expected or lora.packed.stride(1) != 1:
+        width = "2 x rank_block" if gated else "rank_block"
+        raise ValueError(f"lora.packed must be {a.dtype} {expected} (pairs, {width}), contiguous in its "
+                         f"rows, got {lora.packed.dtype} {tuple(lora.packed.shape)}")
 
 
 def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out_n: int,

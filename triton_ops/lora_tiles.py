@@ -558,3 +558,49 @@ def lora_expand_unrolled(
         if SLOTS > 3:
             acc = lora_expand_slot(acc, u, row_slot, s3, b3, FP32_IEEE=FP32_IEEE)
     return acc
+
+
+@triton.jit
+def lora_expand_slot_range(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 output tile (one of gate / up, or GEMM2's)
+    packed_rows_ptr,  # (BLOCK_M,) pointers to each row's packed shrink (pack_shrink_partials), column 0
+    col_offset,  # 0, or LORA_R for the up half of a gated shrink
+    row_slot,  # (BLOCK_M,) int32
+    has_slot,  # (BLOCK_M,) int1
+    slot_lo,  # the block's smallest slot
+    slot_hi,  # its largest slot + 1 (slot_lo == slot_hi: no row has one, nothing runs)
+    lora_b_ptr,  # (L, E, N, R) B buffer (already offset to the up rows for the up half)
+    expert,  # int64
+    offs_n,  # (BLOCK_N,) output columns
+    col_valid,  # (BLOCK_N,) int1
+    slot_ranks_ptr,  # (L,) int32
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_n,
+    stride_lb_r,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+    EXT_K: tl.constexpr,  # stacked columns per dot: a multiple of LORA_R
+    EXT_STAGES: tl.constexpr,
+):
+    """``acc += u @ B[a_m, e]^T`` for every row, as a K-loop over the slots slot_lo .. slot_hi - 1 set
+    side by side: stacked column c is rank c % LORA_R of slot c // LORA_R, so row m's operand is its packed
+    shrink u[m] in its own slot's columns and 0 in the others', and the B tile stacks those slots' B^T.
+    Both operands come straight from memory (u already scaled and rounded): no per-slot discovery, no
+    fp32 partials, no layout round trip per slot, EXT_K // LORA_R slots a dot. Columns past a slot's real
+    rank, and slots no row of the block has, load nothing."""
+    offs_c = tl.arange(0, EXT_K)
+    for c0 in tl.range(slot_lo * LORA_R, slot_hi * LORA_R, EXT_K, num_stages=EXT_STAGES):
+        cols = c0 + offs_c
+        col_slot = cols // LORA_R
+        col_r = cols % LORA_R
+        in_range = col_slot < slot_hi
+        col_rank = tl.load(slot_ranks_ptr + col_slot, mask=in_range, other=0)
+        col_live = in_range & (col_r < col_rank)
+        rows_of_col = has_slot[:, None] & (row_slot[:, None] == col_slot[None, :]) & col_live[None, :]
+        u = tl.load(packed_rows_ptr[:, None] + (col_offset + col_r)[None, :], mask=rows_of_col, other=0.0)
+        b_ptrs = (lora_b_ptr + col_slot.to(tl.int64)[:, None] * stride_lb_l + expert * stride_lb_e
+                  + offs_n.to(tl.int64)[None, :] * stride_lb_n + col_r[:, None] * stride_lb_r)
+        b = tl.load(b_ptrs, mask=col_live[:, None] & col_valid[None, :], other=0.0)
+        acc = _dot(u.to(b.dtype), b, acc, FP32_IEEE)
+    return acc
