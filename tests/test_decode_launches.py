@@ -366,7 +366,8 @@ def test_overlap_operands_are_checked():
 
 def record_overlap_launches(monkeypatch, *, drop_flags=False):
     """The list ``fused_experts``' shrink, split-sum and GEMM launches are appended to, in order, as
-    (kind, flag): ("shrink", release_next), ("reduce", release_next), ("gemm", late_wait). With
+    (kind, flag): ("shrink", release_next), ("reduce", release_next), ("gemm", late_wait); a pack launch
+    (``pack_shrink_partials``, the split sum's place for ``lora_ext_expand``) as ("pack", release_next). With
     ``drop_flags`` the flags are recorded, then not passed on (the interpreter has no dependent launch)."""
     events = []
 
@@ -380,6 +381,7 @@ def record_overlap_launches(monkeypatch, *, drop_flags=False):
 
     for name, kind, flag in (("moe_lora_a", "shrink", "release_next"),
                              ("reduce_shrink_splits", "reduce", "release_next"),
+                             ("pack_shrink_partials", "pack", "release_next"),
                              ("invoke_fused_moe_kernel", "gemm", "late_wait")):
         monkeypatch.setattr(fe, name, recording(getattr(fe, name), kind, flag))
     return events
@@ -396,7 +398,7 @@ def check_overlap_plan(events, *, overlap, through_sum):
         if kind == "gemm":
             expected = overlap and (events[i - 1][0] == "shrink" or through_sum)
             assert flag == expected and events[i - 1][1] == expected, events
-        elif kind == "reduce":
+        elif kind in ("reduce", "pack"):
             assert flag == events[i - 1][1] == (overlap and through_sum), events
     return [flag for kind, flag in events if kind == "gemm"]
 
@@ -407,7 +409,10 @@ def check_overlap_plan(events, *, overlap, through_sum):
 # the forced sums ("1") run.
 @pytest.mark.parametrize("min_pairs", [100, 1000])
 @pytest.mark.parametrize("ranks", [(8, 16), (40, 64)], ids=["rank-tile-16", "rank-tile-64"])
-@pytest.mark.parametrize("reduce", ["0", "1"], ids=["partials-in-gemm", "split-sum-launch"])
+# "pack": both GEMMs take the packed shrink (``lora_ext_expand`` forced), whose launch stands where the split
+# sum would.
+@pytest.mark.parametrize("reduce", ["0", "1", "pack"],
+                         ids=["partials-in-gemm", "split-sum-launch", "pack-launch"])
 @interpreter
 def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
     """Which launches release the next and which GEMMs wait late, past decode, with the overlap on (forced
@@ -421,11 +426,14 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
                                             pool_rank=ranks[1])
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
     monkeypatch.setattr(fe, "PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS", min_pairs)
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce if reduce != "pack" else "0")
+    monkeypatch.setenv("MOELORA_LORA_EXT", "1" if reduce == "pack" else "0")
     events = record_overlap_launches(monkeypatch, drop_flags=True)
     out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
     check_overlap_plan(events, overlap=True, through_sum=m * top_k >= min_pairs or ranks[1] == 64)
-    assert [kind for kind, _ in events].count("reduce") == (2 if reduce == "1" else 0), events
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("reduce") == (2 if reduce == "1" else 0), events
+    assert kinds.count("pack") == (2 if reduce == "pack" else 0), events
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert rel_err(out, ref) <= TOL[F32]
 
@@ -788,6 +796,36 @@ PREFILL_OVERLAP_POINTS = [("small", 40, 16), ("deepseek-v2-lite", 300, 16), ("qw
 
 
 @gpu
+# The small shape's short K-loops; DeepSeek-V2-Lite at 1800 pairs (past the split-sum pair threshold).
+@pytest.mark.parametrize(("name", "m", "rank"), [("small", 40, 16), ("deepseek-v2-lite", 300, 16)])
+def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, rank):
+    """Both GEMMs expanding by the slot range (``MOELORA_LORA_EXT=1``): each waits late for the pack launch
+    that took the split sum's place (it releases the GEMM, then waits for the shrink), bit for bit the
+    plain launches over graph replays with new x, routing and slots, and the fp32 oracle's values."""
+    monkeypatch.setenv("MOELORA_LORA_EXT", "1")
+    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, "0",
+                                                                         seed=12)
+    num_experts, top_k = OVERLAP_SHAPES[name][:2]
+    events = record_overlap_launches(monkeypatch)
+    through_sum = fe.overlap_through_split_sum(m * top_k, rank)
+
+    def layer():
+        events.clear()
+        return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+
+    monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+    eager_overlap = layer()
+    late = check_overlap_plan(events, overlap=True, through_sum=through_sum)
+    assert [kind for kind, _ in events].count("pack") == 2 and late == [through_sum] * 2, events
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    err = rel_err(eager_overlap, ref)
+    assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
+    replays_match_plain_launches(
+        monkeypatch, layer, x, ids, lora, num_experts, seed=13,
+        check_plain=lambda: check_overlap_plan(events, overlap=False, through_sum=through_sum))
+
+
+@gpu
 @pytest.mark.parametrize(("name", "m", "rank"), PREFILL_OVERLAP_POINTS)
 @pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("reduce", ["0", "1"], ids=["partials-in-gemm", "split-sum-launch"])
@@ -796,8 +834,10 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
     replays with new x, routing and token slots each time (a replay that read the previous replay's
     partials would differ); also with a split-sum launch between a shrink and its GEMM (it releases the
-    GEMM, then waits for the shrink)."""
+    GEMM, then waits for the shrink). The epilogues read the partials (the slot-range expand's pack launch
+    has a test of its own)."""
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
     (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
                                                                          seed=7)
     num_experts, top_k = OVERLAP_SHAPES[name][:2]
