@@ -3,7 +3,9 @@ clearly."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +171,54 @@ def test_interleaved_timer_keeps_each_functions_time():
     assert small_ms < big_ms
     assert 2 * big_src.numel() * 4 / (big_ms * 1e-3) < 10e12
     assert torch.equal(big_dst, big_src) and torch.equal(small_dst, small_src)
+
+
+def _merge_results():
+    """benchmarks/merge_results.py as a module (benchmarks/ is a folder of scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_results.py"
+    spec = importlib.util.spec_from_file_location("merge_results", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(date, models, ranks=(16, 64)):
+    """A minimal ``moelora bench`` JSON of one run over ``models``."""
+    return {"device": "GPU X", "date": date, "timing": "t", "args": {"ranks": list(ranks)},
+            "resolved": {"models": [{"name": m} for m in models], "ranks": list(ranks), "adapters": [1, 4],
+                         "popularity": ["uniform"], "paths": ["base", "auto"], "M": [1, 16], "dtype": "bf16",
+                         "warmup_ms": 25.0, "rep_ms": 100.0},
+            "records": [{"model": m, "M": mm, "rank": 16, "n_adapters": 1, "popularity": "uniform",
+                         "path": "auto", "base_us": 10.0, "base_lora_us": 11.0, "overhead": 0.1, "tbps": 1.0,
+                         "pct_hbm_peak": 30.0, "tflops": 1.0, "pct_tc_peak": 0.1}
+                        for m in models for mm in (1, 16)]}
+
+
+def test_merge_results_keeps_model_order_and_provenance(tmp_path):
+    """Runs over different models of one device and settings merge into one table in MODELS order (the
+    second run's DeepSeek-V2 before the first's Qwen3), each run's date kept in the note."""
+    merge_runs, write_table = _merge_results().merge_runs, _merge_results().write_table
+
+    runs = [_run("d1", ["qwen3-30b-a3b"]), _run("d2", ["deepseek-v2", "mixtral-8x7b"])]
+    merged = merge_runs(runs, "at abc")
+    order = ["deepseek-v2", "qwen3-30b-a3b", "mixtral-8x7b"]
+    assert [r["model"] for r in merged["records"]] == [m for m in order for _ in range(2)]
+    assert merged["date"] == "d1 to d2" and merged["args"]["note"].startswith("at abc: qwen3-30b-a3b d1;")
+    assert [m["name"] for m in merged["resolved"]["models"]] == order
+    out = tmp_path / "t.json"
+    write_table(merged, out)
+    assert json.loads(out.read_text())["records"] == merged["records"]
+    assert "at abc" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize(
+    "second, message",
+    [(_run("d2", ["qwen3-30b-a3b"]), "model qwen3-30b-a3b is in two runs"),
+     (_run("d2", ["deepseek-v2"], ranks=(16,)), "runs with different ranks"),
+     (dict(_run("d2", ["deepseek-v2"]), device="GPU Y"), "runs of different devices")],
+    ids=["same-model", "other-ranks", "other-device"])
+def test_merge_results_refuses_runs_that_do_not_fit(second, message):
+    merge_runs = _merge_results().merge_runs
+
+    with pytest.raises(ValueError, match=message):
+        merge_runs([_run("d1", ["qwen3-30b-a3b"]), second])
