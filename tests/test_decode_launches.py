@@ -542,23 +542,26 @@ def test_pack_shrink_partials_matches_torch():
 
 def test_slot_range_expand_rule(monkeypatch):
     """Where the slot-range expand runs (``fused_moe.lora_ext_expand``): GEMM2 only, prefill tiles of 64
-    rows and up that hold two blocks an SM, batches of two adapters and more; the switch forces it."""
+    rows and up that hold two blocks an SM, K-loops shorter than Mixtral's (14336), batches of two
+    adapters and more; the switch forces it."""
     from triton_ops import fused_moe
+
+    def rule(config, gated=False, num_adapters=4, K=1408):  # K: DeepSeek-V2-Lite's GEMM2
+        return fused_moe.lora_ext_expand(config, gated=gated, num_adapters=num_adapters, K=K)
 
     two_blocks = GemmConfig(128, 128, 64, 8, 8, 3)  # DeepSeek-V2-Lite M=1024 GEMM2 (96 KiB)
     one_block = GemmConfig(128, 256, 64, 8, 8, 4)  # Qwen3-30B-A3B M=1024 GEMM2 (192 KiB)
-    assert fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=4)
-    assert not fused_moe.lora_ext_expand(two_blocks, gated=True, num_adapters=4)
-    assert not fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=1)
-    assert not fused_moe.lora_ext_expand(one_block, gated=False, num_adapters=4)
-    assert not fused_moe.lora_ext_expand(GemmConfig(32, 128, 128, 8, 4, 3), gated=False, num_adapters=4)
+    assert rule(two_blocks)
+    assert not rule(two_blocks, gated=True) and not rule(two_blocks, num_adapters=1)
+    assert not rule(two_blocks, K=14336)
+    assert not rule(one_block) and not rule(GemmConfig(32, 128, 128, 8, 4, 3))
     monkeypatch.setenv("MOELORA_LORA_EXT", "1")
-    assert fused_moe.lora_ext_expand(one_block, gated=True, num_adapters=1)
+    assert rule(one_block, gated=True, num_adapters=1, K=14336)
     monkeypatch.setenv("MOELORA_LORA_EXT", "0")
-    assert not fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=4)
+    assert not rule(two_blocks)
     monkeypatch.setenv("MOELORA_LORA_EXT", "yes")
     with pytest.raises(ValueError, match="MOELORA_LORA_EXT must be 0 or 1"):
-        fused_moe.lora_ext_expand(two_blocks, gated=False, num_adapters=4)
+        rule(two_blocks)
     # Stacked columns per dot: two rank-16 slots, one slot from rank tile 32 on, no more than the adapters.
     assert fused_moe.lora_ext_cols(16, 4) == 32 and fused_moe.lora_ext_cols(16, 1) == 16
     assert fused_moe.lora_ext_cols(64, 4) == 64

@@ -694,8 +694,8 @@ def test_gpu_split_slot_range_expand(dsv2, fp32_highest, monkeypatch, ext):
     two_blocks = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3))
     force_layer_config(monkeypatch, two_blocks)
     monkeypatch.setenv("MOELORA_LORA_EXT", ext)
-    assert lora_ext_expand(two_blocks.gemm2, gated=False, num_adapters=4)
-    assert lora_ext_expand(two_blocks.gemm1, gated=True, num_adapters=4) is (ext == "1")
+    assert lora_ext_expand(two_blocks.gemm2, gated=False, num_adapters=4, K=DSV2_I)
+    assert lora_ext_expand(two_blocks.gemm1, gated=True, num_adapters=4, K=DSV2_H) is (ext == "1")
     check_bf16_layer_against_oracle(dsv2, 300, "split", f"split slot-range expand ext={ext or 'rule'}")
 
 

@@ -355,7 +355,7 @@ def fused_experts(
         # Prefill tiles take the shrink packed (summed, scaled, rounded) by a launch in the split sum's
         # place, and expand it in a K-loop of their own (lora_ext_expand).
         ext_gate_up = split and not decode_shrink and lora_ext_expand(
-            cfg.gemm1, gated=True, num_adapters=lora.num_adapters, elem_bytes=x.element_size())
+            cfg.gemm1, gated=True, num_adapters=lora.num_adapters, K=hidden, elem_bytes=x.element_size())
         reduce_gate_up = (split and not decode_shrink and not ext_gate_up
                           and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles))
         overlap_through_sum = lora is not None and overlap_through_split_sum(pairs, rank_block)
@@ -405,7 +405,8 @@ def fused_experts(
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
         elif split and not down_in_gemm1:
             ext_down = not decode_shrink and lora_ext_expand(
-                cfg.gemm2, gated=False, num_adapters=lora.num_adapters, elem_bytes=x.element_size())
+                cfg.gemm2, gated=False, num_adapters=lora.num_adapters, K=intermediate,
+                elem_bytes=x.element_size())
             reduce_down = not decode_shrink and not ext_down and reduce_splits_pays(
                 shrunk_down.shape[1], triton.cdiv(hidden, cfg.gemm2.block_n))
             gemm2_late_wait = shrink_launch_overlap and (overlap_through_sum or not (reduce_down or ext_down))

@@ -801,17 +801,21 @@ def defer_lora_prologue(*, late_wait: bool, splits: int, split_chunk: int, rank_
     return not late_wait and splits <= split_chunk and rank_block <= 16
 
 
-def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, elem_bytes: int = 2) -> bool:
+def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: int,
+                    elem_bytes: int = 2) -> bool:
     """Whether a prefill GEMM of the split path takes its shrink packed (``pack_shrink_partials``: the
     split sum, the slot scaling and the rounding done once per pair, in the launch that would sum the
     splits) and expands in a K-loop of its own over the block's slot range, slots side by side
     (``lora_expand_slot_range``), instead of finding each slot of the block and loading and summing its
     fp32 partials before a dot per slot (``lora_expand_groups``, whose stacked operand spills: 304 bytes
     on DeepSeek-V2-Lite's M=1024 GEMM2, none here; ``benchmarks/resource_report.py``).
-    GEMM2 only, on tiles of 64 rows and up that shared memory lets two blocks share an SM, for batches
-    of two adapters and more. H100, 4 adapters, interleaved A/B (``benchmarks/ab_env.py``), without ->
-    with: DeepSeek-V2-Lite M=1024 (GEMM2 128x128) rank 16 +19.2 -> +17.4 %, rank 64 +69.6 -> +68.3 %;
-    DeepSeek-V2 M=1024 (64x128) rank 64 +24.4 -> +23.4 %, rank 16 the same. GEMM1 lost wherever it took
+    GEMM2 only, on tiles of 64 rows and up that shared memory lets two blocks share an SM, with a K-loop
+    shorter than ``LONG_K_SLOT_GROUP_MIN_K``, for batches of two adapters and more. H100, 4 adapters,
+    interleaved A/B (``benchmarks/ab_env.py``), without -> with: DeepSeek-V2-Lite M=1024 (GEMM2 128x128)
+    rank 16 +19.2 -> +17.4 %, rank 64 +69.6 -> +68.3 %; DeepSeek-V2 M=1024 (64x128) rank 64 +24.4 -> +23.4
+    %, rank 16 the same; H200, DeepSeek-V2 M=1024 (default tiles) rank 64 +33.4 -> +29.8 %. Mixtral-8x7B's
+    GEMM2 (K 14336) lost on the H200 (M=1024, 128x128: rank 64 +19.1 -> +25.7 %, rank 16 +7.3 -> +7.9 %),
+    hence the K bound. GEMM1 lost wherever it took
     it too (rank 16: Qwen3-30B-A3B M=1024 +17.5 -> +18.8 %, M=4096 +21.3 -> +26.9 %, Mixtral-8x7B M=1024
     +7.7 -> +10.9 %, DeepSeek-V2-Lite M=4096 +13.0 -> +16.8 %; rank 64 up to 30 points), as did GEMM2
     tiles that hold one block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills).
@@ -821,7 +825,7 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, elem_
         raise ValueError(f"MOELORA_LORA_EXT must be 0 or 1, got {forced!r}")
     if forced:
         return forced == "1"
-    return (not gated and config.block_m >= 64 and num_adapters >= 2
+    return (not gated and config.block_m >= 64 and num_adapters >= 2 and K < LONG_K_SLOT_GROUP_MIN_K
             and gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2)
 
 
