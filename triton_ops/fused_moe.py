@@ -812,13 +812,14 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
     GEMM2 only, on tiles of 64 rows and up that shared memory lets two blocks share an SM, with a K-loop
     shorter than ``LONG_K_SLOT_GROUP_MIN_K``, for batches of two adapters and more. H100, 4 adapters,
     interleaved A/B (``benchmarks/ab_env.py``), without -> with: DeepSeek-V2-Lite M=1024 (GEMM2 128x128)
-    rank 16 +19.2 -> +17.4 %, rank 64 +69.6 -> +68.3 %; DeepSeek-V2 M=1024 (64x128) rank 64 +24.4 -> +23.4
-    %, rank 16 the same; H200, DeepSeek-V2 M=1024 (default tiles) rank 64 +33.4 -> +29.8 %. Mixtral-8x7B's
-    GEMM2 (K 14336) lost on the H200 (M=1024, 128x128: rank 64 +19.1 -> +25.7 %, rank 16 +7.3 -> +7.9 %),
-    hence the K bound. GEMM1 lost wherever it took
-    it too (rank 16: Qwen3-30B-A3B M=1024 +17.5 -> +18.8 %, M=4096 +21.3 -> +26.9 %, Mixtral-8x7B M=1024
-    +7.7 -> +10.9 %, DeepSeek-V2-Lite M=4096 +13.0 -> +16.8 %; rank 64 up to 30 points), as did GEMM2
-    tiles that hold one block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills).
+    rank 16 +19.2 -> +17.4 %, rank 64 +70.0 -> +67.0 % (+68.3 % while the launch took the packed shrink
+    for an inline one and left the register cap off: 173 registers, one block an SM); DeepSeek-V2 M=1024
+    (64x128) rank 64 +24.3 -> +23.2 %, rank 16 the same; H200, DeepSeek-V2 M=1024 (default tiles) rank
+    64 +33.4 -> +29.8 %. Mixtral-8x7B's GEMM2 (K 14336) lost on the H200 (M=1024, 128x128: rank 64 +19.1
+    -> +25.7 %, rank 16 +7.3 -> +7.9 %), hence the K bound. GEMM1 lost wherever it took it too (rank 16:
+    Qwen3-30B-A3B M=1024 +17.5 -> +18.8 %, M=4096 +21.3 -> +26.9 %, Mixtral-8x7B M=1024 +7.7 -> +10.9 %,
+    DeepSeek-V2-Lite M=4096 +13.0 -> +16.8 %; rank 64 up to 30 points), as did GEMM2 tiles that hold one
+    block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills).
     ``MOELORA_LORA_EXT=0`` / ``=1`` forces either on every aligned GEMM (to compare)."""
     forced = os.environ.get("MOELORA_LORA_EXT", "")
     if forced not in ("", "0", "1"):
@@ -1071,7 +1072,7 @@ def invoke_fused_moe_kernel(
         num_stages=config.num_stages,
         maxnreg=None if lora is None else lora_register_cap(
             config, gated=gated, elem_bytes=a.element_size(),
-            lora_cols=0 if lora.shrunk is not None else (2 if gated else 1) * lora.rank_block),
+            lora_cols=0 if lora.shrunk is not None or ext else (2 if gated else 1) * lora.rank_block),
     )
 
 

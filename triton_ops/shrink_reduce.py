@@ -28,6 +28,23 @@ from triton_ops.pdl import release_next_then_wait, require_dependent_launch
 
 
 @triton.jit
+def _sum_row_splits(partials_ptr, token_slots_ptr, numel, slot_row_div, stride_pm, stride_ps,
+                    SPLITS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """This program's rows, their slots, whether each has one, the pointers to their split 0 and the
+    (BLOCK_ROWS, WIDTH) fp32 sum of their splits in split order (0 for rows without a slot: their partials
+    were never written)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_valid = rows < numel
+    slot = tl.load(token_slots_ptr + rows // slot_row_div, mask=row_valid, other=-1)
+    has_slot = row_valid & (slot >= 0)
+    ptrs = partials_ptr + rows.to(tl.int64)[:, None] * stride_pm + tl.arange(0, WIDTH)[None, :]
+    total = tl.load(ptrs, mask=has_slot[:, None], other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(ptrs + split * stride_ps, mask=has_slot[:, None], other=0.0)
+    return rows, slot, has_slot, ptrs, total
+
+
+@triton.jit
 def _reduce_shrink_splits_kernel(
     # Pointers
     partials_ptr,  # (numel, splits, WIDTH) fp32, in place: split 0 receives the sum
@@ -47,17 +64,10 @@ def _reduce_shrink_splits_kernel(
     # Launched dependently on the shrink: the GEMM after this launch is scheduled at once, this waits
     # for the shrink's partials.
     release_next_then_wait(RELEASE_FIRST)
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_valid = rows < numel
-    slot = tl.load(token_slots_ptr + rows // slot_row_div, mask=row_valid, other=-1)
-    has_slot = row_valid & (slot >= 0)
-    offs_w = tl.arange(0, WIDTH)
-    ptrs = partials_ptr + rows.to(tl.int64)[:, None] * stride_pm + offs_w[None, :]
-    mask = has_slot[:, None]
-    total = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        total += tl.load(ptrs + split * stride_ps, mask=mask, other=0.0)
-    tl.store(ptrs, total, mask=mask)
+    rows, slot, has_slot, ptrs, total = _sum_row_splits(
+        partials_ptr, token_slots_ptr, numel, slot_row_div, stride_pm, stride_ps, SPLITS=SPLITS, WIDTH=WIDTH,
+        BLOCK_ROWS=BLOCK_ROWS)
+    tl.store(ptrs, total, mask=has_slot[:, None])
 
 
 @triton.jit
@@ -81,20 +91,13 @@ def _pack_shrink_partials_kernel(
     RELEASE_FIRST: tl.constexpr = False,
 ):
     release_next_then_wait(RELEASE_FIRST)
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_valid = rows < numel
-    slot = tl.load(token_slots_ptr + rows // slot_row_div, mask=row_valid, other=-1)
-    has_slot = row_valid & (slot >= 0)
+    rows, slot, has_slot, _, total = _sum_row_splits(
+        partials_ptr, token_slots_ptr, numel, slot_row_div, stride_pm, stride_ps, SPLITS=SPLITS, WIDTH=WIDTH,
+        BLOCK_ROWS=BLOCK_ROWS)
     scaling = tl.load(slot_scalings_ptr + tl.where(has_slot, slot, 0), mask=has_slot, other=0.0)
-    offs_w = tl.arange(0, WIDTH)
-    ptrs = partials_ptr + rows.to(tl.int64)[:, None] * stride_pm + offs_w[None, :]
-    mask = has_slot[:, None]
-    total = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        total += tl.load(ptrs + split * stride_ps, mask=mask, other=0.0)
-    packed = tl.where(mask, total * scaling[:, None], 0.0).to(packed_ptr.dtype.element_ty)
-    tl.store(packed_ptr + rows.to(tl.int64)[:, None] * stride_km + offs_w[None, :], packed,
-             mask=row_valid[:, None])
+    packed = tl.where(has_slot[:, None], total * scaling[:, None], 0.0).to(packed_ptr.dtype.element_ty)
+    tl.store(packed_ptr + rows.to(tl.int64)[:, None] * stride_km + tl.arange(0, WIDTH)[None, :], packed,
+             mask=(rows < numel)[:, None])
 
 
 def _check_partials(partials: torch.Tensor, token_slots: torch.Tensor, slot_row_div: int) -> None:
@@ -122,24 +125,20 @@ def reduce_shrink_splits(
     shrink, so a GEMM launched with ``late_wait`` runs its K-loop beside both (``prefill_shrink_overlap``).
     """
     _check_partials(partials, token_slots, slot_row_div)
-    numel, splits, width = partials.shape
+    numel, splits, _ = partials.shape
     if release_next:
         require_dependent_launch(partials.device, "release_next")
     if numel == 0 or splits == 1:
         return partials[:, :1]
-    block_rows = reduce_block_rows(numel, width)
-    _reduce_shrink_splits_kernel[(triton.cdiv(numel, block_rows),)](
+    grid, meta = _row_launch(partials, release_next)
+    _reduce_shrink_splits_kernel[grid](
         partials_ptr=partials,
         token_slots_ptr=token_slots,
         numel=numel,
         slot_row_div=slot_row_div,
         stride_pm=partials.stride(0),
         stride_ps=partials.stride(1),
-        SPLITS=splits,
-        WIDTH=width,
-        BLOCK_ROWS=block_rows,
-        **({"RELEASE_FIRST": True, "launch_pdl": True} if release_next else {}),
-        num_warps=max(1, min(4, block_rows * width // 256)),
+        **meta,
     )
     return partials[:, :1]
 
@@ -163,12 +162,12 @@ def pack_shrink_partials(
                          f"{tuple(slot_scalings.shape)}")
     if release_next:
         require_dependent_launch(partials.device, "release_next")
-    numel, splits, width = partials.shape
+    numel, _, width = partials.shape
     packed = torch.empty((numel, width), dtype=dtype, device=partials.device)
     if numel == 0:
         return packed
-    block_rows = reduce_block_rows(numel, width)
-    _pack_shrink_partials_kernel[(triton.cdiv(numel, block_rows),)](
+    grid, meta = _row_launch(partials, release_next)
+    _pack_shrink_partials_kernel[grid](
         partials_ptr=partials,
         packed_ptr=packed,
         token_slots_ptr=token_slots,
@@ -178,13 +177,20 @@ def pack_shrink_partials(
         stride_pm=partials.stride(0),
         stride_ps=partials.stride(1),
         stride_km=packed.stride(0),
-        SPLITS=splits,
-        WIDTH=width,
-        BLOCK_ROWS=block_rows,
-        **({"RELEASE_FIRST": True, "launch_pdl": True} if release_next else {}),
-        num_warps=max(1, min(4, block_rows * width // 256)),
+        **meta,
     )
     return packed
+
+
+def _row_launch(partials: torch.Tensor, release_next: bool) -> tuple[tuple[int], dict]:
+    """Grid and meta-parameters of a launch over the rows of ``partials`` (numel, splits, width)."""
+    numel, splits, width = partials.shape
+    block_rows = reduce_block_rows(numel, width)
+    meta = dict(SPLITS=splits, WIDTH=width, BLOCK_ROWS=block_rows,
+                num_warps=max(1, min(4, block_rows * width // 256)))
+    if release_next:
+        meta |= {"RELEASE_FIRST": True, "launch_pdl": True}
+    return (triton.cdiv(numel, block_rows),), meta
 
 
 # About two programs per SM: the kernel is a few dependent loads long, so its time is how many bytes
