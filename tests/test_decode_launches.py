@@ -567,6 +567,41 @@ def test_slot_range_expand_rule(monkeypatch):
     assert fused_moe.lora_ext_cols(64, 4) == 64
 
 
+def test_slot_range_expand_keeps_the_register_cap(monkeypatch):
+    """A GEMM2 taking the packed shrink is held to the base's two blocks an SM like any split-path GEMM
+    (``lora_register_cap`` with no inline-shrink columns): at rank tile 64 the cap was once left off (the
+    packed shrink counted as an inline one), 173 registers and one block an SM. The launch is caught on
+    meta tensors, nothing runs."""
+    from triton_ops import fused_moe
+
+    launches = []
+
+    class Caught:
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(fused_moe, "_fused_moe_kernel", Caught())
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    pairs, num_experts, hidden, inter, rank, slots = 600, 8, 256, 192, 64, 4
+    config = GemmConfig(128, 128, 64, 8, 8, 3)
+    lora = fused_moe.LoRAOperands(
+        token_slots=torch.empty(pairs // 6, dtype=torch.int32, device="meta"),
+        lora_a=torch.empty(slots, num_experts, rank, inter, **meta),
+        lora_b=torch.empty(slots, num_experts, hidden, rank, **meta),
+        slot_ranks=torch.empty(slots, dtype=torch.int32, device="meta"),
+        slot_scalings=torch.empty(slots, dtype=torch.float32, device="meta"), top_k=6, rank_block=rank,
+        num_adapters=4, packed=torch.empty(pairs, rank, **meta))
+    max_padded = pairs + num_experts * 127
+    invoke_fused_moe_kernel(
+        torch.empty(pairs, inter, **meta), torch.empty(num_experts, hidden, inter, **meta),
+        torch.empty(pairs, hidden, **meta), topk_weights=None, a_row_div=1, config=config, lora=lora,
+        sorted_ids=torch.empty(max_padded, dtype=torch.int32, device="meta"),
+        expert_ids=torch.empty(max_padded // 128 + 1, dtype=torch.int32, device="meta"),
+        num_post_padded=torch.empty(1, dtype=torch.int32, device="meta"))
+    cap = fused_moe.lora_register_cap(config, gated=False)
+    assert cap is not None and launches[-1]["maxnreg"] == cap and launches[-1]["LORA_EXT"]
+
+
 def test_one_row_rule(monkeypatch):
     """When a direct-pair GEMM takes the one-row prologue (``fused_moe.one_row_lora``): never without
     the prefetch or off the direct pairs; partials read before the K-loop only as one chunk (held raw
