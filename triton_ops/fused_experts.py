@@ -216,7 +216,7 @@ def fused_experts(
             down shrink in GEMM1's epilogue, so decode has the base path's launches (one token past that
             many: a GEMV launch between the GEMMs, ``one_token_down_shrink``, still no alignment); where
             many N tiles would each re-sum a shrink's split-K partials, ``reduce_shrink_splits`` sums them
-            once first) or "staged"
+            once first, or ``pack_shrink_partials`` packs them for ``lora_ext_expand``) or "staged"
             (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -352,8 +352,9 @@ def fused_experts(
                 (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
                 dtype=torch.float32, device=x.device,
             )
-        # Prefill tiles take the shrink packed (summed, scaled, rounded) by a launch in the split sum's
-        # place, and expand it in a K-loop of their own (lora_ext_expand).
+        # Where lora_ext_expand says so (GEMM2's two-block prefill tiles), a GEMM takes its shrink packed
+        # (summed, scaled, rounded) by a launch in the split sum's place and expands it in a K-loop of its
+        # own over the block's slot range.
         ext_gate_up = split and not decode_shrink and lora_ext_expand(
             cfg.gemm1, gated=True, num_adapters=lora.num_adapters, K=hidden, elem_bytes=x.element_size())
         reduce_gate_up = (split and not decode_shrink and not ext_gate_up
