@@ -486,9 +486,9 @@ def test_lora_nan_past_rank_never_read(monkeypatch, m, defer):
 
 
 # Past decode (M=23 x top-6 = 138 pairs, M=45 x top-4 = 180), both GEMMs expanding by the slot range from
-# packed shrinks (forced on the interpreter's small tiles): slots 0 and 2 in every block and idle slot 1
-# between them, ranks 8 and 16 in a rank-16 pool, a third of the tokens without an adapter; NaN past each
-# slot's rank and in the idle slot must not reach the output.
+# packed shrinks (forced on the interpreter's small tiles): slots 0 and 2 in every block and slot 1, loaded
+# but used by no token, between them; ranks 8 and 16 in a rank-16 pool, a third of the tokens without an
+# adapter; NaN past each slot's rank and in slot 1 must not reach the output.
 @pytest.mark.parametrize("m, top_k", [(23, 6), (45, 4)])
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
 @interpreter
@@ -512,6 +512,11 @@ def test_slot_range_expand_matches_oracle(monkeypatch, m, top_k, dtype):
         lora.gate_up_b[slot, :, :, first:] = nan
         lora.down_a[slot, :, first:] = nan
         lora.down_b[slot, :, :, first:] = nan
+    # Slot 1, between the used ones, now holds an adapter no token uses: its B (NaN here) inside the
+    # blocks' slot range must not be read at all (bytes follow the slots present, not the range).
+    lora.slot_ranks[1] = 16
+    lora.gate_up_b[1] = nan
+    lora.down_b[1] = nan
     out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
     ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
                         token_adapter=per_token)

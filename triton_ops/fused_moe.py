@@ -812,7 +812,7 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
     GEMM2 only, on tiles of 64 rows and up that shared memory lets two blocks share an SM, with a K-loop
     shorter than ``LONG_K_SLOT_GROUP_MIN_K``, for batches of two adapters and more. H100, 4 adapters,
     interleaved A/B (``benchmarks/ab_env.py``), without -> with: DeepSeek-V2-Lite M=1024 (GEMM2 128x128)
-    rank 16 +19.2 -> +17.4 %, rank 64 +70.0 -> +67.0 % (+68.3 % while the launch took the packed shrink
+    rank 16 +19.3 -> +18.1 %, rank 64 +70.2 -> +65.9 % (+68.3 % while the launch took the packed shrink
     for an inline one and left the register cap off: 173 registers, one block an SM); DeepSeek-V2 M=1024
     (64x128) rank 64 +24.3 -> +23.2 %, rank 16 the same; H200, DeepSeek-V2 M=1024 (default tiles) rank
     64 +33.4 -> +29.8 %. Mixtral-8x7B's GEMM2 (K 14336) lost on the H200 (M=1024, 128x128: rank 64 +19.1

@@ -561,6 +561,11 @@ def lora_expand_unrolled(
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
 def lora_expand_slot_range(
     acc,  # (BLOCK_M, BLOCK_N) fp32 output tile (one of gate / up, or GEMM2's)
     packed_rows_ptr,  # (BLOCK_M,) pointers to each row's packed shrink (pack_shrink_partials), column 0
@@ -590,13 +595,19 @@ def lora_expand_slot_range(
     fp32 partials, no layout round trip per slot, EXT_K // LORA_R slots a dot. Columns past a slot's real
     rank, and slots no row of the block has, load nothing."""
     offs_c = tl.arange(0, EXT_K)
+    # The slots the block's rows use, one bit each (slot 62 and up share the last bit): a slot inside the
+    # range that no row uses (another sequence's adapter) has its B tile masked off, so the bytes follow
+    # the slots present, not the range.
+    used_bits = tl.reduce(tl.where(has_slot, tl.full(row_slot.shape, 1, tl.int64)
+                                   << tl.minimum(row_slot, 62).to(tl.int64), 0), 0, _bit_or)
     for c0 in tl.range(slot_lo * LORA_R, slot_hi * LORA_R, EXT_K, num_stages=EXT_STAGES):
         cols = c0 + offs_c
         col_slot = cols // LORA_R
         col_r = cols % LORA_R
         in_range = col_slot < slot_hi
         col_rank = tl.load(slot_ranks_ptr + col_slot, mask=in_range, other=0)
-        col_live = in_range & (col_r < col_rank)
+        col_used = ((used_bits >> tl.minimum(col_slot, 62).to(tl.int64)) & 1) != 0
+        col_live = in_range & col_used & (col_r < col_rank)
         rows_of_col = has_slot[:, None] & (row_slot[:, None] == col_slot[None, :]) & col_live[None, :]
         u = tl.load(packed_rows_ptr[:, None] + (col_offset + col_r)[None, :], mask=rows_of_col, other=0.0)
         b_ptrs = (lora_b_ptr + col_slot.to(tl.int64)[:, None] * stride_lb_l + expert * stride_lb_e
