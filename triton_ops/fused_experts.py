@@ -368,16 +368,9 @@ def fused_experts(
                        x_row_div=top_k, rank_block=rank_block, gated=True,
                        out=shrunk_gate_up, release_next=gate_up_overlap)
         if split:
-            gemm1_shrunk = shrunk_gate_up
-            if reduce_gate_up:
-                gemm1_shrunk = reduce_shrink_splits(shrunk_gate_up, chunk_slots, slot_row_div=top_k,
-                                                    release_next=gate_up_overlap)
-            if ext_gate_up:
-                gemm1_lora = replace(gemm1_lora, packed=pack_shrink_partials(
-                    shrunk_gate_up, chunk_slots, lora.slot_scalings, slot_row_div=top_k, dtype=x.dtype,
-                    release_next=gate_up_overlap))
-            else:
-                gemm1_lora = replace(gemm1_lora, shrunk=gemm1_shrunk)
+            gemm1_lora = _with_epilogue_shrink(gemm1_lora, shrunk_gate_up, pack=ext_gate_up,
+                                               reduce=reduce_gate_up, release_next=gate_up_overlap,
+                                               dtype=x.dtype)
         if staged:
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
@@ -415,16 +408,8 @@ def fused_experts(
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down, release_next=gemm2_late_wait)
-            gemm2_shrunk = shrunk_down
-            if reduce_down:
-                gemm2_shrunk = reduce_shrink_splits(shrunk_down, chunk_slots, slot_row_div=top_k,
-                                                    release_next=gemm2_late_wait)
-            if ext_down:
-                gemm2_lora = replace(gemm2_lora, packed=pack_shrink_partials(
-                    shrunk_down, chunk_slots, lora.slot_scalings, slot_row_div=top_k, dtype=x.dtype,
-                    release_next=gemm2_late_wait))
-            else:
-                gemm2_lora = replace(gemm2_lora, shrunk=gemm2_shrunk)
+            gemm2_lora = _with_epilogue_shrink(gemm2_lora, shrunk_down, pack=ext_down, reduce=reduce_down,
+                                               release_next=gemm2_late_wait, dtype=x.dtype)
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)
         elif top_k == 1:
@@ -456,6 +441,22 @@ def fused_experts(
                                   lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,
                                   routed_scaling_factor=routed_scaling_factor)
     return out
+
+
+def _with_epilogue_shrink(operands: LoRAOperands, partials: torch.Tensor, *, pack: bool, reduce: bool,
+                          release_next: bool, dtype: torch.dtype) -> LoRAOperands:
+    """``operands`` with the shrink its GEMM's epilogue reads from the split-K ``partials`` a ``moe_lora_a``
+    launch wrote: packed (``pack_shrink_partials``, for ``lora_ext_expand``), summed once
+    (``reduce_shrink_splits``), or as they are. ``release_next``: the launch that packs or sums releases the
+    GEMM after it (the shrink overlap)."""
+    slots, top_k = operands.token_slots, operands.top_k
+    if pack:
+        return replace(operands, packed=pack_shrink_partials(partials, slots, operands.slot_scalings,
+                                                             slot_row_div=top_k, dtype=dtype,
+                                                             release_next=release_next))
+    if reduce:
+        partials = reduce_shrink_splits(partials, slots, slot_row_div=top_k, release_next=release_next)
+    return replace(operands, shrunk=partials)
 
 
 def _with_lora_tiles(cfg: MoEConfig, inline_shrink: bool = True, rank_block: int = 16,
