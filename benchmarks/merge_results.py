@@ -45,17 +45,21 @@ def merge_runs(runs: list[dict[str, Any]], note: str = "") -> dict[str, Any]:
                 raise ValueError(f"model {model} is in two runs ({seen[model]} and {run['date']})")
             seen[model] = run["date"]
     order = {name: i for i, name in enumerate(MODELS)}
+
+    def place(name: str) -> int:  # MODELS order; a model of a --config file after them
+        return order.get(name, len(order))
+
     records = [r for run in runs for r in run["records"]]
-    records.sort(key=lambda r: order.get(r["model"], len(order)))  # stable: each run's order within a model
+    records.sort(key=lambda r: place(r["model"]))  # stable: each run's order within a model
     dates = sorted(run["date"] for run in runs)
     merged = {k: v for k, v in first.items() if k != "records"}
     merged["date"] = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    runs_note = "; ".join(f"{', '.join(sorted({r['model'] for r in run['records']}, key=order.get))} "
+    runs_note = "; ".join(f"{', '.join(sorted({r['model'] for r in run['records']}, key=place))} "
                           f"{run['date']}" for run in runs)
     merged["args"] = dict(first["args"], note=f"{note}: {runs_note}" if note else runs_note)
     merged["resolved"] = dict(first["resolved"],
                               models=[m for run in runs for m in run["resolved"]["models"]])
-    merged["resolved"]["models"].sort(key=lambda m: order.get(m["name"], len(order)))
+    merged["resolved"]["models"].sort(key=lambda m: place(m["name"]))
     return dict(merged, records=records)
 
 

@@ -199,9 +199,10 @@ def test_merge_results_keeps_model_order_and_provenance(tmp_path):
     second run's DeepSeek-V2 before the first's Qwen3), each run's date kept in the note."""
     merge_runs, write_table = _merge_results().merge_runs, _merge_results().write_table
 
-    runs = [_run("d1", ["qwen3-30b-a3b"]), _run("d2", ["deepseek-v2", "mixtral-8x7b"])]
+    # "my-moe" (a --config model, not in MODELS) goes after the known ones, beside them in one run.
+    runs = [_run("d1", ["qwen3-30b-a3b"]), _run("d2", ["my-moe", "deepseek-v2", "mixtral-8x7b"])]
     merged = merge_runs(runs, "at abc")
-    order = ["deepseek-v2", "qwen3-30b-a3b", "mixtral-8x7b"]
+    order = ["deepseek-v2", "qwen3-30b-a3b", "mixtral-8x7b", "my-moe"]
     assert [r["model"] for r in merged["records"]] == [m for m in order for _ in range(2)]
     assert merged["date"] == "d1 to d2" and merged["args"]["note"].startswith("at abc: qwen3-30b-a3b d1;")
     assert [m["name"] for m in merged["resolved"]["models"]] == order

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -572,11 +573,9 @@ def test_slot_range_expand_rule(monkeypatch):
     assert fused_moe.lora_ext_cols(64, 4) == 64
 
 
-def test_slot_range_expand_keeps_the_register_cap(monkeypatch):
-    """A GEMM2 taking the packed shrink is held to the base's two blocks an SM like any split-path GEMM
-    (``lora_register_cap`` with no inline-shrink columns): at rank tile 64 the cap was once left off (the
-    packed shrink counted as an inline one), 173 registers and one block an SM. The launch is caught on
-    meta tensors, nothing runs."""
+def packed_gemm2_launch(monkeypatch, **lora_changes):
+    """Launches a GEMM2 on a packed shrink (rank tile 64, 4 slots, 128x128 tiles) with the kernel caught
+    on meta tensors (nothing runs); returns the launches' keyword arguments and the config."""
     from triton_ops import fused_moe
 
     launches = []
@@ -599,12 +598,36 @@ def test_slot_range_expand_keeps_the_register_cap(monkeypatch):
     max_padded = pairs + num_experts * 127
     invoke_fused_moe_kernel(
         torch.empty(pairs, inter, **meta), torch.empty(num_experts, hidden, inter, **meta),
-        torch.empty(pairs, hidden, **meta), topk_weights=None, a_row_div=1, config=config, lora=lora,
+        torch.empty(pairs, hidden, **meta), topk_weights=None, a_row_div=1, config=config,
+        lora=replace(lora, **lora_changes),
         sorted_ids=torch.empty(max_padded, dtype=torch.int32, device="meta"),
         expert_ids=torch.empty(max_padded // 128 + 1, dtype=torch.int32, device="meta"),
         num_post_padded=torch.empty(1, dtype=torch.int32, device="meta"))
+    return launches, config
+
+
+def test_slot_range_expand_keeps_the_register_cap(monkeypatch):
+    """A GEMM2 taking the packed shrink is held to the base's two blocks an SM like any split-path GEMM
+    (``lora_register_cap`` with no inline-shrink columns): at rank tile 64 the cap was once left off (the
+    packed shrink counted as an inline one), 173 registers and one block an SM."""
+    from triton_ops import fused_moe
+
+    launches, config = packed_gemm2_launch(monkeypatch)
     cap = fused_moe.lora_register_cap(config, gated=False)
     assert cap is not None and launches[-1]["maxnreg"] == cap and launches[-1]["LORA_EXT"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [(dict(packed=torch.empty(600, 64, device="meta")), r"lora.packed must be torch.bfloat16 \(600, 64\)"),
+     (dict(packed=torch.empty(600, 32, dtype=torch.bfloat16, device="meta")), r"\(pairs, rank_block\)"),
+     (dict(shrunk=torch.empty(600, 1, 64, device="meta")), "lora.packed replaces lora.shrunk")],
+    ids=["fp32", "half-width", "with-partials"])
+def test_packed_shrink_of_the_wrong_form_is_refused(monkeypatch, change, message):
+    """A packed shrink of the wrong dtype or width, or given beside the partials it replaces, is refused
+    before any launch, saying what was expected."""
+    with pytest.raises(ValueError, match=message):
+        packed_gemm2_launch(monkeypatch, **change)
 
 
 def test_one_row_rule(monkeypatch):
