@@ -439,6 +439,62 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
     assert rel_err(out, ref) <= TOL[F32]
 
 
+# The same 160 routed pairs with each prefill shrink walking all of K (``one_split_shrink`` forced): K of 96
+# and 72 with block_k 32 would split, and the forced split sums ("1") would run after them.
+@pytest.mark.parametrize("ranks", [(8, 16), (40, 64)], ids=["rank-tile-16", "rank-tile-64"])
+@interpreter
+def test_one_split_shrink_plan(monkeypatch, ranks):
+    """A one-pass shrink writes one partial per pair, so no split sum follows it even where one is forced,
+    and each GEMM, overlapping the shrink before it directly, waits late; the output is the oracle's."""
+    m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=5)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=5, ranks=ranks,
+                                            pool_rank=ranks[1])
+    monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
+    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
+    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1")
+    events = record_overlap_launches(monkeypatch, drop_flags=True)
+    splits, shrink = [], fe.moe_lora_a
+
+    def counting_shrink(*args, **kwargs):
+        splits.append(kwargs["out"].shape[1])
+        return shrink(*args, **kwargs)
+
+    monkeypatch.setattr(fe, "moe_lora_a", counting_shrink)
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    assert splits == [1, 1], splits
+    assert check_overlap_plan(events, overlap=True, through_sum=False) == [True, True], events
+    assert "reduce" not in [kind for kind, _ in events], events
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert rel_err(out, ref) <= TOL[F32]
+
+
+def test_one_split_shrink_rule(monkeypatch):
+    """Where a prefill shrink walks all of K (``fused_experts.one_split_shrink``): from the pairs where the
+    GEMMs overlap through the split sums, when the block's slots fit one 64-column pass, the alignment
+    gives enough programs and no K is Mixtral's; the switch forces it either way."""
+    pairs = fe.PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
+    many = fe.ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS
+
+    def rule(pairs=pairs, rank_block=16, adapters=4, programs=many, longest_k=2048):  # DeepSeek-V2-Lite's K
+        return fe.one_split_shrink(pairs, rank_block, adapters, programs, longest_k)
+
+    assert rule() and rule(rank_block=64, adapters=1) and rule(longest_k=7168)  # DeepSeek-V3's hidden
+    assert not rule(pairs=pairs - 1)  # M=64-like batches keep split K
+    assert not rule(adapters=8) and not rule(rank_block=64, adapters=4)  # several passes over K
+    assert not rule(adapters=0)  # adapters unknown
+    assert not rule(programs=many - 1)  # few experts: few programs
+    assert not rule(longest_k=14336)  # Mixtral-8x7B's intermediate size
+    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1")
+    assert rule(pairs=1, rank_block=64, adapters=8, programs=1, longest_k=14336)
+    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "0")
+    assert not rule()
+    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "yes")
+    with pytest.raises(ValueError, match="MOELORA_ONE_SPLIT_SHRINK must be 0 or 1"):
+        rule()
+
+
 # 7 tokens x top-6 = 42 routed pairs: an aligned decode (the gate/up shrink rides in the alignment's launch).
 # Rank tile 64 over I=600 (at least 5 GEMM1 N tiles: 320 partial columns) is too many down-shrink partials
 # for GEMM1's epilogue, so the down shrink is a launch (moe_lora_a), which GEMM2 overlaps when it is on.
@@ -894,7 +950,8 @@ def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, r
 @gpu
 @pytest.mark.parametrize(("name", "m", "rank"), PREFILL_OVERLAP_POINTS)
 @pytest.mark.parametrize("pdl", ["0", "1"])
-@pytest.mark.parametrize("reduce", ["0", "1"], ids=["partials-in-gemm", "split-sum-launch"])
+@pytest.mark.parametrize("reduce", ["0", "1", "one-split"],
+                         ids=["partials-in-gemm", "split-sum-launch", "one-split-shrink"])
 def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, pdl, reduce):
     """Past decode, with ``MOELORA_PREFILL_SHRINK_OVERLAP=1``: each GEMM launched dependently on the shrink
     before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
@@ -902,7 +959,9 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     partials would differ); also with a split-sum launch between a shrink and its GEMM (it releases the
     GEMM, then waits for the shrink). The epilogues read the partials (the slot-range expand's pack launch
     has a test of its own)."""
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    # "one-split": each shrink walks all of K (``one_split_shrink``), so no split sum follows it.
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1" if reduce == "one-split" else reduce)
+    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1" if reduce == "one-split" else "0")
     monkeypatch.setenv("MOELORA_LORA_EXT", "0")
     (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
                                                                          seed=7)
@@ -918,8 +977,10 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     eager_overlap = layer()
     # Each GEMM overlaps its shrink; past a split-sum launch only from enough pairs (small: 160) or rank on.
     late = check_overlap_plan(events, overlap=True, through_sum=through_sum)
-    if reduce == "0" or rank == 64:  # no split-sum launch, or overlapped through it: both GEMMs wait late
+    if reduce != "1" or rank == 64:  # no split-sum launch, or overlapped through it: both GEMMs wait late
         assert late == [True, True], events
+    if reduce == "one-split":
+        assert "reduce" not in [kind for kind, _ in events], events
     if reduce == "1" and name != "small":  # 384 / 1800 / 2400 pairs; K 2048 / 1408: the shrinks split K
         assert through_sum and ("reduce", True) in events, events
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)

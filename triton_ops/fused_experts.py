@@ -31,6 +31,7 @@ from triton_ops.decode_shrink import (
 )
 from triton_ops.fused_moe import (
     _ACTIVATIONS,
+    LONG_K_SLOT_GROUP_MIN_K,
     LoRAOperands,
     TopkSumOperands,
     invoke_fused_moe_kernel,
@@ -43,6 +44,7 @@ from triton_ops.moe_lora import (
     moe_lora_down_combine,
     moe_lora_gate_up_b,
     shrink_block_k,
+    shrink_block_m,
     shrink_k_splits,
 )
 from triton_ops.moe_sum import moe_sum_reduce
@@ -86,6 +88,41 @@ def overlap_through_split_sum(pairs: int, rank_block: int) -> bool:
       +14.8 -> +13.0 % / +47.1 -> +42.2 %, Qwen3-30B-A3B +16.8 -> +14.8 % / +48.2 -> +46.0 %, DeepSeek-V2
       +8.9 -> +8.0 % / +20.1 -> +19.1 %, DeepSeek-V3 unchanged (+5.1 % / +12.4 %): hence the rank tile."""
     return pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS or rank_block >= PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK
+
+
+# A prefill shrink launch walks all of K in each program (no split-K) only when its alignment gives at least
+# this many programs (``one_split_shrink``): Mixtral-8x7B's 8 experts give ~48 at M=1024.
+ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS = 96
+
+
+def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_programs: int,
+                     longest_k: int) -> bool:
+    """Whether a prefill shrink launch of the split path (``moe_lora_a``) walks all of K in each program
+    instead of splitting K for two programs an SM (``shrink_k_splits``): then no split-sum launch follows
+    it, and the GEMM after it overlaps it directly. Where the GEMMs overlap their shrinks anyway (from
+    ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` routed pairs), the block's slots fit one pass over K (at most
+    64 // rank_block adapters, ``lora_slot_group``) and the alignment gives at least
+    ``ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS`` programs, and neither shrink's K (``longest_k``: hidden or
+    intermediate size) reaches ``LONG_K_SLOT_GROUP_MIN_K``. H100, interleaved A/B (``benchmarks/ab_env.py``),
+    split -> one pass over K, LoRA layer overhead over the base, 1 / 4 adapters: rank 16 DeepSeek-V2-Lite
+    M=256 (3 splits) +6.9 -> +3.9 % / +11.7 -> +9.6 %, M=1024 (2) +8.6 -> +4.4 % / +18.2 -> +13.6 %,
+    Qwen3-30B-A3B M=256 (2) +6.0 -> +6.0 % / +15.2 -> +14.1 %, DeepSeek-V2 M=256 and 1024 +7.0 -> +6.4 % and
+    +6.9 -> +6.3 % with 4; rank 64, one adapter: DeepSeek-V2-Lite M=256 +10.9 -> +8.5 %, M=1024 +30.4 ->
+    +19.3 %, Qwen3-30B-A3B M=256 +13.9 -> +12.1 %. Not with several passes: rank 64 with 4 adapters lost
+    at M=256 (DeepSeek-V2-Lite +34.7 -> +37.1 %, DeepSeek-V2 +24.5 -> +25.4 %; DeepSeek-V2-Lite M=1024
+    gained, +66.1 -> +57.5 %), nor below the pairs: at M=64 with 4 adapters the GEMM, overlapping the
+    long shrink programs, waited for them (DeepSeek-V2-Lite +11.0 -> +14.3 %, Qwen3-30B-A3B +12.4 ->
+    +14.9 %), nor on Mixtral-8x7B (K 14336 down; M=4096, 144 programs, noisy: rank 64 one adapter +12.1 ->
+    +19.4 % in all three rounds, rank 16 one adapter +14.3 -> +8.9 % but four +7.3 -> +10.8 %); DeepSeek-V3
+    (K 7168) splits no shrink at these M anyway. ``MOELORA_ONE_SPLIT_SHRINK=0`` / ``=1`` forces either on
+    every prefill shrink of the split path (to compare)."""
+    forced = os.environ.get("MOELORA_ONE_SPLIT_SHRINK", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"MOELORA_ONE_SPLIT_SHRINK must be 0 or 1, got {forced!r}")
+    if forced:
+        return forced == "1"
+    return (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max(1, 64 // rank_block)
+            and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
 
 
 def decode_direct_pairs(num_tokens: int) -> bool:
@@ -334,9 +371,13 @@ def fused_experts(
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         block_k = shrink_block_k(x.dtype)
+        one_split = split and not decode_shrink and one_split_shrink(
+            pairs, rank_block, lora.num_adapters, triton.cdiv(max_padded, shrink_block_m(cfg.block_m)),
+            max(hidden, intermediate))
         if (split or staged) and not decode_shrink:
             shrunk_gate_up = torch.empty(
-                (pairs, shrink_k_splits(max_padded, cfg.block_m, hidden, block_k), 2 * rank_block),
+                (pairs, 1 if one_split else shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
+                 2 * rank_block),
                 dtype=torch.float32, device=x.device,
             )
         if down_in_gemm1:
@@ -349,7 +390,8 @@ def fused_experts(
             shrunk_down = torch.empty((pairs, down_splits, rank_block), dtype=torch.float32, device=x.device)
         elif split or staged:
             shrunk_down = torch.empty(
-                (pairs, shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k), rank_block),
+                (pairs, 1 if one_split else shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k),
+                 rank_block),
                 dtype=torch.float32, device=x.device,
             )
         # Where lora_ext_expand says so (GEMM2's two-block prefill tiles), a GEMM takes its shrink packed
