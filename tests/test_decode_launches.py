@@ -472,7 +472,7 @@ def test_one_split_shrink_plan(monkeypatch, ranks):
 
 def test_one_split_shrink_rule(monkeypatch):
     """Where a prefill shrink walks all of K (``fused_experts.one_split_shrink``): from the pairs where the
-    GEMMs overlap through the split sums, when the block's slots fit one 64-column pass, the alignment
+    GEMMs overlap through the split sums, when the block's slots fit two 64-column passes, the alignment
     gives enough programs and no K is Mixtral's; the switch forces it either way."""
     pairs = fe.PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
     many = fe.ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS
@@ -481,8 +481,9 @@ def test_one_split_shrink_rule(monkeypatch):
         return fe.one_split_shrink(pairs, rank_block, adapters, programs, longest_k)
 
     assert rule() and rule(rank_block=64, adapters=1) and rule(longest_k=7168)  # DeepSeek-V3's hidden
+    assert rule(adapters=8) and rule(rank_block=64, adapters=2)  # two 64-column passes over K
     assert not rule(pairs=pairs - 1)  # M=64-like batches keep split K
-    assert not rule(adapters=8) and not rule(rank_block=64, adapters=4)  # several passes over K
+    assert not rule(adapters=9) and not rule(rank_block=64, adapters=3)  # three passes and more
     assert not rule(adapters=0)  # adapters unknown
     assert not rule(programs=many - 1)  # few experts: few programs
     assert not rule(longest_k=14336)  # Mixtral-8x7B's intermediate size

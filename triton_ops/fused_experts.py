@@ -93,6 +93,8 @@ def overlap_through_split_sum(pairs: int, rank_block: int) -> bool:
 # A prefill shrink launch walks all of K in each program (no split-K) only when its alignment gives at least
 # this many programs (``one_split_shrink``): Mixtral-8x7B's 8 experts give ~48 at M=1024.
 ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS = 96
+# ... and only when the block's slots take at most this many 64-column passes over K (see there).
+ONE_SPLIT_SHRINK_MAX_PASSES = 2
 
 
 def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_programs: int,
@@ -100,28 +102,33 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
     """Whether a prefill shrink launch of the split path (``moe_lora_a``) walks all of K in each program
     instead of splitting K for two programs an SM (``shrink_k_splits``): then no split-sum launch follows
     it, and the GEMM after it overlaps it directly. Where the GEMMs overlap their shrinks anyway (from
-    ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` routed pairs), the block's slots fit one pass over K (at most
-    64 // rank_block adapters, ``lora_slot_group``) and the alignment gives at least
-    ``ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS`` programs, and neither shrink's K (``longest_k``: hidden or
-    intermediate size) reaches ``LONG_K_SLOT_GROUP_MIN_K``. H100, interleaved A/B (``benchmarks/ab_env.py``),
-    split -> one pass over K, LoRA layer overhead over the base, 1 / 4 adapters: rank 16 DeepSeek-V2-Lite
-    M=256 (3 splits) +6.9 -> +3.9 % / +11.7 -> +9.6 %, M=1024 (2) +8.6 -> +4.4 % / +18.2 -> +13.6 %,
-    Qwen3-30B-A3B M=256 (2) +6.0 -> +6.0 % / +15.2 -> +14.1 %, DeepSeek-V2 M=256 and 1024 +7.0 -> +6.4 % and
-    +6.9 -> +6.3 % with 4; rank 64, one adapter: DeepSeek-V2-Lite M=256 +10.9 -> +8.5 %, M=1024 +30.4 ->
-    +19.3 %, Qwen3-30B-A3B M=256 +13.9 -> +12.1 %. Not with several passes: rank 64 with 4 adapters lost
-    at M=256 (DeepSeek-V2-Lite +34.7 -> +37.1 %, DeepSeek-V2 +24.5 -> +25.4 %; DeepSeek-V2-Lite M=1024
-    gained, +66.1 -> +57.5 %), nor below the pairs: at M=64 with 4 adapters the GEMM, overlapping the
-    long shrink programs, waited for them (DeepSeek-V2-Lite +11.0 -> +14.3 %, Qwen3-30B-A3B +12.4 ->
-    +14.9 %), nor on Mixtral-8x7B (K 14336 down; M=4096, 144 programs, noisy: rank 64 one adapter +12.1 ->
-    +19.4 % in all three rounds, rank 16 one adapter +14.3 -> +8.9 % but four +7.3 -> +10.8 %); DeepSeek-V3
-    (K 7168) splits no shrink at these M anyway. ``MOELORA_ONE_SPLIT_SHRINK=0`` / ``=1`` forces either on
-    every prefill shrink of the split path (to compare)."""
+    ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` routed pairs), the block's slots take at most
+    ``ONE_SPLIT_SHRINK_MAX_PASSES`` passes over K (64 // rank_block adapters a pass, ``lora_slot_group``),
+    the alignment gives at least ``ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS`` programs, and neither shrink's K
+    (``longest_k``: hidden or intermediate size) reaches ``LONG_K_SLOT_GROUP_MIN_K``.
+
+    H100, interleaved A/B (``benchmarks/ab_env.py``), split -> one program over K, LoRA layer overhead over
+    the base, 1 / 4 adapters: rank 16 DeepSeek-V2-Lite M=256 (3 splits) +6.9 -> +3.9 % / +11.7 -> +9.6 %,
+    M=1024 (2) +8.6 -> +4.4 % / +18.2 -> +13.6 %, Qwen3-30B-A3B M=256 (2) +6.0 -> +6.0 % / +15.2 -> +14.1 %,
+    DeepSeek-V2 M=256 and 1024 with 4: +7.0 -> +6.4 % and +6.9 -> +6.3 %; rank 64 with one adapter
+    DeepSeek-V2-Lite M=256 +10.9 -> +8.5 %, M=1024 +30.4 -> +19.3 %, Qwen3-30B-A3B M=256 +13.9 -> +12.1 %.
+    Two passes: rank 64 with 2 adapters DeepSeek-V2-Lite M=1024 +40.2 -> +33.0 %, Qwen3-30B-A3B M=256
+    +25.2 -> +23.9 % (the other points within 0.6), rank 16 with 8 adapters within 0.5 points. Left out:
+    four passes (rank 64 with 4 adapters, M=256: DeepSeek-V2-Lite +34.7 -> +37.1 %, DeepSeek-V2 +24.5 ->
+    +25.4 %; DeepSeek-V2-Lite M=1024 gained, +66.1 -> +57.5 %); fewer pairs (M=64 with 4 adapters: the
+    GEMM, overlapping the long shrink programs, waited for them: DeepSeek-V2-Lite +11.0 -> +14.3 %,
+    Qwen3-30B-A3B +12.4 -> +14.9 %); Mixtral-8x7B (K 14336 down; M=4096, 144 programs, noisy: rank 64 one
+    adapter +12.1 -> +19.4 % in all three rounds, rank 16 one adapter +14.3 -> +8.9 % but four +7.3 ->
+    +10.8 %). DeepSeek-V3 (K 7168) splits no shrink at these M anyway.
+    ``MOELORA_ONE_SPLIT_SHRINK=0`` / ``=1`` forces either on every prefill shrink of the split path (to
+    compare)."""
     forced = os.environ.get("MOELORA_ONE_SPLIT_SHRINK", "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"MOELORA_ONE_SPLIT_SHRINK must be 0 or 1, got {forced!r}")
     if forced:
         return forced == "1"
-    return (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max(1, 64 // rank_block)
+    max_adapters = ONE_SPLIT_SHRINK_MAX_PASSES * max(1, 64 // rank_block)
+    return (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max_adapters
             and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
 
 
