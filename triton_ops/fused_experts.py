@@ -44,8 +44,8 @@ from triton_ops.moe_lora import (
     moe_lora_down_combine,
     moe_lora_gate_up_b,
     shrink_block_k,
-    shrink_block_m,
     shrink_k_splits,
+    shrink_row_programs,
 )
 from triton_ops.moe_sum import moe_sum_reduce
 from triton_ops.pdl import decode_shrink_overlap, prefill_shrink_overlap
@@ -379,14 +379,14 @@ def fused_experts(
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         block_k = shrink_block_k(x.dtype)
         one_split = split and not decode_shrink and one_split_shrink(
-            pairs, rank_block, lora.num_adapters, triton.cdiv(max_padded, shrink_block_m(cfg.block_m)),
+            pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m),
             max(hidden, intermediate))
+        gate_up_splits, down_shrink_splits = (
+            (1, 1) if one_split else (shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
+                                      shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k)))
         if (split or staged) and not decode_shrink:
-            shrunk_gate_up = torch.empty(
-                (pairs, 1 if one_split else shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
-                 2 * rank_block),
-                dtype=torch.float32, device=x.device,
-            )
+            shrunk_gate_up = torch.empty((pairs, gate_up_splits, 2 * rank_block),
+                                         dtype=torch.float32, device=x.device)
         if down_in_gemm1:
             shrunk_down = torch.empty((pairs, down_tiles, rank_block), dtype=torch.float32, device=x.device)
             gemm1_lora = replace(gemm1_lora, down_a=lora.down_a, down_shrunk=shrunk_down)
@@ -396,11 +396,8 @@ def fused_experts(
                                                 decode_shrink_block_k(x.dtype))
             shrunk_down = torch.empty((pairs, down_splits, rank_block), dtype=torch.float32, device=x.device)
         elif split or staged:
-            shrunk_down = torch.empty(
-                (pairs, 1 if one_split else shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k),
-                 rank_block),
-                dtype=torch.float32, device=x.device,
-            )
+            shrunk_down = torch.empty((pairs, down_shrink_splits, rank_block),
+                                      dtype=torch.float32, device=x.device)
         # Where lora_ext_expand says so (GEMM2's two-block prefill tiles), a GEMM takes its shrink packed
         # (summed, scaled, rounded) by a launch in the split sum's place and expands it in a K-loop of its
         # own over the block's slot range.

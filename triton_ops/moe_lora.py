@@ -291,13 +291,19 @@ def shrink_block_k(dtype: torch.dtype, slot_group: int = 1) -> int:
     return 64 if slot_group > 1 else 128
 
 
+def shrink_row_programs(max_padded: int, block_m: int) -> int:
+    """Programs along the rows of a ``moe_lora_a`` grid (the alignment's padded bound, ``shrink_block_m``
+    rows each), before any split of K."""
+    return triton.cdiv(max(max_padded, 1), shrink_block_m(block_m))
+
+
 def shrink_k_splits(
     max_padded: int, block_m: int, k: int, block_k: int = 128, target_programs: int = 264, max_splits: int = 8
 ) -> int:
     """Split K until the grid has about two programs per SM: at decode the few alignment blocks would
     otherwise each walk all of K alone (latency-bound); at prefill the blocks already fill the GPU.
     At most ``max_splits``: every consumer program sums the partials, one dependent load each."""
-    row_programs = triton.cdiv(max(max_padded, 1), shrink_block_m(block_m))
+    row_programs = shrink_row_programs(max_padded, block_m)
     return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, row_programs), max_splits))
 
 
