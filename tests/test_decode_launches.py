@@ -201,16 +201,17 @@ def test_counters_are_zeroed_by_gemm1(monkeypatch):
 
 def lora_inputs(m, num_experts, hidden, inter, dtype, *, ranks=(8, 16), pool_rank=16, slots_per_token=None,
                 seed=0, device="cpu"):
-    """Pool buffers with adapters of different ranks in slots 0 and 2 (slot 1 idle) and the oracle's view
-    (fp32, on ``device`` too)."""
+    """Pool buffers with adapters of different ranks in slots 0, 2, 3, ... (slot 1 idle; two adapters by
+    default) and the oracle's view (fp32, on ``device`` too)."""
     gen = torch.Generator(device).manual_seed(seed)
-    num_slots = 3
+    adapter_slots = (0, *range(2, len(ranks) + 1))
+    num_slots = len(ranks) + 1
     gate_up_a = torch.zeros(num_slots, num_experts, 2 * pool_rank, hidden, device=device)
     gate_up_b = torch.zeros(num_slots, num_experts, 2 * inter, pool_rank, device=device)
     down_a = torch.zeros(num_slots, num_experts, pool_rank, inter, device=device)
     down_b = torch.zeros(num_slots, num_experts, hidden, pool_rank, device=device)
     adapters = []
-    for slot, rank in zip((0, 2), ranks, strict=True):
+    for slot, rank in zip(adapter_slots, ranks, strict=True):
         def proj(n_in, n_out, rank=rank):
             a = torch.randn(rank, n_in, generator=gen, device=device) / math.sqrt(n_in)
             b = torch.randn(n_out, rank, generator=gen, device=device) / math.sqrt(rank)
@@ -226,18 +227,21 @@ def lora_inputs(m, num_experts, hidden, inter, dtype, *, ranks=(8, 16), pool_ran
             down_a[slot, e, :rank] = lora.down[e].a
             down_b[slot, e, :, :rank] = lora.down[e].b
         adapters.append(lora)
-    # Tokens cycle through slot 0, no adapter, slot 2 (the first token always has one).
-    slots = [(0, -1, 2)[t % 3] for t in range(m)] if slots_per_token is None else list(slots_per_token)
+    # Tokens cycle through slot 0, no adapter, then the other adapters' slots (the first token has one).
+    cycle = (0, -1, *adapter_slots[1:])
+    slots = ([cycle[t % len(cycle)] for t in range(m)] if slots_per_token is None
+             else list(slots_per_token))
     inputs = fe.MoELoRAInputs(
         token_slots=torch.tensor(slots, dtype=torch.int32, device=device),
         gate_up_a=gate_up_a.to(dtype), gate_up_b=gate_up_b.to(dtype), down_a=down_a.to(dtype),
         down_b=down_b.to(dtype),
-        slot_ranks=torch.tensor([ranks[0], 0, ranks[1]], dtype=torch.int32, device=device),
+        slot_ranks=torch.tensor([ranks[0], 0, *ranks[1:]], dtype=torch.int32, device=device),
         slot_scalings=torch.full((num_slots,), 1.5, device=device),
-        max_rank=max(rank for slot, rank in zip((0, 2), ranks, strict=True) if slot in slots),
+        max_rank=max(rank for slot, rank in zip(adapter_slots, ranks, strict=True) if slot in slots),
         num_adapters=len({s for s in slots if s >= 0}),
     )
-    per_token = [{0: 0, 2: 1, -1: -1}[s] for s in slots]
+    adapter_of_slot = {slot: index for index, slot in enumerate(adapter_slots)} | {-1: -1}
+    per_token = [adapter_of_slot[s] for s in slots]
     return inputs, adapters, per_token
 
 
@@ -440,8 +444,10 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
 
 
 # The same 160 routed pairs with each prefill shrink walking all of K (``one_split_shrink`` forced): K of 96
-# and 72 with block_k 32 would split, and the forced split sums ("1") would run after them.
-@pytest.mark.parametrize("ranks", [(8, 16), (40, 64)], ids=["rank-tile-16", "rank-tile-64"])
+# and 72 with block_k 32 would split, and the forced split sums ("1") would run after them. Four adapters of
+# rank tile 64 take four passes over K (one slot a pass), the most ``one_split_shrink`` allows.
+@pytest.mark.parametrize("ranks", [(8, 16), (40, 64), (40, 64, 24, 64)],
+                         ids=["rank-tile-16", "rank-tile-64", "rank-tile-64-four-passes"])
 @interpreter
 def test_one_split_shrink_plan(monkeypatch, ranks):
     """A one-pass shrink writes one partial per pair, so no split sum follows it even where one is forced,
@@ -449,7 +455,8 @@ def test_one_split_shrink_plan(monkeypatch, ranks):
     m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
     x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=5)
     lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=5, ranks=ranks,
-                                            pool_rank=ranks[1])
+                                            pool_rank=max(ranks))
+    assert lora.num_adapters == len(ranks)
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
     monkeypatch.setenv("MOELORA_LORA_EXT", "0")
@@ -472,8 +479,9 @@ def test_one_split_shrink_plan(monkeypatch, ranks):
 
 def test_one_split_shrink_rule(monkeypatch):
     """Where a prefill shrink walks all of K (``fused_experts.one_split_shrink``): from the pairs where the
-    GEMMs overlap through the split sums, when the block's slots fit two 64-column passes, the alignment
-    gives enough programs and no K is Mixtral's; the switch forces it either way."""
+    GEMMs overlap through the split sums, when the block's slots fit two 64-column passes (four from
+    ``ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS`` pairs), the alignment gives enough programs and no K is
+    Mixtral's; the switch forces it either way."""
     pairs = fe.PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS
     many = fe.ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS
 
@@ -484,6 +492,10 @@ def test_one_split_shrink_rule(monkeypatch):
     assert rule(adapters=8) and rule(rank_block=64, adapters=2)  # two 64-column passes over K
     assert not rule(pairs=pairs - 1)  # M=64-like batches keep split K
     assert not rule(adapters=9) and not rule(rank_block=64, adapters=3)  # three passes and more
+    many_pairs = fe.ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS  # DeepSeek-V2-Lite M=1024 has 6144
+    assert not rule(pairs=many_pairs - 1, rank_block=64, adapters=4)  # M=256 keeps split K at four passes
+    assert rule(pairs=many_pairs, rank_block=64, adapters=4) and rule(pairs=many_pairs, adapters=16)
+    assert not rule(pairs=many_pairs, rank_block=64, adapters=5)  # five passes
     assert not rule(adapters=0)  # adapters unknown
     assert not rule(programs=many - 1)  # few experts: few programs
     assert not rule(longest_k=14336)  # Mixtral-8x7B's intermediate size

@@ -93,8 +93,11 @@ def overlap_through_split_sum(pairs: int, rank_block: int) -> bool:
 # A prefill shrink launch walks all of K in each program (no split-K) only when its alignment gives at least
 # this many programs (``one_split_shrink``): Mixtral-8x7B's 8 experts give ~48 at M=1024.
 ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS = 96
-# ... and only when the block's slots take at most this many 64-column passes over K (see there).
+# ... and only when the block's slots take at most this many 64-column passes over K, or up to the second
+# bound from the second count of routed pairs on (see there).
 ONE_SPLIT_SHRINK_MAX_PASSES = 2
+ONE_SPLIT_SHRINK_MANY_PASSES = 4
+ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS = 4096
 
 
 def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_programs: int,
@@ -103,8 +106,9 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
     instead of splitting K for two programs an SM (``shrink_k_splits``): then no split-sum launch follows
     it, and the GEMM after it overlaps it directly. Where the GEMMs overlap their shrinks anyway (from
     ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` routed pairs), the block's slots take at most
-    ``ONE_SPLIT_SHRINK_MAX_PASSES`` passes over K (64 // rank_block adapters a pass, ``lora_slot_group``),
-    the alignment gives at least ``ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS`` programs, and neither shrink's K
+    ``ONE_SPLIT_SHRINK_MAX_PASSES`` passes over K (64 // rank_block adapters a pass, ``lora_slot_group``;
+    ``ONE_SPLIT_SHRINK_MANY_PASSES`` from ``ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS`` pairs on), the
+    alignment gives at least ``ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS`` programs, and neither shrink's K
     (``longest_k``: hidden or intermediate size) reaches ``LONG_K_SLOT_GROUP_MIN_K``.
 
     H100, interleaved A/B (``benchmarks/ab_env.py``), split -> one program over K, LoRA layer overhead over
@@ -113,9 +117,11 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
     DeepSeek-V2 M=256 and 1024 with 4: +7.0 -> +6.4 % and +6.9 -> +6.3 %; rank 64 with one adapter
     DeepSeek-V2-Lite M=256 +10.9 -> +8.5 %, M=1024 +30.4 -> +19.3 %, Qwen3-30B-A3B M=256 +13.9 -> +12.1 %.
     Two passes: rank 64 with 2 adapters DeepSeek-V2-Lite M=1024 +40.2 -> +33.0 %, Qwen3-30B-A3B M=256
-    +25.2 -> +23.9 % (the other points within 0.6), rank 16 with 8 adapters within 0.5 points. Left out:
-    four passes (rank 64 with 4 adapters, M=256: DeepSeek-V2-Lite +34.7 -> +37.1 %, DeepSeek-V2 +24.5 ->
-    +25.4 %; DeepSeek-V2-Lite M=1024 gained, +66.1 -> +57.5 %); fewer pairs (M=64 with 4 adapters: the
+    +25.2 -> +23.9 % (the other points within 0.6), rank 16 with 8 adapters within 0.5 points. Four passes
+    (rank 64 with 4 adapters) only from 4096 pairs: DeepSeek-V2-Lite M=1024 (6144 pairs) +66.3 -> +57.5 %,
+    M=4096 +44.8 -> +44.7 %, Qwen3-30B-A3B M=1024 +78.2 -> +78.5 %, M=4096 +74.3 -> +73.3 %; but M=256
+    DeepSeek-V2-Lite (1536 pairs) +35.0 -> +37.2 %, DeepSeek-V2 +24.5 -> +25.4 % (Qwen3-30B-A3B, 2048 pairs,
+    +49.0 -> +47.3 %). Left out: fewer pairs (M=64 with 4 adapters: the
     GEMM, overlapping the long shrink programs, waited for them: DeepSeek-V2-Lite +11.0 -> +14.3 %,
     Qwen3-30B-A3B +12.4 -> +14.9 %); Mixtral-8x7B (K 14336 down; M=4096, 144 programs, noisy: rank 64 one
     adapter +12.1 -> +19.4 % in all three rounds, rank 16 one adapter +14.3 -> +8.9 % but four +7.3 ->
@@ -127,7 +133,9 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
         raise ValueError(f"MOELORA_ONE_SPLIT_SHRINK must be 0 or 1, got {forced!r}")
     if forced:
         return forced == "1"
-    max_adapters = ONE_SPLIT_SHRINK_MAX_PASSES * max(1, 64 // rank_block)
+    passes = (ONE_SPLIT_SHRINK_MANY_PASSES if pairs >= ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS
+              else ONE_SPLIT_SHRINK_MAX_PASSES)
+    max_adapters = passes * max(1, 64 // rank_block)
     return (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max_adapters
             and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
 
