@@ -119,7 +119,8 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
     Two passes: rank 64 with 2 adapters DeepSeek-V2-Lite M=1024 +40.2 -> +33.0 %, Qwen3-30B-A3B M=256
     +25.2 -> +23.9 % (the other points within 0.6), rank 16 with 8 adapters within 0.5 points. Four passes
     (rank 64 with 4 adapters) only from 4096 pairs: DeepSeek-V2-Lite M=1024 (6144 pairs) +66.3 -> +57.5 %,
-    M=4096 +44.8 -> +44.7 %, Qwen3-30B-A3B M=1024 +78.2 -> +78.5 %, M=4096 +74.3 -> +73.3 %; but M=256
+    M=4096 +44.8 -> +44.7 %, Qwen3-30B-A3B M=1024 +78.2 -> +78.5 %, M=4096 +74.3 -> +73.3 %, DeepSeek-V2
+    and DeepSeek-V3 M=1024/4096 within 0.2 % (median of three rounds); but M=256
     DeepSeek-V2-Lite (1536 pairs) +35.0 -> +37.2 %, DeepSeek-V2 +24.5 -> +25.4 % (Qwen3-30B-A3B, 2048 pairs,
     +49.0 -> +47.3 %). Left out: fewer pairs (M=64 with 4 adapters: the
     GEMM, overlapping the long shrink programs, waited for them: DeepSeek-V2-Lite +11.0 -> +14.3 %,
