@@ -477,6 +477,70 @@ def test_one_split_shrink_plan(monkeypatch, ranks):
     assert rel_err(out, ref) <= TOL[F32]
 
 
+# The same 160 routed pairs with four adapters (slots 0, 2, 3, 4): past decode, short of the one-pass
+# rule's pairs, so each shrink would split K; it runs a program per slot of each block over all of K.
+@pytest.mark.parametrize("ranks", [(8, 16, 16, 4), (40, 64, 24, 64)], ids=["rank-tile-16", "rank-tile-64"])
+@interpreter
+def test_slot_program_shrink_plan(monkeypatch, ranks):
+    """A shrink of a program per slot writes one partial per pair, so no split sum follows it even where
+    one is forced, and each GEMM, overlapping the shrink before it directly, waits late; the output is the
+    oracle's, whatever the slots each block holds."""
+    m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=6)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=6, ranks=ranks,
+                                            pool_rank=max(ranks))
+    assert lora.num_adapters == fe.SLOT_PROGRAM_SHRINK_MIN_ADAPTERS
+    monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
+    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
+    events = record_overlap_launches(monkeypatch, drop_flags=True)
+    launches, shrink = [], fe.moe_lora_a
+
+    def counting_shrink(*args, **kwargs):
+        launches.append((kwargs["out"].shape[1], kwargs["slot_programs"]))
+        return shrink(*args, **kwargs)
+
+    monkeypatch.setattr(fe, "moe_lora_a", counting_shrink)
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    assert launches == [(1, True), (1, True)], launches
+    assert check_overlap_plan(events, overlap=True, through_sum=False) == [True, True], events
+    assert "reduce" not in [kind for kind, _ in events], events
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert rel_err(out, ref) <= TOL[F32]
+    # Forced off, the same batch splits K again (and sums the splits).
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
+    launches.clear()
+    fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    assert [programs for _, programs in launches] == [False, False] and launches[0][0] > 1, launches
+
+
+@interpreter
+def test_slot_program_shrink_rule(monkeypatch):
+    """A program per slot from four adapters on; the switch forces it for any known adapter count, and
+    ``moe_lora_a`` refuses it beside a split of K or without the adapter count."""
+    few = fe.SLOT_PROGRAM_SHRINK_MIN_ADAPTERS - 1
+    assert fe.slot_program_shrink(few + 1) and fe.slot_program_shrink(8)
+    assert not fe.slot_program_shrink(few) and not fe.slot_program_shrink(1) and not fe.slot_program_shrink(0)
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "1")
+    assert fe.slot_program_shrink(1) and not fe.slot_program_shrink(0)  # 0: adapters unknown
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
+    assert not fe.slot_program_shrink(8)
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "on")
+    with pytest.raises(ValueError, match="MOELORA_SLOT_PROGRAM_SHRINK must be 0 or 1"):
+        fe.slot_program_shrink(8)
+    m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
+    x, *_, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=6)
+    lora, *_ = lora_inputs(m, num_experts, hidden, inter, F32, seed=6, ranks=(8, 16, 16, 4))
+    sorted_ids, expert_ids, num_post_padded = fe.moe_align_block_size(ids, 16, num_experts)
+    for splits, adapters in ((2, 4), (1, 0)):
+        out = torch.empty(m * top_k, splits, 32)
+        with pytest.raises(ValueError, match="slot_programs needs one split and the adapter count"):
+            fe.moe_lora_a(x, lora.gate_up_a, lora.token_slots, lora.slot_ranks, sorted_ids=sorted_ids,
+                          expert_ids=expert_ids, num_post_padded=num_post_padded, block_m=16, top_k=top_k,
+                          x_row_div=top_k, rank_block=16, gated=True, out=out, num_adapters=adapters,
+                          slot_programs=True)
+
+
 def test_one_split_shrink_rule(monkeypatch):
     """Where a prefill shrink walks all of K (``fused_experts.one_split_shrink``): from the pairs where the
     GEMMs overlap through the split sums, when the block's slots fit two 64-column passes (four from
@@ -963,8 +1027,8 @@ def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, r
 @gpu
 @pytest.mark.parametrize(("name", "m", "rank"), PREFILL_OVERLAP_POINTS)
 @pytest.mark.parametrize("pdl", ["0", "1"])
-@pytest.mark.parametrize("reduce", ["0", "1", "one-split"],
-                         ids=["partials-in-gemm", "split-sum-launch", "one-split-shrink"])
+@pytest.mark.parametrize("reduce", ["0", "1", "one-split", "slot-programs"], ids=[
+    "partials-in-gemm", "split-sum-launch", "one-split-shrink", "slot-program-shrink"])
 def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, pdl, reduce):
     """Past decode, with ``MOELORA_PREFILL_SHRINK_OVERLAP=1``: each GEMM launched dependently on the shrink
     before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
@@ -972,9 +1036,12 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     partials would differ); also with a split-sum launch between a shrink and its GEMM (it releases the
     GEMM, then waits for the shrink). The epilogues read the partials (the slot-range expand's pack launch
     has a test of its own)."""
-    # "one-split": each shrink walks all of K (``one_split_shrink``), so no split sum follows it.
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1" if reduce == "one-split" else reduce)
+    # "one-split": each shrink walks all of K (``one_split_shrink``), so no split sum follows it;
+    # "slot-programs": likewise, a program per slot of each block (``slot_program_shrink``).
+    one_pass = reduce in ("one-split", "slot-programs")
+    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1" if one_pass else reduce)
     monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1" if reduce == "one-split" else "0")
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "1" if reduce == "slot-programs" else "0")
     monkeypatch.setenv("MOELORA_LORA_EXT", "0")
     (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
                                                                          seed=7)
@@ -992,7 +1059,7 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     late = check_overlap_plan(events, overlap=True, through_sum=through_sum)
     if reduce != "1" or rank == 64:  # no split-sum launch, or overlapped through it: both GEMMs wait late
         assert late == [True, True], events
-    if reduce == "one-split":
+    if one_pass:
         assert "reduce" not in [kind for kind, _ in events], events
     if reduce == "1" and name != "small":  # 384 / 1800 / 2400 pairs; K 2048 / 1408: the shrinks split K
         assert through_sum and ("reduce", True) in events, events

@@ -141,6 +141,29 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
             and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
 
 
+# A prefill shrink that would split K runs a program per slot of each block instead from this many adapters.
+SLOT_PROGRAM_SHRINK_MIN_ADAPTERS = 4
+
+
+def slot_program_shrink(num_adapters: int) -> bool:
+    """Whether a prefill shrink launch of the split path that would split K (``shrink_k_splits``) runs a
+    program per slot of each block over all of K instead (``moe_lora_a(slot_programs=True)``): about as
+    many programs with several adapters, and no split-sum launch after it, so the GEMM overlaps it
+    directly. From ``SLOT_PROGRAM_SHRINK_MIN_ADAPTERS`` adapters (the batches where the one-pass rule,
+    ``one_split_shrink``, does not already apply: fewer than 1024 pairs, or more passes than it takes).
+
+    H100, interleaved A/B (``benchmarks/ab_env.py``, median of three rounds), split K -> a program per slot,
+    LoRA layer overhead over the base: M=64 rank 16, 4 / 8 adapters: DeepSeek-V2-Lite +10.9 -> +10.2 % /
+    +19.9 -> +16.7 %, Qwen3-30B-A3B +12.2 -> +10.7 % / +15.8 -> +14.1 %, DeepSeek-V3 +3.4 -> +2.8 % /
+    +4.3 -> +3.3 %, DeepSeek-V2 +4.5 -> +5.0 % / +5.9 -> +5.5 % (K 5120 walked by one program); rank 64 with
+    4 adapters M=64 DeepSeek-V2-Lite +43.2 -> +40.1 %, Qwen3-30B-A3B +46.0 -> +43.8 %, M=256
+    DeepSeek-V2-Lite +35.0 -> +33.1 %. Fewer adapters were not measured (one adapter would get a program per
+    block walking all of K: the loss ``one_split_shrink`` records at M=64). ``MOELORA_SLOT_PROGRAM_SHRINK=0``
+    / ``=1`` forces it off or on (for any known adapter count)."""
+    return num_adapters >= 1 and env_switch("MOELORA_SLOT_PROGRAM_SHRINK",
+                                            default=num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS)
+
+
 def decode_direct_pairs(num_tokens: int) -> bool:
     """Whether the GEMMs take the routed pairs straight from topk_ids, without the alignment launch: for
     one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
@@ -390,9 +413,12 @@ def fused_experts(
         one_split = split and not decode_shrink and one_split_shrink(
             pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m),
             max(hidden, intermediate))
+        slot_programs = (split and not decode_shrink and not one_split
+                         and slot_program_shrink(lora.num_adapters))
         gate_up_splits, down_shrink_splits = (
-            (1, 1) if one_split else (shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
-                                      shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k)))
+            (1, 1) if one_split or slot_programs
+            else (shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
+                  shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k)))
         if (split or staged) and not decode_shrink:
             shrunk_gate_up = torch.empty((pairs, gate_up_splits, 2 * rank_block),
                                          dtype=torch.float32, device=x.device)
@@ -420,7 +446,7 @@ def fused_experts(
         if (split or staged) and not decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
-                       x_row_div=top_k, rank_block=rank_block, gated=True,
+                       x_row_div=top_k, rank_block=rank_block, gated=True, slot_programs=slot_programs,
                        out=shrunk_gate_up, release_next=gate_up_overlap)
         if split:
             gemm1_lora = _with_epilogue_shrink(gemm1_lora, shrunk_gate_up, pack=ext_gate_up,
@@ -461,7 +487,7 @@ def fused_experts(
             gemm2_late_wait = shrink_launch_overlap and (overlap_through_sum or not (reduce_down or ext_down))
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
-                       x_row_div=1, rank_block=rank_block, gated=False,
+                       x_row_div=1, rank_block=rank_block, gated=False, slot_programs=slot_programs,
                        out=shrunk_down, release_next=gemm2_late_wait)
             gemm2_lora = _with_epilogue_shrink(gemm2_lora, shrunk_down, pack=ext_down, reduce=reduce_down,
                                                release_next=gemm2_late_wait, dtype=x.dtype)

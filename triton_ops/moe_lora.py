@@ -25,6 +25,7 @@ from triton_ops.lora_tiles import (
     _dot,
     first_slot,
     lora_expand_slots,
+    next_slot,
     select_group_columns,
     slot_group,
 )
@@ -66,12 +67,14 @@ def _moe_lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SLOT_GROUP: tl.constexpr,
+    SLOT_PROGRAMS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    """One BLOCK_M slice of an alignment block (one expert) times one K slice."""
+    """One BLOCK_M slice of an alignment block (one expert) times one K slice; with SLOT_PROGRAMS, times
+    all of K for one slot group of the block's instead (axis 1 numbers the groups)."""
     wait_for_previous_kernel(USE_PDL)
     pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_k = 0 if SLOT_PROGRAMS else tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // ALIGN_M).to(tl.int64)
@@ -92,8 +95,13 @@ def _moe_lora_shrink_kernel(
     # SLOT_GROUP slots at a time side by side in one (BLOCK_K, SLOT_GROUP * R) A tile: one pass over K
     # for all of them (a block of a few adapters' tokens walks K once, not once per adapter).
     slot = first_slot(row_slot, has_slot)
+    if SLOT_PROGRAMS:  # skip the groups of the programs before this one (past the last: none is left)
+        for _ in range(tl.program_id(1) * SLOT_GROUP):
+            slot = next_slot(row_slot, has_slot, slot)
     while slot < (1 << 30):
         col_slot, row_group, slot = slot_group(row_slot, has_slot, slot, GROUP=SLOT_GROUP, LORA_R=LORA_R)
+        if SLOT_PROGRAMS:  # this program's group only
+            slot = 1 << 30
         in_group = row_group >= 0
         col_present = col_slot < (1 << 30)
         col_safe = tl.where(col_present, col_slot, 0)
@@ -327,6 +335,7 @@ def moe_lora_a(
     num_warps: int | None = None,
     num_stages: int = 4,
     num_adapters: int = 0,
+    slot_programs: bool = False,
     release_next: bool = False,
 ) -> torch.Tensor:
     """LoRA shrink over the base alignment: ``sum_s out[p, s] = A[slot(p), e_p] @ x[p // x_row_div]`` (fp32).
@@ -337,8 +346,10 @@ def moe_lora_a(
     adapter are not written. ``sub_block_m`` (a divisor of ``block_m``; default ``shrink_block_m``),
     ``block_k``, ``num_warps`` and ``num_stages`` override the launch config (benchmarks/micro_lora.py);
     ``num_adapters`` (distinct adapters in the batch, 0 = unknown) bounds the slots a program sets side by
-    side in one A tile (``lora_slot_group``).
-    Grid: (cdiv(max_padded, sub_block_m), splits).
+    side in one A tile (``lora_slot_group``). ``slot_programs`` (one split, ``num_adapters`` known): a
+    program per slot of the block instead, each over all of K (no split sum, yet as many programs).
+    Grid: (cdiv(max_padded, sub_block_m), splits), or (cdiv(max_padded, sub_block_m), slots) with
+    ``slot_programs``, slots = min(num_adapters, sub_block_m).
     """
     numel, splits, width = out.shape
     max_rank = lora_a.shape[2] // (2 if gated else 1)
@@ -354,14 +365,18 @@ def moe_lora_a(
     sub_m = sub_block_m or shrink_block_m(block_m)
     if block_m % sub_m:
         raise ValueError(f"sub_block_m {sub_m} must divide the alignment's block_m {block_m}")
-    slot_group = lora_slot_group(rank_block, num_adapters, min(sub_m, triton.cdiv(numel, lora_a.shape[1])))
+    if slot_programs and (splits != 1 or num_adapters < 1):
+        raise ValueError(f"slot_programs needs one split and the adapter count, got {splits} splits and "
+                         f"num_adapters={num_adapters}")
+    slot_group = 1 if slot_programs else lora_slot_group(rank_block, num_adapters,
+                                                         min(sub_m, triton.cdiv(numel, lora_a.shape[1])))
     block_k = block_k or shrink_block_k(x.dtype, slot_group)
     k_per_split = triton.cdiv(triton.cdiv(x.shape[1], block_k), splits) * block_k
     if num_warps is None:
         # 4 for 16-row programs with a slot group: its gathered A pointers need the registers (2 warps
         # spilled on an H200).
         num_warps = 2 if sub_m <= 16 and slot_group == 1 else 4
-    grid = (triton.cdiv(sorted_ids.shape[0], sub_m), splits)
+    grid = (triton.cdiv(sorted_ids.shape[0], sub_m), min(num_adapters, sub_m) if slot_programs else splits)
     _moe_lora_shrink_kernel[grid](
         x_ptr=x,
         lora_a_ptr=lora_a,
@@ -392,6 +407,7 @@ def moe_lora_a(
         BLOCK_M=sub_m,
         BLOCK_K=block_k,
         SLOT_GROUP=slot_group,
+        SLOT_PROGRAMS=slot_programs,
         **releasing_launch(x.device, release_next),
         num_warps=num_warps,
         num_stages=num_stages,
