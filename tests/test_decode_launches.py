@@ -516,18 +516,22 @@ def test_slot_program_shrink_plan(monkeypatch, ranks):
 
 @interpreter
 def test_slot_program_shrink_rule(monkeypatch):
-    """A program per slot from four adapters on; the switch forces it for any known adapter count, and
-    ``moe_lora_a`` refuses it beside a split of K or without the adapter count."""
+    """A program per slot from four adapters on, short of Mixtral's K; the switch forces it for any known
+    adapter count, and ``moe_lora_a`` refuses it beside a split of K or without the adapter count."""
+    def rule(adapters, longest_k=7168):  # DeepSeek-V3's hidden size
+        return fe.slot_program_shrink(adapters, longest_k)
+
     few = fe.SLOT_PROGRAM_SHRINK_MIN_ADAPTERS - 1
-    assert fe.slot_program_shrink(few + 1) and fe.slot_program_shrink(8)
-    assert not fe.slot_program_shrink(few) and not fe.slot_program_shrink(1) and not fe.slot_program_shrink(0)
+    assert rule(few + 1) and rule(8)
+    assert not rule(few) and not rule(1) and not rule(0)
+    assert not rule(8, longest_k=14336)  # Mixtral-8x7B's intermediate size
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "1")
-    assert fe.slot_program_shrink(1) and not fe.slot_program_shrink(0)  # 0: adapters unknown
+    assert rule(1, longest_k=14336) and not rule(0)  # 0: adapters unknown
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
-    assert not fe.slot_program_shrink(8)
+    assert not rule(8)
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "on")
     with pytest.raises(ValueError, match="MOELORA_SLOT_PROGRAM_SHRINK must be 0 or 1"):
-        fe.slot_program_shrink(8)
+        rule(8)
     m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
     x, *_, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=6)
     lora, *_ = lora_inputs(m, num_experts, hidden, inter, F32, seed=6, ranks=(8, 16, 16, 4))

@@ -145,12 +145,14 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
 SLOT_PROGRAM_SHRINK_MIN_ADAPTERS = 4
 
 
-def slot_program_shrink(num_adapters: int) -> bool:
+def slot_program_shrink(num_adapters: int, longest_k: int) -> bool:
     """Whether a prefill shrink launch of the split path that would split K (``shrink_k_splits``) runs a
     program per slot of each block over all of K instead (``moe_lora_a(slot_programs=True)``): about as
     many programs with several adapters, and no split-sum launch after it, so the GEMM overlaps it
     directly. From ``SLOT_PROGRAM_SHRINK_MIN_ADAPTERS`` adapters (the batches where the one-pass rule,
-    ``one_split_shrink``, does not already apply: fewer than 1024 pairs, or more passes than it takes).
+    ``one_split_shrink``, does not already apply: fewer than 1024 pairs, or more passes than it takes),
+    while neither shrink's K (``longest_k``) reaches ``LONG_K_SLOT_GROUP_MIN_K`` (Mixtral-8x7B's 14336 was
+    not measured; one program walking it alone is what cost the one-pass rule there).
 
     H100, interleaved A/B (``benchmarks/ab_env.py``, median of three rounds), split K -> a program per slot,
     LoRA layer overhead over the base: M=64 rank 16, 4 / 8 adapters: DeepSeek-V2-Lite +10.9 -> +10.2 % /
@@ -160,8 +162,8 @@ def slot_program_shrink(num_adapters: int) -> bool:
     DeepSeek-V2-Lite +35.0 -> +33.1 %. Fewer adapters were not measured (one adapter would get a program per
     block walking all of K: the loss ``one_split_shrink`` records at M=64). ``MOELORA_SLOT_PROGRAM_SHRINK=0``
     / ``=1`` forces it off or on (for any known adapter count)."""
-    return num_adapters >= 1 and env_switch("MOELORA_SLOT_PROGRAM_SHRINK",
-                                            default=num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS)
+    usual = num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS and longest_k < LONG_K_SLOT_GROUP_MIN_K
+    return num_adapters >= 1 and env_switch("MOELORA_SLOT_PROGRAM_SHRINK", default=usual)
 
 
 def decode_direct_pairs(num_tokens: int) -> bool:
@@ -414,7 +416,7 @@ def fused_experts(
             pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m),
             max(hidden, intermediate))
         slot_programs = (split and not decode_shrink and not one_split
-                         and slot_program_shrink(lora.num_adapters))
+                         and slot_program_shrink(lora.num_adapters, max(hidden, intermediate)))
         gate_up_splits, down_shrink_splits = (
             (1, 1) if one_split or slot_programs
             else (shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
