@@ -657,8 +657,9 @@ def test_gpu_torch_path_oracle_matches_reference(dsv2, fp32_highest):
 @pytest.mark.parametrize("path", ["split", "fused", "staged"])
 @pytest.mark.parametrize("max_rank", [16, 64])  # 64: rank-16 adapters in a max-rank-64 pool (padded)
 # decode (split: gate/up shrink in the alignment's launch, down shrink in GEMM1's epilogue), small batch
-# (its own down shrink launch), prefill-sized (moe_lora_a with slot groups, stacked-slot epilogues).
-@pytest.mark.parametrize("m", [1, 16, 300])
+# (its own down shrink launch), 384 pairs of four adapters (split: a shrink program per slot of each
+# block, ``slot_program_shrink``), prefill-sized (moe_lora_a with slot groups, stacked-slot epilogues).
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
 def test_gpu_deepseek_v2_lite_bf16(dsv2, fp32_highest, path, max_rank, m):
     batch = check_bf16_layer_against_oracle(dsv2, m, path, f"{path} M={m} pool rank {max_rank}", max_rank)
     assert batch.max_rank == 16
