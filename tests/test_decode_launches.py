@@ -461,10 +461,12 @@ def test_one_split_shrink_plan(monkeypatch, ranks):
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
     monkeypatch.setenv("MOELORA_LORA_EXT", "0")
     monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1")
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")  # four adapters would take it at these pairs
     events = record_overlap_launches(monkeypatch, drop_flags=True)
     splits, shrink = [], fe.moe_lora_a
 
     def counting_shrink(*args, **kwargs):
+        assert not kwargs["slot_programs"]
         splits.append(kwargs["out"].shape[1])
         return shrink(*args, **kwargs)
 
@@ -516,17 +518,22 @@ def test_slot_program_shrink_plan(monkeypatch, ranks):
 
 @interpreter
 def test_slot_program_shrink_rule(monkeypatch):
-    """A program per slot from four adapters on, short of Mixtral's K; the switch forces it for any known
-    adapter count, and ``moe_lora_a`` refuses it beside a split of K or without the adapter count."""
-    def rule(adapters, longest_k=7168):  # DeepSeek-V3's hidden size
-        return fe.slot_program_shrink(adapters, longest_k)
+    """A program per slot from four adapters on, short of Mixtral's K, over the one pass only for fewer
+    pairs; the switch forces it for any known adapter count, and ``moe_lora_a`` refuses it beside a split of
+    K or without the adapter count."""
+    many = fe.SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS
+
+    def rule(adapters, longest_k=7168, pairs=384, one_pass=False):  # DeepSeek-V3's hidden size; M=64
+        return fe.slot_program_shrink(adapters, longest_k, pairs, one_pass)
 
     few = fe.SLOT_PROGRAM_SHRINK_MIN_ADAPTERS - 1
-    assert rule(few + 1) and rule(8)
+    assert rule(few + 1) and rule(8) and rule(4, pairs=4 * many)  # in place of split K at any pairs
+    assert rule(4, pairs=many - 1, one_pass=True)  # M=256 of DeepSeek-V2-Lite: over the one pass too
+    assert not rule(4, pairs=many, one_pass=True)  # from M=256 of Qwen3-30B-A3B on, the one pass stays
     assert not rule(few) and not rule(1) and not rule(0)
     assert not rule(8, longest_k=14336)  # Mixtral-8x7B's intermediate size
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "1")
-    assert rule(1, longest_k=14336) and not rule(0)  # 0: adapters unknown
+    assert rule(1, longest_k=14336, pairs=4 * many, one_pass=True) and not rule(0)  # 0: adapters unknown
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
     assert not rule(8)
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "on")

@@ -141,28 +141,37 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
             and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
 
 
-# A prefill shrink that would split K runs a program per slot of each block instead from this many adapters.
+# A prefill shrink runs a program per slot of each block from this many adapters, where it would split K,
+# and where it would walk K in one pass (``one_split_shrink``) below the second count of routed pairs.
 SLOT_PROGRAM_SHRINK_MIN_ADAPTERS = 4
+SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS = 2048
 
 
-def slot_program_shrink(num_adapters: int, longest_k: int) -> bool:
-    """Whether a prefill shrink launch of the split path that would split K (``shrink_k_splits``) runs a
-    program per slot of each block over all of K instead (``moe_lora_a(slot_programs=True)``): about as
-    many programs with several adapters, and no split-sum launch after it, so the GEMM overlaps it
-    directly. From ``SLOT_PROGRAM_SHRINK_MIN_ADAPTERS`` adapters (the batches where the one-pass rule,
-    ``one_split_shrink``, does not already apply: fewer than 1024 pairs, or more passes than it takes),
-    while neither shrink's K (``longest_k``) reaches ``LONG_K_SLOT_GROUP_MIN_K`` (Mixtral-8x7B's 14336 was
-    not measured; one program walking it alone is what cost the one-pass rule there).
+def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass: bool) -> bool:
+    """Whether a prefill shrink launch of the split path runs a program per slot of each block over all of K
+    (``moe_lora_a(slot_programs=True)``) instead of splitting K (``shrink_k_splits``) or, where the one-pass
+    rule holds (``one_pass``, ``one_split_shrink``), instead of one program walking all of K for all the
+    block's slots: about as many programs as the split with several adapters (the one pass's times the
+    slots), and no split-sum launch after it, so the GEMM overlaps it directly. From
+    ``SLOT_PROGRAM_SHRINK_MIN_ADAPTERS`` adapters, over the one pass only below
+    ``SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS`` pairs, while neither shrink's K (``longest_k``) reaches
+    ``LONG_K_SLOT_GROUP_MIN_K`` (Mixtral-8x7B's 14336 was not measured; one program walking it alone is
+    what cost the one-pass rule there).
 
     H100, interleaved A/B (``benchmarks/ab_env.py``, median of three rounds), split K -> a program per slot,
     LoRA layer overhead over the base: M=64 rank 16, 4 / 8 adapters: DeepSeek-V2-Lite +10.9 -> +10.2 % /
     +19.9 -> +16.7 %, Qwen3-30B-A3B +12.2 -> +10.7 % / +15.8 -> +14.1 %, DeepSeek-V3 +3.4 -> +2.8 % /
     +4.3 -> +3.3 %, DeepSeek-V2 +4.5 -> +5.0 % / +5.9 -> +5.5 % (K 5120 walked by one program); rank 64 with
     4 adapters M=64 DeepSeek-V2-Lite +43.2 -> +40.1 %, Qwen3-30B-A3B +46.0 -> +43.8 %, M=256
-    DeepSeek-V2-Lite +35.0 -> +33.1 %. Fewer adapters were not measured (one adapter would get a program per
-    block walking all of K: the loss ``one_split_shrink`` records at M=64). ``MOELORA_SLOT_PROGRAM_SHRINK=0``
-    / ``=1`` forces it off or on (for any known adapter count)."""
-    usual = num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS and longest_k < LONG_K_SLOT_GROUP_MIN_K
+    DeepSeek-V2-Lite +35.0 -> +33.1 %. Over the one pass, rank 16, 4 / 8 adapters: M=256 DeepSeek-V2-Lite
+    (1536 pairs) +9.8 -> +8.3 % / +20.2 -> +17.7 %, Qwen3-30B-A3B (2048) +14.2 -> +14.3 % / +24.9 ->
+    +24.7 %; but M=1024 DeepSeek-V2-Lite +13.5 -> +18.3 % / +28.8 -> +34.0 %, Qwen3-30B-A3B +17.4 ->
+    +22.3 % / +34.0 -> +43.1 %, and M=4096 lost 2-6 points too. Fewer adapters were not measured (one
+    adapter would get a program per block walking all of K: the loss ``one_split_shrink`` records at M=64).
+    ``MOELORA_SLOT_PROGRAM_SHRINK=0`` / ``=1`` forces it off or on (for any known adapter count; on, over the
+    one pass too)."""
+    usual = (num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS and longest_k < LONG_K_SLOT_GROUP_MIN_K
+             and (not one_pass or pairs < SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS))
     return num_adapters >= 1 and env_switch("MOELORA_SLOT_PROGRAM_SHRINK", default=usual)
 
 
@@ -412,11 +421,12 @@ def fused_experts(
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         block_k = shrink_block_k(x.dtype)
-        one_split = split and not decode_shrink and one_split_shrink(
+        one_pass = split and not decode_shrink and one_split_shrink(
             pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m),
             max(hidden, intermediate))
-        slot_programs = (split and not decode_shrink and not one_split
-                         and slot_program_shrink(lora.num_adapters, max(hidden, intermediate)))
+        slot_programs = split and not decode_shrink and slot_program_shrink(
+            lora.num_adapters, max(hidden, intermediate), pairs, one_pass)
+        one_split = one_pass and not slot_programs
         gate_up_splits, down_shrink_splits = (
             (1, 1) if one_split or slot_programs
             else (shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
