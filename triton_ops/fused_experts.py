@@ -164,8 +164,9 @@ def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass:
     +4.3 -> +3.3 %, DeepSeek-V2 +4.5 -> +5.0 % / +5.9 -> +5.5 % (K 5120 walked by one program); rank 64 with
     4 adapters M=64 DeepSeek-V2-Lite +43.2 -> +40.1 %, Qwen3-30B-A3B +46.0 -> +43.8 %, M=256
     DeepSeek-V2-Lite +35.0 -> +33.1 %. Over the one pass, rank 16, 4 / 8 adapters: M=256 DeepSeek-V2-Lite
-    (1536 pairs) +9.8 -> +8.3 % / +20.2 -> +17.7 %, Qwen3-30B-A3B (2048) +14.2 -> +14.3 % / +24.9 ->
-    +24.7 %; but M=1024 DeepSeek-V2-Lite +13.5 -> +18.3 % / +28.8 -> +34.0 %, Qwen3-30B-A3B +17.4 ->
+    (1536 pairs) +9.8 -> +8.3 % / +20.2 -> +17.7 % (again: +9.7 -> +8.5 % / +20.2 -> +18.1 %), DeepSeek-V2
+    (1536) +6.4 -> +6.3 % / +10.2 -> +9.8 %, Qwen3-30B-A3B (2048) +14.2 -> +14.3 % / +24.9 -> +24.7 %; but
+    M=1024 DeepSeek-V2-Lite +13.5 -> +18.3 % / +28.8 -> +34.0 %, Qwen3-30B-A3B +17.4 ->
     +22.3 % / +34.0 -> +43.1 %, and M=4096 lost 2-6 points too. Fewer adapters were not measured (one
     adapter would get a program per block walking all of K: the loss ``one_split_shrink`` records at M=64).
     ``MOELORA_SLOT_PROGRAM_SHRINK=0`` / ``=1`` forces it off or on (for any known adapter count; on, over the
