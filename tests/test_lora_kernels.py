@@ -337,8 +337,10 @@ def test_one_token_down_shrink_rejects_bad_operands():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("block_m", [None, 64])
-def test_adapter_count_hint_is_only_a_hint(block_m):
-    """``num_adapters`` sizes the slot groups; a stale hint (1, with six adapters in the batch: a CUDA
+# 4: the shrinks run a program per slot (``slot_program_shrink``), four programs for blocks of up to six.
+@pytest.mark.parametrize("hint", [1, 4])
+def test_adapter_count_hint_is_only_a_hint(block_m, hint):
+    """``num_adapters`` sizes the slot groups; a stale hint (1 or 4, with six adapters in the batch: a CUDA
     graph captured for one mapping and replayed with another) costs speed, never correctness."""
     gen = torch.Generator().manual_seed(9)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
@@ -349,7 +351,7 @@ def test_adapter_count_hint_is_only_a_hint(block_m):
     if block_m is not None:
         gemm = GemmConfig(block_m, 32, 32, 1, 4, 2)
         config = MoEConfig(gemm, gemm)
-    out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=1), lora_path="split",
+    out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=hint), lora_path="split",
                         config=config)
     scale = ref.abs().max()
     torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)

@@ -100,7 +100,9 @@ def _moe_lora_shrink_kernel(
             slot = next_slot(row_slot, has_slot, slot)
     while slot < (1 << 30):
         col_slot, row_group, slot = slot_group(row_slot, has_slot, slot, GROUP=SLOT_GROUP, LORA_R=LORA_R)
-        if SLOT_PROGRAMS:  # this program's group only
+        if SLOT_PROGRAMS and tl.program_id(1) < tl.num_programs(1) - 1:
+            # this program's group only; the last program takes every group left, so a block with more
+            # slots than the grid has programs (a stale ``num_adapters``) is still complete
             slot = 1 << 30
         in_group = row_group >= 0
         col_present = col_slot < (1 << 30)
@@ -347,7 +349,8 @@ def moe_lora_a(
     ``block_k``, ``num_warps`` and ``num_stages`` override the launch config (benchmarks/micro_lora.py);
     ``num_adapters`` (distinct adapters in the batch, 0 = unknown) bounds the slots a program sets side by
     side in one A tile (``lora_slot_group``). ``slot_programs`` (one split, ``num_adapters`` known): a
-    program per slot of the block instead, each over all of K (no split sum, yet as many programs).
+    program per slot of the block instead, each over all of K (no split sum, yet as many programs); the
+    last takes the slots past ``num_adapters``, so a stale count costs speed, not correctness.
     Grid: (cdiv(max_padded, sub_block_m), splits), or (cdiv(max_padded, sub_block_m), slots) with
     ``slot_programs``, slots = min(num_adapters, sub_block_m).
     """
