@@ -129,16 +129,12 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
     +10.8 %). DeepSeek-V3 (K 7168) splits no shrink at these M anyway.
     ``MOELORA_ONE_SPLIT_SHRINK=0`` / ``=1`` forces either on every prefill shrink of the split path (to
     compare)."""
-    forced = os.environ.get("MOELORA_ONE_SPLIT_SHRINK", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"MOELORA_ONE_SPLIT_SHRINK must be 0 or 1, got {forced!r}")
-    if forced:
-        return forced == "1"
     passes = (ONE_SPLIT_SHRINK_MANY_PASSES if pairs >= ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS
               else ONE_SPLIT_SHRINK_MAX_PASSES)
     max_adapters = passes * max(1, 64 // rank_block)
-    return (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max_adapters
-            and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
+    usual = (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max_adapters
+             and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
+    return env_switch("MOELORA_ONE_SPLIT_SHRINK", default=usual)
 
 
 # A prefill shrink runs a program per slot of each block from this many adapters, where it would split K,
@@ -422,11 +418,12 @@ def fused_experts(
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
         block_k = shrink_block_k(x.dtype)
-        one_pass = split and not decode_shrink and one_split_shrink(
-            pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m),
-            max(hidden, intermediate))
-        slot_programs = split and not decode_shrink and slot_program_shrink(
-            lora.num_adapters, max(hidden, intermediate), pairs, one_pass)
+        # Past decode, how the split path's two shrinks cover K: split (summed later), one pass, or a
+        # program per slot.
+        prefill_split, longest_k = split and not decode_shrink, max(hidden, intermediate)
+        one_pass = prefill_split and one_split_shrink(
+            pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m), longest_k)
+        slot_programs = prefill_split and slot_program_shrink(lora.num_adapters, longest_k, pairs, one_pass)
         one_split = one_pass and not slot_programs
         gate_up_splits, down_shrink_splits = (
             (1, 1) if one_split or slot_programs
