@@ -443,55 +443,15 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
     assert rel_err(out, ref) <= TOL[F32]
 
 
-# The same 160 routed pairs with each prefill shrink walking all of K (``one_split_shrink`` forced): K of 96
-# and 72 with block_k 32 would split, and the forced split sums ("1") would run after them. Four adapters of
-# rank tile 64 take four passes over K (one slot a pass), the most ``one_split_shrink`` allows.
-@pytest.mark.parametrize("ranks", [(8, 16), (40, 64), (40, 64, 24, 64)],
-                         ids=["rank-tile-16", "rank-tile-64", "rank-tile-64-four-passes"])
-@interpreter
-def test_one_split_shrink_plan(monkeypatch, ranks):
-    """A one-pass shrink writes one partial per pair, so no split sum follows it even where one is forced,
-    and each GEMM, overlapping the shrink before it directly, waits late; the output is the oracle's."""
+def one_partial_shrink_plan(monkeypatch, ranks, seed):
+    """160 routed pairs (40 tokens, top-4, K of 96 and 72 with block_k 32: a shrink would split K) with
+    ``ranks``' adapters, the overlap on and split sums forced. Returns ``run()``, which calls the layer and
+    gives (output, oracle, [(splits, slot_programs) of each moe_lora_a launch], launch events)."""
     m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
-    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=5)
-    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=5, ranks=ranks,
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=seed)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=seed, ranks=ranks,
                                             pool_rank=max(ranks))
     assert lora.num_adapters == len(ranks)
-    monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
-    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
-    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1")
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")  # four adapters would take it at these pairs
-    events = record_overlap_launches(monkeypatch, drop_flags=True)
-    splits, shrink = [], fe.moe_lora_a
-
-    def counting_shrink(*args, **kwargs):
-        assert not kwargs["slot_programs"]
-        splits.append(kwargs["out"].shape[1])
-        return shrink(*args, **kwargs)
-
-    monkeypatch.setattr(fe, "moe_lora_a", counting_shrink)
-    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
-    assert splits == [1, 1], splits
-    assert check_overlap_plan(events, overlap=True, through_sum=False) == [True, True], events
-    assert "reduce" not in [kind for kind, _ in events], events
-    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
-    assert rel_err(out, ref) <= TOL[F32]
-
-
-# The same 160 routed pairs with four adapters (slots 0, 2, 3, 4): past decode, short of the one-pass
-# rule's pairs, so each shrink would split K; it runs a program per slot of each block over all of K.
-@pytest.mark.parametrize("ranks", [(8, 16, 16, 4), (40, 64, 24, 64)], ids=["rank-tile-16", "rank-tile-64"])
-@interpreter
-def test_slot_program_shrink_plan(monkeypatch, ranks):
-    """A shrink of a program per slot writes one partial per pair, so no split sum follows it even where
-    one is forced, and each GEMM, overlapping the shrink before it directly, waits late; the output is the
-    oracle's, whatever the slots each block holds."""
-    m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
-    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=6)
-    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=6, ranks=ranks,
-                                            pool_rank=max(ranks))
-    assert lora.num_adapters == fe.SLOT_PROGRAM_SHRINK_MIN_ADAPTERS
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
     monkeypatch.setenv("MOELORA_LORA_EXT", "0")
@@ -503,16 +463,52 @@ def test_slot_program_shrink_plan(monkeypatch, ranks):
         return shrink(*args, **kwargs)
 
     monkeypatch.setattr(fe, "moe_lora_a", counting_shrink)
-    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+
+    def run():
+        launches.clear()
+        out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+        ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+        return out, ref, list(launches), events
+
+    return run
+
+
+# Each prefill shrink walking all of K (``one_split_shrink`` forced). Four adapters of rank tile 64 take
+# four passes over K (one slot a pass), the most ``one_split_shrink`` allows.
+@pytest.mark.parametrize("ranks", [(8, 16), (40, 64), (40, 64, 24, 64)],
+                         ids=["rank-tile-16", "rank-tile-64", "rank-tile-64-four-passes"])
+@interpreter
+def test_one_split_shrink_plan(monkeypatch, ranks):
+    """A one-pass shrink writes one partial per pair, so no split sum follows it even where one is forced,
+    and each GEMM, overlapping the shrink before it directly, waits late; the output is the oracle's."""
+    run = one_partial_shrink_plan(monkeypatch, ranks, seed=5)
+    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1")
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")  # four adapters would take it at these pairs
+    out, ref, launches, events = run()
+    assert launches == [(1, False), (1, False)], launches
+    assert check_overlap_plan(events, overlap=True, through_sum=False) == [True, True], events
+    assert "reduce" not in [kind for kind, _ in events], events
+    assert rel_err(out, ref) <= TOL[F32]
+
+
+# Four adapters (slots 0, 2, 3, 4): past decode, short of the one-pass rule's pairs, so each shrink would
+# split K; it runs a program per slot of each block over all of K.
+@pytest.mark.parametrize("ranks", [(8, 16, 16, 4), (40, 64, 24, 64)], ids=["rank-tile-16", "rank-tile-64"])
+@interpreter
+def test_slot_program_shrink_plan(monkeypatch, ranks):
+    """A shrink of a program per slot writes one partial per pair, so no split sum follows it even where
+    one is forced, and each GEMM, overlapping the shrink before it directly, waits late; the output is the
+    oracle's, whatever the slots each block holds."""
+    assert len(ranks) == fe.SLOT_PROGRAM_SHRINK_MIN_ADAPTERS
+    run = one_partial_shrink_plan(monkeypatch, ranks, seed=6)
+    out, ref, launches, events = run()
     assert launches == [(1, True), (1, True)], launches
     assert check_overlap_plan(events, overlap=True, through_sum=False) == [True, True], events
     assert "reduce" not in [kind for kind, _ in events], events
-    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert rel_err(out, ref) <= TOL[F32]
     # Forced off, the same batch splits K again (and sums the splits).
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
-    launches.clear()
-    fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    _, _, launches, _ = run()
     assert [programs for _, programs in launches] == [False, False] and launches[0][0] > 1, launches
 
 
