@@ -23,7 +23,7 @@ import torch
 
 from moelora.bench import warm_up_on_side_stream
 from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
-from triton_ops.configs import GemmConfig
+from triton_ops.configs import GemmConfig, get_moe_config
 from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
 from triton_ops.moe_align import moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a
@@ -291,6 +291,62 @@ def test_one_token_rank_64_down_shrink_placement(monkeypatch, inter, expected_ca
     assert calls == expected_calls, calls
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert rel_err(out, ref) <= TOL[F32]
+
+
+def test_one_token_shrink_splits_rule(monkeypatch):
+    """Fewer K splits only where GEMM1 leaves idle SMs for at least four programs a pair but not for the
+    usual count; no GPU (0 SMs) keeps the usual; the switch keeps it too, and a bad value is refused."""
+    monkeypatch.delenv("MOELORA_ONE_TOKEN_SHRINK_FIT", raising=False)
+    rule = fe.one_token_shrink_splits
+    assert rule(8, 8, 96, 132) == 4  # Qwen3-30B-A3B M=1: 12 GEMM1 tiles a pair leave 36 SMs for 8 pairs
+    assert rule(6, 8, 132, 132) == 8  # DeepSeek-V2-Lite: GEMM1 on every SM
+    assert rule(8, 8, 256, 132) == 8  # DeepSeek-V3: more GEMM1 programs than SMs
+    assert rule(8, 8, 110, 132) == 8  # 22 idle SMs: two a pair, under the floor
+    assert rule(2, 8, 4, 132) == 8  # room for the usual 8 and more
+    assert rule(3, 8, 2, 19) == 5  # prime SM count, odd pairs: 17 idle // 3
+    assert rule(8, 8, 96, 0) == 8  # CPU
+    monkeypatch.setenv("MOELORA_ONE_TOKEN_SHRINK_FIT", "0")
+    assert rule(8, 8, 96, 132) == 8
+    monkeypatch.setenv("MOELORA_ONE_TOKEN_SHRINK_FIT", "yes")
+    with pytest.raises(ValueError, match="MOELORA_ONE_TOKEN_SHRINK_FIT"):
+        rule(8, 8, 96, 132)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=DTYPE_IDS.get)
+# Top-k 2 and 6 (E=9: experts no pair picks). H=456 (fp32, K tile 64) and H=1000 (fp16, K tile 128): 8 K
+# tiles, so the usual 8 splits, and 5 a pair leave the last split empty (it must write zeros).
+@pytest.mark.parametrize("top_k", [2, 6])
+@interpreter
+def test_one_token_fewer_shrink_splits_match_oracle(monkeypatch, dtype, top_k):
+    """One token's gate/up shrink cut to the splits that fit the SMs GEMM1 leaves idle (five a pair here,
+    through a pretended SM count) still gives the oracle's output, with or without the alignment, and
+    the same bits both ways (the alignment's path takes the same splits)."""
+    num_experts, inter = 9, 40
+    hidden = 456 if dtype == F32 else 1000
+    x, w13, w2, weights, ids = make_inputs(1, num_experts, top_k, hidden, inter, dtype, seed=top_k)
+    lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, dtype, seed=top_k)
+    cfg = get_moe_config(1, num_experts, hidden, inter, top_k, dtype, x.device, lora=True)
+    gemm1_programs = top_k * math.ceil(inter / cfg.gemm1.block_n)
+    monkeypatch.setattr(fe, "_sm_count", lambda device: gemm1_programs + 5 * top_k)
+    splits = []
+    shrink = fe.moe_align_with_gate_up_shrink
+
+    def spied_shrink(*args, **kwargs):
+        splits.append(kwargs["out"].shape[1])
+        return shrink(*args, **kwargs)
+
+    monkeypatch.setattr(fe, "moe_align_with_gate_up_shrink", spied_shrink)
+    outs = {}
+    for direct in ("1", "0"):
+        monkeypatch.setenv("MOELORA_DECODE_DIRECT", direct)
+        outs[direct] = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    assert splits == [5, 5]
+    assert torch.equal(outs["1"], outs["0"])
+    ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
+                        token_adapter=per_token)
+    assert rel_err(outs["1"], ref) <= TOL[dtype]
+    base = reference_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    assert rel_err(ref, base) > 0.1, "the adapter must change the output, or the check is vacuous"
 
 
 # ------------------------------------------------------------------------------------------- errors

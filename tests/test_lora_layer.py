@@ -726,10 +726,14 @@ def test_gpu_split_reduced_partials(dsv2, fp32_highest, monkeypatch, reduce):
     """The split path's shrink partials summed once by ``reduce_shrink_splits`` before the GEMMs read
     them, or by every GEMM tile (``MOELORA_LORA_REDUCE_SPLITS`` forced both ways), bf16 against the
     oracle. M=40 x top-6 = 240 pairs (past the decode launch) in 64 experts: few alignment blocks, so both
-    shrinks split K; 4 rank-16 adapters plus a sequence without one."""
+    shrinks split K; 4 rank-16 adapters plus a sequence without one. Four adapters would take a shrink
+    program per slot, one partial a pair (``slot_program_shrink``), so that is switched off here, as is
+    the one pass (off at 240 pairs anyway)."""
     from triton_ops import shrink_reduce
 
     monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
+    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "0")
     fused_experts_module = importlib.import_module("triton_ops.fused_experts")
     splits_seen = []
     original = shrink_reduce.reduce_shrink_splits

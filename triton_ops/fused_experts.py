@@ -172,6 +172,27 @@ def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass:
     return num_adapters >= 1 and env_switch("MOELORA_SLOT_PROGRAM_SHRINK", default=usual)
 
 
+# Fewest K splits a pair one decode token's gate/up shrink is cut to so that its programs sit beside
+# GEMM1's: each program then walks 512 of a 2048-wide K; at two splits its walk outlasts GEMM1's K-loop.
+ONE_TOKEN_SHRINK_MIN_SPLITS = 4
+
+
+def one_token_shrink_splits(pairs: int, usual: int, gemm1_programs: int, sm_count: int) -> int:
+    """K splits of one decode token's gate/up shrink launch: ``usual`` (``decode_shrink_splits``), or fewer
+    where GEMM1 leaves SMs idle that hold at least ``ONE_TOKEN_SHRINK_MIN_SPLITS`` programs a pair but not
+    ``usual``: then every shrink program gets an SM of its own instead of sharing one with a GEMM1 program
+    (GEMM1 runs beside the shrink, ``decode_shrink_overlap``, and ends with its slowest program).
+    ``sm_count`` 0 (no GPU) keeps ``usual``. H100, M=1, one adapter, interleaved A/B, 8 -> 4 splits:
+    Qwen3-30B-A3B (96 GEMM1 programs, 8 pairs) rank 16 +13.5 -> +9.5 % (41.0 -> 39.6 µs), rank 64 +20.6 ->
+    +17.2 %; where GEMM1 takes every SM 4 splits were even (DeepSeek-V2-Lite, 132 programs: 1.005) or lost
+    (DeepSeek-V2, DeepSeek-V3, Mixtral-8x7B: 1.004-1.030), so they keep 8; on Qwen3-30B-A3B 2 splits lost
+    10 % at rank 16 and 16 lost 8 %. ``MOELORA_ONE_TOKEN_SHRINK_FIT=0`` keeps ``usual`` (to compare)."""
+    fit = (sm_count - gemm1_programs) // max(pairs, 1)
+    if not ONE_TOKEN_SHRINK_MIN_SPLITS <= fit < usual:
+        return usual
+    return fit if env_switch("MOELORA_ONE_TOKEN_SHRINK_FIT", default=True) else usual
+
+
 def decode_direct_pairs(num_tokens: int) -> bool:
     """Whether the GEMMs take the routed pairs straight from topk_ids, without the alignment launch: for
     one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
@@ -384,10 +405,12 @@ def fused_experts(
         # gate/up shrink rides in the alignment's launch.
         shrink_launch_overlap = split and not direct and prefill_shrink_overlap(x.device)
         if decode_shrink:
-            shrunk_gate_up = torch.empty(
-                (pairs, decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype)), 2 * rank_block),
-                dtype=torch.float32, device=x.device,
-            )
+            decode_splits = decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype))
+            if rows == 1:  # the same splits with or without the alignment: the same bits
+                decode_splits = one_token_shrink_splits(pairs, decode_splits, pairs * gemm1_n_tiles,
+                                                         _sm_count(x.device))
+            shrunk_gate_up = torch.empty((pairs, decode_splits, 2 * rank_block), dtype=torch.float32,
+                                         device=x.device)
             alignment = moe_align_with_gate_up_shrink(
                 chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a, chunk_slots,
                 lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not direct,
@@ -532,6 +555,10 @@ def fused_experts(
                                   lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,
                                   routed_scaling_factor=routed_scaling_factor)
     return out
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _with_epilogue_shrink(operands: LoRAOperands, partials: torch.Tensor, *, pack: bool, reduce: bool,
