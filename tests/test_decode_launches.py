@@ -327,7 +327,7 @@ def test_one_token_fewer_shrink_splits_match_oracle(monkeypatch, dtype, top_k):
     lora, adapters, per_token = lora_inputs(1, num_experts, hidden, inter, dtype, seed=top_k)
     cfg = get_moe_config(1, num_experts, hidden, inter, top_k, dtype, x.device, lora=True)
     gemm1_programs = top_k * math.ceil(inter / cfg.gemm1.block_n)
-    monkeypatch.setattr(fe, "_sm_count", lambda device: gemm1_programs + 5 * top_k)
+    monkeypatch.setattr(fe, "sm_count", lambda device: gemm1_programs + 5 * top_k)
     splits = []
     shrink = fe.moe_align_with_gate_up_shrink
 

@@ -37,6 +37,7 @@ from triton_ops.fused_moe import (
     invoke_fused_moe_kernel,
     lora_ext_expand,
     lora_rank_block,
+    sm_count,
 )
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
 from triton_ops.moe_lora import (
@@ -408,7 +409,7 @@ def fused_experts(
             decode_splits = decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype))
             if rows == 1:  # the same splits with or without the alignment: the same bits
                 decode_splits = one_token_shrink_splits(pairs, decode_splits, pairs * gemm1_n_tiles,
-                                                         _sm_count(x.device))
+                                                         sm_count(x.device))
             shrunk_gate_up = torch.empty((pairs, decode_splits, 2 * rank_block), dtype=torch.float32,
                                          device=x.device)
             alignment = moe_align_with_gate_up_shrink(
@@ -555,10 +556,6 @@ def fused_experts(
                                   lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,
                                   routed_scaling_factor=routed_scaling_factor)
     return out
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _with_epilogue_shrink(operands: LoRAOperands, partials: torch.Tensor, *, pack: bool, reduce: bool,

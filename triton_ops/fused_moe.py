@@ -1083,7 +1083,12 @@ def _fits_one_wave(programs: int, device: torch.device) -> bool:
     GEMM1+GEMM2 with LoRA 108.5 -> 117.1 us. CPU tensors (the interpreter) take the prefetch."""
     if device.type != "cuda":
         return True
-    return programs <= torch.cuda.get_device_properties(device).multi_processor_count
+    return programs <= sm_count(device)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 for any other (the interpreter's CPU tensors)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _check_packed(lora: LoRAOperands, a: torch.Tensor, numel: int, *, gated: bool, direct: bool) -> None:
