@@ -5,9 +5,12 @@
 
 One call of the device tool runs at most 10 minutes, so a full table is taken in several runs on one
 machine, each over some of the models with the same settings. The runs must be of one device and one set of
-settings (ranks, adapters, popularity, paths, M, dtype) and must not repeat a model. Records are put in
-``moelora.bench.MODELS`` order; the metadata is the first run's, its date replaced by every run's date
-range and ``--note`` (and each run's date) kept under ``args.note``.
+settings (ranks, adapters, popularity, paths, M, dtype) and must not repeat a model, unless ``--replace``:
+then a later run's (model, M) points replace those points' records in the runs before it, and its M may
+be any of the first run's (a merged table given first, refreshed where a change moved it:
+``merge_results.py --replace --out T.json T.json new_points.json``). Records are put in
+``moelora.bench.MODELS`` order, then M; the metadata is the first run's, its date replaced by every run's
+date range and ``--note`` (and each run's date, with the M it gave where not all) kept under ``args.note``.
 """
 
 from __future__ import annotations
@@ -26,41 +29,74 @@ from moelora.bench import MODELS, markdown_table, plot_overhead  # noqa: E402
 _SAME_SETTINGS = ("ranks", "adapters", "popularity", "paths", "M", "dtype", "warmup_ms", "rep_ms")
 
 
-def merge_runs(runs: list[dict[str, Any]], note: str = "") -> dict[str, Any]:
+def merge_runs(runs: list[dict[str, Any]], note: str = "", replace: bool = False) -> dict[str, Any]:
     """One table from several runs (each a ``moelora bench`` JSON as loaded); raises ValueError where they
-    differ in device or settings, or measure a model twice."""
+    differ in device or settings, or measure a model twice (with ``replace``, a (model, M) point in
+    several runs keeps the last run's records; a later run may measure fewer M)."""
     if not runs:
         raise ValueError("nothing to merge: give at least one run")
     first = runs[0]
-    seen: dict[str, str] = {}
+    all_m = first["resolved"].get("M")
+    if replace:
+        runs = _latest_run_per_point(runs)
+    seen: dict[tuple[str, int], str] = {}
     for run in runs:
         if run["device"] != first["device"]:
             raise ValueError(f"runs of different devices: {first['device']!r} and {run['device']!r}")
         for key in _SAME_SETTINGS:
-            if run["resolved"].get(key) != first["resolved"].get(key):
-                raise ValueError(f"runs with different {key}: {first['resolved'].get(key)!r} and "
-                                 f"{run['resolved'].get(key)!r} ({first['date']} / {run['date']})")
-        for model in {r["model"] for r in run["records"]}:
-            if model in seen:
-                raise ValueError(f"model {model} is in two runs ({seen[model]} and {run['date']})")
-            seen[model] = run["date"]
+            ours, theirs = run["resolved"].get(key), first["resolved"].get(key)
+            if replace and key == "M" and set(ours) <= set(theirs):
+                continue
+            if ours != theirs:
+                raise ValueError(f"runs with different {key}: {theirs!r} and {ours!r} "
+                                 f"({first['date']} / {run['date']})")
+        for point in {(r["model"], r["M"]) for r in run["records"]}:
+            if point in seen:
+                raise ValueError(f"model {point[0]} is in two runs ({seen[point]} and {run['date']})")
+            seen[point] = run["date"]
     order = {name: i for i, name in enumerate(MODELS)}
 
     def place(name: str) -> int:  # MODELS order; a model of a --config file after them
         return order.get(name, len(order))
 
+    runs = [run for run in runs if run["records"]]  # a run whose every point was replaced
     records = [r for run in runs for r in run["records"]]
-    records.sort(key=lambda r: place(r["model"]))  # stable: each run's order within a model
-    dates = sorted(run["date"] for run in runs)
+    records.sort(key=lambda r: (place(r["model"]), r["M"]))  # stable: each run's order within a point
+    dates = sorted(part for run in runs for part in run["date"].split(" to "))  # a merged table's range
     merged = {k: v for k, v in first.items() if k != "records"}
     merged["date"] = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    runs_note = "; ".join(f"{', '.join(sorted({r['model'] for r in run['records']}, key=place))} "
-                          f"{run['date']}" for run in runs)
+    runs_note = "; ".join(f"{_run_points(run, all_m, place)} {run['date']}" for run in runs)
     merged["args"] = dict(first["args"], note=f"{note}: {runs_note}" if note else runs_note)
+    models = {m["name"]: m for run in runs for m in run["resolved"]["models"]}
     merged["resolved"] = dict(first["resolved"],
-                              models=[m for run in runs for m in run["resolved"]["models"]])
-    merged["resolved"]["models"].sort(key=lambda m: place(m["name"]))
+                              models=sorted(models.values(), key=lambda m: place(m["name"])))
     return dict(merged, records=records)
+
+
+def _latest_run_per_point(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs with each (model, M) point's records kept in the last run that has it, and each run's
+    ``resolved`` models cut to those it keeps records of."""
+    last = {(r["model"], r["M"]): i for i, run in enumerate(runs) for r in run["records"]}
+    kept = []
+    for i, run in enumerate(runs):
+        records = [r for r in run["records"] if last[(r["model"], r["M"])] == i]
+        names = {r["model"] for r in records}
+        models = [m for m in run["resolved"]["models"] if m["name"] in names]
+        kept.append(dict(run, records=records, resolved=dict(run["resolved"], models=models)))
+    return kept
+
+
+def _run_points(run: dict[str, Any], all_m: list[int] | None, place) -> str:
+    """"model, model" for a run's models, each with "M=a/b" where the run gave it fewer than all M."""
+    by_model: dict[str, set[int]] = {}
+    for r in run["records"]:
+        by_model.setdefault(r["model"], set()).add(r["M"])
+    parts = []
+    for model in sorted(by_model, key=place):
+        m_values = sorted(by_model[model])
+        partial = all_m is not None and set(m_values) != set(all_m)
+        parts.append(f"{model} M={'/'.join(map(str, m_values))}" if partial else model)
+    return ", ".join(parts)
 
 
 def write_table(table: dict[str, Any], out: Path) -> None:
@@ -80,9 +116,11 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="moelora bench JSON files, one per run")
     parser.add_argument("--out", type=Path, required=True, help="merged JSON (markdown and PNG beside it)")
     parser.add_argument("--note", default="", help="provenance kept in the table (commit, machine)")
+    parser.add_argument("--replace", action="store_true",
+                        help="a model in several runs: keep the last run's records of it (refresh a table)")
     args = parser.parse_args()
     try:
-        table = merge_runs([json.loads(path.read_text()) for path in args.runs], args.note)
+        table = merge_runs([json.loads(path.read_text()) for path in args.runs], args.note, args.replace)
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         raise SystemExit(f"merge_results: {exc}") from None
     write_table(table, args.out)

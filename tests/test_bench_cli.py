@@ -223,3 +223,56 @@ def test_merge_results_refuses_runs_that_do_not_fit(second, message):
 
     with pytest.raises(ValueError, match=message):
         merge_runs([_run("d1", ["qwen3-30b-a3b"]), second])
+
+
+def test_merge_results_replace_refreshes_one_model():
+    """With replace, a later run's model takes the place of that model in an earlier (merged) table: its
+    records and resolved entry are the later run's, the other models' stay, the note dates each."""
+    merge_runs = _merge_results().merge_runs
+
+    table = merge_runs([_run("d1", ["deepseek-v2-lite", "qwen3-30b-a3b"]), _run("d2", ["mixtral-8x7b"])])
+    fresh = _run("d3", ["qwen3-30b-a3b"])
+    for record in fresh["records"]:
+        record["overhead"] = 0.05
+    refreshed = merge_runs([table, fresh], "refresh", replace=True)
+
+    by_model = {}
+    for record in refreshed["records"]:
+        by_model.setdefault(record["model"], []).append(record["overhead"])
+    assert by_model == {"deepseek-v2-lite": [0.1, 0.1], "qwen3-30b-a3b": [0.05, 0.05],
+                        "mixtral-8x7b": [0.1, 0.1]}
+    assert [r["model"] for r in refreshed["records"]] == [
+        "deepseek-v2-lite", "deepseek-v2-lite", "qwen3-30b-a3b", "qwen3-30b-a3b", "mixtral-8x7b",
+        "mixtral-8x7b"]
+    assert [m["name"] for m in refreshed["resolved"]["models"]] == [
+        "deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b"]
+    assert refreshed["args"]["note"].endswith("qwen3-30b-a3b d3")
+    assert "deepseek-v2-lite, mixtral-8x7b d1 to d2" in refreshed["args"]["note"]
+    # Without replace the same runs still refuse to merge.
+    with pytest.raises(ValueError, match="model qwen3-30b-a3b is in two runs"):
+        merge_runs([table, fresh])
+
+
+def test_merge_results_replace_one_point():
+    """A later run over fewer M replaces only those (model, M) points; the table keeps M order within each
+    model and the note names the M the run gave. Without replace the narrower M is refused."""
+    merge_runs = _merge_results().merge_runs
+
+    table = merge_runs([_run("d1", ["deepseek-v2-lite", "qwen3-30b-a3b"])])
+    fresh = _run("d3", ["qwen3-30b-a3b"])
+    fresh["resolved"]["M"] = [16]
+    fresh["records"] = [dict(r, overhead=0.05) for r in fresh["records"] if r["M"] == 16]
+    refreshed = merge_runs([table, fresh], replace=True)
+
+    assert [(r["model"], r["M"], r["overhead"]) for r in refreshed["records"]] == [
+        ("deepseek-v2-lite", 1, 0.1), ("deepseek-v2-lite", 16, 0.1), ("qwen3-30b-a3b", 1, 0.1),
+        ("qwen3-30b-a3b", 16, 0.05)]
+    assert refreshed["resolved"]["M"] == [1, 16]
+    assert [m["name"] for m in refreshed["resolved"]["models"]] == ["deepseek-v2-lite", "qwen3-30b-a3b"]
+    # d1 keeps only M=1 of Qwen3 now, and the note says so
+    assert refreshed["args"]["note"] == "deepseek-v2-lite, qwen3-30b-a3b M=1 d1; qwen3-30b-a3b M=16 d3"
+    with pytest.raises(ValueError, match="runs with different M"):
+        merge_runs([table, fresh])
+    fresh["resolved"]["M"] = [16, 4096]  # an M the table does not have is refused even with replace
+    with pytest.raises(ValueError, match="runs with different M"):
+        merge_runs([table, fresh], replace=True)
