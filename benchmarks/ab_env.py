@@ -12,6 +12,10 @@ over rounds of each overhead t/t(base) - 1 and of t(B)/t(A), with the rounds' ra
 markdown table on stdout and, with ``--out``, JSON. Adapters and routing are those of ``moelora bench``
 (same seeds).
 
+A config edit is A/B'd the same way: ``--env MOELORA_MOE_CONFIG_DIR=DIR`` with DIR a copy of
+``triton_ops/configs/`` whose entry was changed (the tuned files are read per path, so A keeps the
+committed ones).
+
 ``--layer base`` times the base layer (no adapters) as A and B instead, for switches that change the base
 path too (e.g. ``MOELORA_DECODE_DIRECT=0``); the overheads are then B's and A's time over the base's.
 
