@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def _latest_run_per_point(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-def _run_points(run: dict[str, Any], all_m: list[int] | None, place) -> str:
+def _run_points(run: dict[str, Any], all_m: list[int] | None, place: Callable[[str], int]) -> str:
     """"model, model" for a run's models, each with "M=a/b" where the run gave it fewer than all M."""
     by_model: dict[str, set[int]] = {}
     for r in run["records"]:
@@ -117,7 +118,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="merged JSON (markdown and PNG beside it)")
     parser.add_argument("--note", default="", help="provenance kept in the table (commit, machine)")
     parser.add_argument("--replace", action="store_true",
-                        help="a model in several runs: keep the last run's records of it (refresh a table)")
+                        help="a (model, M) point in several runs: keep the last run's records of it, which "
+                             "may cover fewer M (refresh a table)")
     args = parser.parse_args()
     try:
         table = merge_runs([json.loads(path.read_text()) for path in args.runs], args.note, args.replace)

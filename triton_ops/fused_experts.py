@@ -448,9 +448,8 @@ def fused_experts(
         one_pass = prefill_split and one_split_shrink(
             pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m), longest_k)
         slot_programs = prefill_split and slot_program_shrink(lora.num_adapters, longest_k, pairs, one_pass)
-        one_split = one_pass and not slot_programs
         gate_up_splits, down_shrink_splits = (
-            (1, 1) if one_split or slot_programs
+            (1, 1) if one_pass or slot_programs  # one partial a pair either way
             else (shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
                   shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k)))
         if (split or staged) and not decode_shrink:
