@@ -100,9 +100,10 @@ def _activation(name: str, g: torch.Tensor) -> torch.Tensor:
 
 
 def _convert_projections(
-    projs: dict[int, LoRAProjection], in_features: int, out_features: int, dtype: torch.dtype, what: str
+    projs: dict[int, LoRAProjection], in_features: int, out_features: int, dtype: torch.dtype, what: str,
+    device: torch.device | str = "cpu",
 ) -> dict[int, LoRAProjection]:
-    """Checks shapes and moves one module's LoRA weights to the CPU in the compute dtype."""
+    """Checks shapes and moves one module's LoRA weights to ``device`` (the CPU) in the compute dtype."""
     out = {}
     for e, p in projs.items():
         r = p.a.shape[0]
@@ -110,7 +111,8 @@ def _convert_projections(
             raise ValueError(f"{what} expert {e}: A must be (r, {in_features}), got {tuple(p.a.shape)}")
         if p.b.dim() != 2 or tuple(p.b.shape) != (out_features, r):
             raise ValueError(f"{what} expert {e}: B must be ({out_features}, {r}), got {tuple(p.b.shape)}")
-        out[int(e)] = LoRAProjection(_cpu(p.a, dtype), _cpu(p.b, dtype), float(p.scaling))
+        out[int(e)] = LoRAProjection(p.a.detach().to(device=device, dtype=dtype),
+                                     p.b.detach().to(device=device, dtype=dtype), float(p.scaling))
     return out
 
 
@@ -157,6 +159,32 @@ def check_moe_shapes(
     return m, hidden, num_experts, inter
 
 
+def _used_adapters(adapters: list[ReferenceLoRA | None], slots: list[int], hidden: int, inter: int,
+                   dtype: torch.dtype, device: torch.device | str) -> dict[int, ReferenceLoRA]:
+    """Slot -> adapter, converted to ``dtype`` on ``device``: only the adapters some token uses are checked
+    and converted (a None adapter means no delta)."""
+    used = {}
+    for s in sorted(set(slots) - {-1}):
+        lora = adapters[s]
+        if lora is not None:
+            used[s] = ReferenceLoRA(
+                gate=_convert_projections(lora.gate, hidden, inter, dtype, f"adapter {s} gate", device),
+                up=_convert_projections(lora.up, hidden, inter, dtype, f"adapter {s} up", device),
+                down=_convert_projections(lora.down, inter, hidden, dtype, f"adapter {s} down", device),
+            )
+    return used
+
+
+def _check_ids_and_activation(topk_ids: torch.Tensor, num_experts: int, activation: str) -> str:
+    """Raises on an expert id past E or an unknown activation; returns the activation's name, lower case."""
+    if topk_ids.numel() and int(topk_ids.max()) >= num_experts:
+        raise ValueError(f"topk_ids holds an expert id >= E={num_experts}")
+    activation = activation.lower()
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    return activation
+
+
 def reference_moe_no_combine(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -193,11 +221,7 @@ def reference_moe_no_combine(
     returned in that dtype on ``x``'s device.
     """
     m, hidden, num_experts, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
-    if topk_ids.numel() and int(topk_ids.max()) >= num_experts:
-        raise ValueError(f"topk_ids holds an expert id >= E={num_experts}")
-    activation = activation.lower()
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    activation = _check_ids_and_activation(topk_ids, num_experts, activation)
 
     dtype = _compute_dtype(x, w13, w2)
     adapters = list(adapters) if adapters is not None else []
@@ -218,17 +242,7 @@ def reference_moe_no_combine(
             expert_cache[e] = (w13_e[:inter], w13_e[inter:], _cpu(w2[e], dtype))
         return expert_cache[e]
 
-    # Only the adapters some token uses are checked and converted.
-    lora_cache: dict[int, ReferenceLoRA] = {}
-    for s in sorted(set(slots) - {-1}):
-        lora = adapters[s]
-        if lora is None:
-            continue
-        lora_cache[s] = ReferenceLoRA(
-            gate=_convert_projections(lora.gate, hidden, inter, dtype, f"adapter {s} gate"),
-            up=_convert_projections(lora.up, hidden, inter, dtype, f"adapter {s} up"),
-            down=_convert_projections(lora.down, inter, hidden, dtype, f"adapter {s} down"),
-        )
+    lora_cache = _used_adapters(adapters, slots, hidden, inter, dtype, "cpu")
 
     out = torch.zeros(m, top_k, hidden, dtype=dtype)
     for t in range(m):
@@ -297,6 +311,75 @@ def reference_moe(
         activation=activation,
     )
     return per_slot.sum(dim=1)
+
+
+def reference_moe_grouped(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    adapters: Sequence[ReferenceLoRA | None] | None = None,
+    token_adapter: Sequence[int] | torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    apply_router_weight_on_input: bool = False,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """:func:`reference_moe`'s math, an (expert, adapter) group of routed pairs at a time, on ``x``'s
+    device, ``(M, H)``: for big test batches on the GPU, where the per-pair loop of :func:`reference_moe`
+    (one CPU matvec a pair, each reading its expert's weights again) takes minutes at real model shapes.
+
+    Each group's rows are stacked into one matrix, so an expert's weights are read once per group. Same
+    arguments and same per-pair formula as :func:`reference_moe_no_combine`; float32 (float64 if ``x``,
+    ``w13`` or ``w2`` is float64), TF32 off on the GPU. Agrees with :func:`reference_moe` to float32
+    rounding, not bit for bit (matrix products sum in another order; tests/test_reference.py).
+    """
+    m, hidden, num_experts, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    activation = _check_ids_and_activation(topk_ids, num_experts, activation)
+    dtype, device = _compute_dtype(x, w13, w2), x.device
+    adapters = list(adapters) if adapters is not None else []
+    slots = _token_slots(token_adapter, m, len(adapters))
+    top_k = topk_ids.shape[1]
+    loras = _used_adapters(adapters, slots, hidden, inter, dtype, device)
+
+    # Group key per routed pair: expert * (adapters + 1) + slot + 1; pairs of a filtered expert (< 0) skip.
+    ids = topk_ids.to(device=device, dtype=torch.int64).reshape(-1)
+    pair_slots = torch.tensor(slots, device=device, dtype=torch.int64).repeat_interleave(top_k)
+    keys = torch.where(ids >= 0, ids * (len(adapters) + 1) + pair_slots + 1, -1)
+    xs = x.detach().to(dtype)
+    weights = topk_weights.detach().to(device=device, dtype=dtype).reshape(-1, 1)
+    out = torch.zeros(m * top_k, hidden, dtype=dtype, device=device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # a true fp32 oracle on the GPU too
+    try:
+        for key in torch.unique(keys[keys >= 0]).tolist():
+            e, slot = divmod(key, len(adapters) + 1)
+            pairs = (keys == key).nonzero(as_tuple=True)[0]
+            lora = loras.get(slot - 1)
+            w = weights[pairs]
+            w13_e = w13[e].to(dtype)
+            xin = xs[pairs // top_k]
+            xin = xin * w if apply_router_weight_on_input else xin
+            g = xin @ w13_e[:inter].T
+            u = xin @ w13_e[inter:].T
+            if lora is not None:
+                g = _add_lora_rows(g, lora.gate.get(e), xin)  # the gate/up delta enters BEFORE the activation
+                u = _add_lora_rows(u, lora.up.get(e), xin)
+            h = _activation(activation, g) * u
+            y = _add_lora_rows(h @ w2[e].to(dtype).T, lora.down.get(e) if lora else None, h)  # activated h
+            out[pairs] = (y if apply_router_weight_on_input else y * w) * routed_scaling_factor
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return out.reshape(m, top_k, hidden).sum(dim=1)
+
+
+def _add_lora_rows(y: torch.Tensor, proj: LoRAProjection | None, v: torch.Tensor) -> torch.Tensor:
+    """``y + s · B (A v)`` for each row ``v`` of ``v (n, in)``, in PEFT's order (A first, then B, then the
+    scaling); ``y`` as it is without a LoRA."""
+    if proj is None or proj.rank == 0:
+        return y
+    return y + ((v @ proj.a.T) @ proj.b.T) * proj.scaling
 
 
 def reference_moe_from_pool(

@@ -9,7 +9,10 @@ launch sequences cannot pass for one of the modes.
 
 CPU tests run the kernels in the Triton interpreter (fp32/fp16, tiny odd shapes); the ``gpu`` tests run
 bf16 at model shapes, eager and replayed from CUDA graphs (the arrival counters are zeroed by GEMM1 on
-every replay, so a second replay with new routing must still be exact).
+every replay, so a second replay with new routing must still be exact). Their fp32 oracle is
+``reference_moe_grouped`` on the GPU (``reference_moe``'s math a group of pairs at a time, checked against it
+in tests/test_reference.py): ``reference_moe``'s per-pair CPU loop took most of a GPU test's time at model
+shapes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 import torch
 
 from moelora.bench import warm_up_on_side_stream
-from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
+from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe, reference_moe_grouped
 from triton_ops.configs import GemmConfig, get_moe_config
 from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
 from triton_ops.moe_align import moe_align_block_size
@@ -884,7 +887,7 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
     results = run_modes(monkeypatch, layer)
     reference = results[("0", "0")][0]
     kw = dict(adapters=adapters, token_adapter=per_token) if with_lora else {}
-    ref = reference_moe(x, w13, w2, weights, ids, **kw)
+    ref = reference_moe_grouped(x, w13, w2, weights, ids, **kw)
     err = rel_err(reference, ref)
     print(f"{name} M={m} lora={with_lora}: rel L2 vs fp32 oracle {err:.2e}")
     assert torch.isfinite(reference).all() and err <= TOL[BF16]
@@ -1036,7 +1039,7 @@ def test_gpu_aligned_decode_down_overlap_bit_equal_over_replays(monkeypatch, nam
     monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
     eager_overlap = layer()
     assert events == [("gemm", False), ("shrink", True), ("gemm", True)], events
-    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    ref = reference_moe_grouped(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     err = rel_err(eager_overlap, ref)
     assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
 
@@ -1079,7 +1082,7 @@ def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, r
     eager_overlap = layer()
     late = check_overlap_plan(events, overlap=True, through_sum=through_sum)
     assert [kind for kind, _ in events].count("pack") == 2 and late == [through_sum] * 2, events
-    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    ref = reference_moe_grouped(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     err = rel_err(eager_overlap, ref)
     assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
     replays_match_plain_launches(
@@ -1126,7 +1129,7 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
         assert "reduce" not in [kind for kind, _ in events], events
     if reduce == "1" and name != "small":  # 384 / 1800 / 2400 pairs; K 2048 / 1408: the shrinks split K
         assert through_sum and ("reduce", True) in events, events
-    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    ref = reference_moe_grouped(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     err = rel_err(eager_overlap, ref)
     assert torch.isfinite(eager_overlap).all() and err <= TOL[BF16], f"rel L2 vs fp32 oracle {err:.2e}"
     replays_match_plain_launches(

@@ -15,6 +15,7 @@ from moelora.reference import (
     grouped_topk,
     reference_moe,
     reference_moe_from_pool,
+    reference_moe_grouped,
     reference_moe_no_combine,
     softmax_topk,
 )
@@ -471,3 +472,48 @@ def test_grouped_topk_softmax_single_group_is_softmax_topk():
         w_ref, ids_ref = softmax_topk(logits, 6, renormalize=norm)
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------
+# The grouped oracle (GPU tests' fast stand-in for the per-pair loop)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize(("rsf", "on_input", "activation"), [(1.0, False, "silu"), (2.5, True, "gelu")])
+def test_grouped_oracle_matches_reference(dtype, rsf, on_input, activation):
+    """``reference_moe_grouped`` (an (expert, adapter) group of pairs at a time) gives ``reference_moe``'s
+    outputs: adapters of different ranks and modules, a token with no adapter, an adapter slot that is None,
+    an adapter without some experts, a filtered expert (-1), experts no token picks."""
+    torch.manual_seed(5)
+    # M=13, top-3 of E=6 experts, expert 5 never picked: odd sizes, and a group with no pairs.
+    m, top_k = 13, 3
+    x, w13, w2 = make_base(m=m, dtype=dtype)
+    weights, ids = make_routing(m=m, experts=E - 1, top_k=top_k, dtype=dtype)
+    ids[2, 1] = -1  # an expert filtered out (expert parallelism): contributes zeros
+    adapters = [
+        make_adapter({"gate": 3, "up": 5, "down": 2}),  # per-module ranks
+        None,  # a slot without weights: like no adapter
+        make_adapter({"gate": 7, "up": 7, "down": 7}, experts=(0, 2, 3), modules=("gate", "down")),
+    ]
+    adapters = [a if a is None else ReferenceLoRA(
+        gate={e: LoRAProjection(p.a.to(dtype), p.b.to(dtype), p.scaling) for e, p in a.gate.items()},
+        up={e: LoRAProjection(p.a.to(dtype), p.b.to(dtype), p.scaling) for e, p in a.up.items()},
+        down={e: LoRAProjection(p.a.to(dtype), p.b.to(dtype), p.scaling) for e, p in a.down.items()},
+    ) for a in adapters]
+    token_adapter = [0, -1, 2, 1, 0, 2, 2, -1, 0, 1, 2, 0, 2]
+    kw = dict(adapters=adapters, token_adapter=token_adapter, routed_scaling_factor=rsf,
+              apply_router_weight_on_input=on_input, activation=activation)
+    want = reference_moe(x, w13, w2, weights, ids, **kw)
+    got = reference_moe_grouped(x, w13, w2, weights, ids, **kw)
+    assert got.shape == (m, H) and got.dtype == dtype
+    tol = 1e-12 if dtype == F64 else 2e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    # The LoRA is visible (else the comparison would not test the adapters) and no-adapter rows are the base
+    # (to rounding: their groups hold other rows than in the base call).
+    base = reference_moe_grouped(x, w13, w2, weights, ids, routed_scaling_factor=rsf,
+                                 apply_router_weight_on_input=on_input, activation=activation)
+    assert (got[0] - base[0]).abs().max() > 1e-3 * base[0].abs().max()
+    no_adapter = [1, 3, 7, 9]
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got[no_adapter], base[no_adapter], rtol=tol, atol=tol * scale)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs the GPU-marked tests in parallel pytest processes on one GPU machine: the suite is bound by Triton's
+# kernel compiles (one core each), so shards finish it several times faster than one process.
+#
+#   bash tests/gpu_shards.sh [SHARDS] [PYTEST ARGS...]     e.g.  bash tests/gpu_shards.sh 6 -k prefill
+#
+# The arguments select tests as pytest's do (-k, files, node ids); without a file or folder, all of tests/.
+# SHARDS defaults to 4; the collected test ids are dealt out round-robin, each shard gets an equal share of
+# the CPU threads (OMP_NUM_THREADS) and writes its log to $GPU_SHARD_LOGS (default /tmp/gpu_shards).
+# Prints each shard's summary line; the exit status is nonzero if any shard failed or none collected.
+set -u
+shards=${1:-4}
+shift || true
+logs=${GPU_SHARD_LOGS:-/tmp/gpu_shards}
+mkdir -p "$logs"
+rm -f "$logs"/shard_* "$logs"/ids
+paths=(tests)  # unless the arguments name test files or folders
+for arg in "$@"; do
+    if [ -e "${arg%%::*}" ]; then paths=(); fi
+done
+python -m pytest --collect-only -q -m gpu -p no:cacheprovider "$@" "${paths[@]}" 2>/dev/null | grep "::" \
+    > "$logs/ids"
+total=$(wc -l < "$logs/ids")
+if [ "$total" -eq 0 ]; then
+    echo "no GPU tests collected (pytest -m gpu $*)" >&2
+    exit 2
+fi
+split -n "r/$shards" -d "$logs/ids" "$logs/shard_ids_"
+threads=$(( $(nproc) / shards ))
+[ "$threads" -ge 1 ] || threads=1
+echo "$total GPU tests in $shards shards, $threads CPU threads each, logs in $logs"
+status=0
+pids=()
+for ids in "$logs"/shard_ids_*; do
+    n=${ids##*_}
+    mapfile -t test_ids < "$ids"  # one argument per test id, unexpanded (ids hold [...])
+    OMP_NUM_THREADS=$threads python -m pytest -q -m gpu -p no:cacheprovider --durations=3 \
+        "${test_ids[@]}" > "$logs/shard_$n.log" 2>&1 &
+    pids+=($!)
+done
+for pid in "${pids[@]}"; do
+    wait "$pid" || status=1
+done
+for log in "$logs"/shard_*.log; do
+    echo "$(basename "$log"): $(tail -n 1 "$log")"
+done
+exit $status
