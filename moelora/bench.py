@@ -436,12 +436,33 @@ def graph_time_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
 def graph_times_us(fns: Sequence[Callable[[], Any]], warmup_ms: float, rep_ms: float,
                    flush: str = "read") -> list[tuple[float, bool]]:
     """``graph_time_us`` of several calls timed interleaved (``cold_l2_times_ms``): (µs, graph used) each."""
+    rounds, used = graph_rounds_us(fns, warmup_ms, rep_ms, flush, rounds=1)
+    return [(us[0], ok) for us, ok in zip(rounds, used, strict=True)]
+
+
+def graph_rounds_us(fns: Sequence[Callable[[], Any]], warmup_ms: float, rep_ms: float, flush: str = "read",
+                    rounds: int = 1) -> tuple[list[list[float]], list[bool]]:
+    """Each call captured once, then timed interleaved (``cold_l2_times_ms``) in ``rounds`` rounds, one
+    after the other: (per call, its µs in each round), (per call, whether a graph was used)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     graphs = [_capture(fn) for fn in fns]
     replays = [fn if graph is None else graph.replay for fn, graph in zip(fns, graphs, strict=True)]
-    times = cold_l2_times_ms(replays, warmup_ms, rep_ms, flush)
+    per_round = [cold_l2_times_ms(replays, warmup_ms, rep_ms, flush) for _ in range(rounds)]
     used = [graph is not None for graph in graphs]
     del graphs, replays
-    return [(ms * 1e3, ok) for ms, ok in zip(times, used, strict=True)]
+    return [[times[j] * 1e3 for times in per_round] for j in range(len(fns))], used
+
+
+def median_round(base_us: Sequence[float], lora_us: Sequence[float]) -> tuple[float, float, list[float]]:
+    """The round whose overhead ``lora / base - 1`` is the median (the lower one of an even count), as
+    (base µs, LoRA µs) of that round, and every round's overhead in order. A round's two times ran
+    interleaved, so they are kept together: the row's base is the one its LoRA time ran beside."""
+    if not base_us or len(base_us) != len(lora_us):
+        raise ValueError(f"need one base and one LoRA time per round, got {len(base_us)} and {len(lora_us)}")
+    overheads = [lora / base - 1 for base, lora in zip(base_us, lora_us, strict=True)]
+    middle = sorted(range(len(overheads)), key=overheads.__getitem__)[(len(overheads) - 1) // 2]
+    return base_us[middle], lora_us[middle], overheads
 
 
 def eager_time_us(fn: Callable[[], Any], on_gpu: bool, warmup_ms: float, rep_ms: float,
@@ -503,6 +524,7 @@ class Settings:
     peaks: dict[str, float | None]
     pool_rank: int = 0  # > rank: adapters of `rank` in buffers sized for this max rank
     l2_flush: str = "read"  # how the timer empties L2 before each call (cold_l2_time_ms)
+    rounds: int = 1  # interleaved (base, LoRA) timing rounds per point; the row is the median round's
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -602,13 +624,16 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
             return graph_time_us(fn, cfg.warmup_ms, cfg.rep_ms, cfg.l2_flush)
         return eager_time_us(fn, False, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps), False
 
-    def time_with_base(fn: Callable[[], Any]) -> tuple[float, float, bool]:
-        """(base µs, fn µs, graph used): the two timed interleaved, so the overhead compares calls that
-        ran under the same clocks (``cold_l2_times_ms``)."""
+    def time_with_base(fn: Callable[[], Any]) -> tuple[float, float, bool, list[float] | None]:
+        """(base µs, fn µs, graph used, each round's overhead or None for one round): the two timed
+        interleaved, so the overhead compares calls that ran under the same clocks (``cold_l2_times_ms``);
+        with several rounds, those of the median round (``median_round``)."""
         if on_gpu:
-            (base, _), (us, graph) = graph_times_us([moe, fn], cfg.warmup_ms, cfg.rep_ms, cfg.l2_flush)
-            return base, us, graph
-        return time_call(moe)[0], *time_call(fn)
+            (base, lora), (_, graph) = graph_rounds_us([moe, fn], cfg.warmup_ms, cfg.rep_ms, cfg.l2_flush,
+                                                      rounds=cfg.rounds)
+            base_us, us, overheads = median_round(base, lora)
+            return base_us, us, graph, overheads if cfg.rounds > 1 else None
+        return time_call(moe)[0], *time_call(fn), None
 
     def moe(lora: Any = None, path: str = "fused") -> torch.Tensor:
         return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path)
@@ -661,7 +686,9 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                             if reference is not None:
                                 errs[resolved] = rel_err(call(), reference)
                             timed[resolved] = time_with_base(call)
-                        row_base_us, us, extra["cuda_graph"] = timed[resolved]
+                        row_base_us, us, extra["cuda_graph"], overheads = timed[resolved]
+                        if overheads is not None:
+                            extra["overhead_rounds"] = overheads
                         if resolved in errs:
                             extra["rel_err_vs_naive"] = errs[resolved]
                     records.append(_record(cfg, shape, m, path, row_base_us, us, experts, **point, **extra))
@@ -823,12 +850,14 @@ def run_bench(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if quick or args.dry_run else 25.0)
     rep = args.rep if args.rep is not None else (QUICK["rep"] if quick or args.dry_run else 100.0)
 
+    rounds = _positive("--rounds", [1 if getattr(args, "rounds", None) is None else args.rounds])[0]
     device = torch.device("cuda" if on_gpu else "cpu")
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1)"
     cfg = Settings(device=device, device_name=device_name, dtype_name=dtype_name, paths=paths,
                    warmup_ms=warmup, rep_ms=rep, cpu_reps=1, naive_max_s=args.naive_max_s, seed=args.seed,
                    pool_rank=getattr(args, "pool_rank", None) or 0,
                    l2_flush=getattr(args, "l2_flush", None) or "read",
+                   rounds=rounds,
                    peaks=device_peaks(device_name) if on_gpu else device_peaks(""))
 
     import triton
@@ -856,6 +885,8 @@ def run_bench(args: argparse.Namespace) -> int:
     table = markdown_table(records)
     print()
     print(table)
+    rounds_note = (f", in {cfg.rounds} rounds, the row the round of median overhead (overhead_rounds: "
+                   "each round's)" if cfg.rounds > 1 else "")
     meta = {
         "benchmark": "moelora bench: MoE LoRA overhead t(base+LoRA)/t(base) - 1 per path",
         "device": device_name,
@@ -866,12 +897,12 @@ def run_bench(args: argparse.Namespace) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
         "resolved": {"models": [asdict(m) for m in models], "M": ms, "ranks": ranks, "adapters": adapters,
                      "popularity": popularities, "paths": paths, "dtype": dtype_name, "warmup_ms": warmup,
-                     "rep_ms": rep, "dry_run": args.dry_run, "quick": quick},
+                     "rep_ms": rep, "rounds": cfg.rounds, "dry_run": args.dry_run, "quick": quick},
         "peaks": cfg.peaks,
         "timing": ("CUDA graph (warm-up on a side stream), median of graph.replay on CUDA events, L2 "
                    f"flushed before each replay by a 256 MB {cfg.l2_flush} (do_bench's loop); each LoRA path "
                    "timed interleaved with the base (a replay of each in turn; its row's base µs is that "
-                   "base); naive eager, same timer" if on_gpu else
+                   f"base){rounds_note}; naive eager, same timer" if on_gpu else
                    "time.perf_counter of one call (Triton interpreter: not a performance number)"),
         "bytes_model": "distinct routed experts * 3*H*I*elem + 2*M*H*elem + distinct (adapter, expert) "
                        "pairs * 3*r*(H+I)*elem (LoRA paths)",

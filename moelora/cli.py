@@ -200,6 +200,9 @@ def _add_bench_parser(sub) -> None:
                        "H100)")
     bench.add_argument("--naive-max-s", type=float, default=0.5,
                        help="skip the naive path when one call is estimated slower (GPU; default 0.5 s)")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="interleaved (base, LoRA) timing rounds per point; a row is the round of median "
+                            "overhead, each round's overhead in its JSON (default 1)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--pool-rank", type=int, default=None,
                        help="size the LoRA buffers for this max rank (adapters keep --ranks): the cost of a "

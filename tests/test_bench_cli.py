@@ -173,6 +173,47 @@ def test_interleaved_timer_keeps_each_functions_time():
     assert torch.equal(big_dst, big_src) and torch.equal(small_dst, small_src)
 
 
+def test_median_round_keeps_one_rounds_pair():
+    from moelora.bench import median_round
+
+    # Overheads +10 %, +30 %, +5 %: the median is round 0's, and its base stays with its LoRA time.
+    base, lora, overheads = median_round([10.0, 10.0, 12.0], [11.0, 13.0, 12.6])
+    assert (base, lora) == (10.0, 11.0) and overheads == pytest.approx([0.1, 0.3, 0.05])
+    assert median_round([10.0, 10.0], [12.0, 11.0])[:2] == (10.0, 11.0)  # even count: the lower one
+    assert median_round([4.0], [5.0]) == (4.0, 5.0, [0.25])
+    with pytest.raises(ValueError, match="one base and one LoRA time per round, got 2 and 1"):
+        median_round([1.0, 2.0], [1.0])
+
+
+def test_graph_rounds_time_each_call_once_a_round(monkeypatch):
+    # CPU stand-ins for the graph capture and the interleaved timer: round r times call j as 10*r + j ms.
+    from moelora import bench
+
+    rounds_seen = []
+    monkeypatch.setattr(bench, "_capture", lambda fn: None)  # capture failed: the calls are timed eagerly
+
+    def fake_timer(fns, warmup_ms, rep_ms, flush):
+        rounds_seen.append(len(fns))
+        return [10.0 * (len(rounds_seen) - 1) + j for j in range(len(fns))]
+
+    monkeypatch.setattr(bench, "cold_l2_times_ms", fake_timer)
+    times, used = bench.graph_rounds_us([lambda: None, lambda: None], 1.0, 1.0, rounds=3)
+    assert times == [[0.0, 10e3, 20e3], [1e3, 11e3, 21e3]] and used == [False, False]
+    assert rounds_seen == [2, 2, 2]
+    assert bench.graph_times_us([lambda: None], 1.0, 1.0) == [(30e3, False)]
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        bench.graph_rounds_us([lambda: None], 1.0, 1.0, rounds=0)
+
+
+def test_rounds_flag(tmp_path, capsys):
+    assert main(["bench", "--dry-run", "--rounds", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--rounds must be positive, got [0]" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+    out = tmp_path / "r.json"
+    assert main(["bench", "--dry-run", "--rounds", "2", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["resolved"]["rounds"] == 2
+
+
 def _merge_results():
     """benchmarks/merge_results.py as a module (benchmarks/ is a folder of scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_results.py"
