@@ -9,8 +9,15 @@
 # the CPU threads (OMP_NUM_THREADS) and writes its log to $GPU_SHARD_LOGS (default /tmp/gpu_shards).
 # Prints each shard's summary line; the exit status is nonzero if any shard failed or none collected.
 set -u
-shards=${1:-4}
-shift || true
+shards=4
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then
+    shards=$1
+    shift
+fi
+if [ "$shards" -lt 1 ]; then
+    echo "SHARDS must be at least 1, got $shards" >&2
+    exit 2
+fi
 logs=${GPU_SHARD_LOGS:-/tmp/gpu_shards}
 mkdir -p "$logs"
 rm -f "$logs"/shard_* "$logs"/ids
@@ -25,6 +32,7 @@ if [ "$total" -eq 0 ]; then
     echo "no GPU tests collected (pytest -m gpu $*)" >&2
     exit 2
 fi
+[ "$shards" -le "$total" ] || shards=$total  # no empty shard (pytest without ids would run everything)
 split -n "r/$shards" -d "$logs/ids" "$logs/shard_ids_"
 threads=$(( $(nproc) / shards ))
 [ "$threads" -ge 1 ] || threads=1
