@@ -103,7 +103,8 @@ def _convert_projections(
     projs: dict[int, LoRAProjection], in_features: int, out_features: int, dtype: torch.dtype, what: str,
     device: torch.device | str = "cpu",
 ) -> dict[int, LoRAProjection]:
-    """Checks shapes and moves one module's LoRA weights to ``device`` (the CPU) in the compute dtype."""
+    """Checks shapes and moves one module's LoRA weights to ``device`` (default the CPU) in the compute
+    dtype."""
     out = {}
     for e, p in projs.items():
         r = p.a.shape[0]
@@ -325,10 +326,12 @@ def reference_moe_grouped(
     routed_scaling_factor: float = 1.0,
     apply_router_weight_on_input: bool = False,
     activation: str = "silu",
+    combine: bool = True,
 ) -> torch.Tensor:
     """:func:`reference_moe`'s math, an (expert, adapter) group of routed pairs at a time, on ``x``'s
-    device, ``(M, H)``: for big test batches on the GPU, where the per-pair loop of :func:`reference_moe`
-    (one CPU matvec a pair, each reading its expert's weights again) takes minutes at real model shapes.
+    device, ``(M, H)`` (``(M, k, H)`` per pair with ``combine=False``, as :func:`reference_moe_no_combine`):
+    for big test batches on the GPU, where the per-pair loop of :func:`reference_moe` (one CPU matvec a
+    pair, each reading its expert's weights again) takes minutes at real model shapes.
 
     Each group's rows are stacked into one matrix, so an expert's weights are read once per group. Same
     arguments and same per-pair formula as :func:`reference_moe_no_combine`; float32 (float64 if ``x``,
@@ -371,7 +374,8 @@ def reference_moe_grouped(
             out[pairs] = (y if apply_router_weight_on_input else y * w) * routed_scaling_factor
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return out.reshape(m, top_k, hidden).sum(dim=1)
+    out = out.reshape(m, top_k, hidden)
+    return out.sum(dim=1) if combine else out
 
 
 def _add_lora_rows(y: torch.Tensor, proj: LoRAProjection | None, v: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 ``fused_experts`` computes rsf * sum_k w_k * W2_e (act(W_gate x) * W_up x), w13 rows [0, I) being the
 gate and [I, 2I) the up projection. The oracle is the fp32 ``moelora.reference.reference_moe``; the
-per-pair outputs of ``no_combine=True`` are checked against a short local fp32 computation
-(``pairwise_oracle``), which is itself checked against ``reference_moe``.
+per-pair outputs of ``no_combine=True`` are checked against ``pairwise_oracle`` (``reference_moe_grouped``
+per pair: an expert at a time), which is itself checked against ``reference_moe``.
 
 CPU tests (``interpreter``) run the kernels in the Triton interpreter, so the sizes are small and odd.
 They are fp32 and fp16 only: the Triton 3.9 interpreter's ``tl.dot`` on bf16 returns garbage. bf16 is
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelora.reference import reference_moe
+from moelora.reference import reference_moe, reference_moe_grouped
 from triton_ops import fused_experts, moe_sum_reduce, silu_and_mul
 
 interpreter = pytest.mark.interpreter
@@ -71,24 +71,10 @@ def make_inputs(M, E, k, H, inter, dtype, device="cpu", ids_dtype=torch.int32, m
 
 
 def pairwise_oracle(x, w13, w2, topk_weights, topk_ids, *, rsf=1.0, on_input=False, activation="silu"):
-    """fp32 per-pair outputs (M, k, H): rsf * w_k * y_k (w_k multiplies x instead when ``on_input``)."""
-    M, k = topk_ids.shape
-    inter = w2.shape[2]
-    act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="none"))
-    x32, w, ids = x.float(), topk_weights.float(), topk_ids.long()
-    out = torch.zeros(M, k, x.shape[1], dtype=torch.float32, device=x.device)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # a true fp32 oracle on the GPU too
-    try:
-        for e in torch.unique(ids).tolist():
-            t, j = (ids == e).nonzero(as_tuple=True)
-            xin = x32[t] * w[t, j, None] if on_input else x32[t]
-            h = xin @ w13[e].float().T
-            y = (act(h[:, :inter]) * h[:, inter:]) @ w2[e].float().T
-            out[t, j] = (y if on_input else y * w[t, j, None]) * rsf
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    return out
+    """fp32 per-pair outputs (M, k, H): rsf * w_k * y_k (w_k multiplies x instead when ``on_input``), an
+    expert at a time on x's device (``reference_moe_grouped``)."""
+    return reference_moe_grouped(x, w13, w2, topk_weights, topk_ids, routed_scaling_factor=rsf,
+                                 apply_router_weight_on_input=on_input, activation=activation, combine=False)
 
 
 def oracle(x, w13, w2, topk_weights, topk_ids):

@@ -509,6 +509,11 @@ def test_grouped_oracle_matches_reference(dtype, rsf, on_input, activation):
     assert got.shape == (m, H) and got.dtype == dtype
     tol = 1e-12 if dtype == F64 else 2e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    # Per pair, before the top-k sum: reference_moe_no_combine's (the filtered pair's row is zeros).
+    per_pair = reference_moe_grouped(x, w13, w2, weights, ids, combine=False, **kw)
+    want_per_pair = reference_moe_no_combine(x, w13, w2, weights, ids, **kw)
+    assert per_pair.shape == (m, top_k, H) and torch.equal(per_pair[2, 1], torch.zeros(H, dtype=dtype))
+    torch.testing.assert_close(per_pair, want_per_pair, rtol=tol, atol=tol * want_per_pair.abs().max().item())
     # The LoRA is visible (else the comparison would not test the adapters) and no-adapter rows are the base
     # (to rounding: their groups hold other rows than in the base call).
     base = reference_moe_grouped(x, w13, w2, weights, ids, routed_scaling_factor=rsf,
