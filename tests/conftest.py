@@ -6,6 +6,7 @@ need CUDA and a compiled Triton, so they are skipped under the interpreter; the 
 (marked ``interpreter``) are skipped on a CUDA machine unless TRITON_INTERPRET=1 is set.
 """
 
+import gc
 import os
 
 import torch
@@ -31,3 +32,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_cache(request):
+    """After a GPU test, hand the caching allocator's free blocks back to the driver: parallel pytest
+    shards on one GPU (tests/gpu_shards.sh) otherwise hold each other's peaks and run out of memory."""
+    yield
+    if HAS_CUDA and "gpu" in request.keywords:
+        gc.collect()
+        torch.cuda.empty_cache()

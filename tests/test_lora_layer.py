@@ -555,14 +555,18 @@ def dsv2():
     """Lazily built, per max_rank: (bf16 pool, fp32 pool with the same adapters, bf16 w13/w2, fp32 copies).
 
     The adapters are rounded to bf16 before loading, so both pools hold the same numbers and the fp32
-    torch path on the fp32 pool is the exact math of the bf16 buffers."""
+    torch path on the fp32 pool is the exact math of the bf16 buffers. Every entry shares one set of base
+    weights (3.3 GB with the fp32 copies): one copy per entry ran parallel GPU shards out of memory."""
     cache = {}
+    base = []
 
     def get(max_rank, ranks=(16, 16, 16, 16)):
-        if (max_rank, ranks) not in cache:
-            gen = torch.Generator().manual_seed(1234)
+        if not base:
             torch.manual_seed(1234)
             w13, w2 = make_base(DSV2_E, DSV2_H, DSV2_I, BF16, device="cuda")
+            base.extend((w13, w2, w13.float(), w2.float()))
+        if (max_rank, ranks) not in cache:
+            gen = torch.Generator().manual_seed(1234)
             pools = {}
             for dtype in (BF16, F32):
                 pools[dtype] = make_pool(
@@ -584,11 +588,12 @@ def dsv2():
                 )
                 for pool in pools.values():
                     pool.add_adapter_weights(name, adapters[name])
-            cache[max_rank, ranks] = (pools[BF16], pools[F32], adapters, w13, w2, w13.float(), w2.float())
+            cache[max_rank, ranks] = (pools[BF16], pools[F32], adapters, *base)
         return cache[max_rank, ranks]
 
     yield get
     cache.clear()
+    base.clear()
     torch.cuda.empty_cache()
 
 
