@@ -4,13 +4,14 @@
         run_small_models.json run_big_models.json --note "two runs on one machine"
 
 One call of the device tool runs at most 10 minutes, so a full table is taken in several runs on one
-machine, each over some of the models with the same settings. The runs must be of one device and one set of
-settings (ranks, adapters, popularity, paths, M, dtype) and must not repeat a model, unless ``--replace``:
-then a later run's (model, M) points replace those points' records in the runs before it, and its M may
-be any of the first run's (a merged table given first, refreshed where a change moved it:
-``merge_results.py --replace --out T.json T.json new_points.json``). Records are put in
-``moelora.bench.MODELS`` order, then M; the metadata is the first run's, its date replaced by every run's
-date range and ``--note`` (and each run's date, with the M it gave where not all) kept under ``args.note``.
+machine, each over some of the models or some of the M with the same settings. The runs must be of one
+device and one set of settings (ranks, adapters, popularity, paths, dtype, timer) and must not repeat a
+(model, M) point, unless ``--replace``: then a later run's points replace those points' records in the runs
+before it (a merged table given first, refreshed where a change moved it: ``merge_results.py --replace
+--out T.json T.json new_points.json``). The table's M are every run's, and every model must have all of
+them: a table has no holes. Records are put in ``moelora.bench.MODELS`` order, then M; the metadata is the
+first run's, its date replaced by every run's date range and ``--note`` (and each run's date, with the M it
+gave where not all) kept under ``args.note``.
 """
 
 from __future__ import annotations
@@ -27,17 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moelora.bench import MODELS, markdown_table, plot_overhead  # noqa: E402
 
 # Settings that must agree between the runs merged into one table.
-_SAME_SETTINGS = ("ranks", "adapters", "popularity", "paths", "M", "dtype", "warmup_ms", "rep_ms")
+_SAME_SETTINGS = ("ranks", "adapters", "popularity", "paths", "dtype", "warmup_ms", "rep_ms")
 
 
 def merge_runs(runs: list[dict[str, Any]], note: str = "", replace: bool = False) -> dict[str, Any]:
     """One table from several runs (each a ``moelora bench`` JSON as loaded); raises ValueError where they
-    differ in device or settings, or measure a model twice (with ``replace``, a (model, M) point in
-    several runs keeps the last run's records; a later run may measure fewer M)."""
+    differ in device or settings, measure a (model, M) point twice (with ``replace``, the last run's
+    records of it are kept) or leave a model without one of the table's M."""
     if not runs:
         raise ValueError("nothing to merge: give at least one run")
     first = runs[0]
-    all_m = first["resolved"].get("M")
+    all_m = sorted({m for run in runs for m in run["resolved"].get("M") or []}) or None
     if replace:
         runs = _latest_run_per_point(runs)
     seen: dict[tuple[str, int], str] = {}
@@ -46,15 +47,18 @@ def merge_runs(runs: list[dict[str, Any]], note: str = "", replace: bool = False
             raise ValueError(f"runs of different devices: {first['device']!r} and {run['device']!r}")
         for key in _SAME_SETTINGS:
             ours, theirs = run["resolved"].get(key), first["resolved"].get(key)
-            if replace and key == "M" and set(ours) <= set(theirs):
-                continue
             if ours != theirs:
                 raise ValueError(f"runs with different {key}: {theirs!r} and {ours!r} "
                                  f"({first['date']} / {run['date']})")
-        for point in {(r["model"], r["M"]) for r in run["records"]}:
+        for point in sorted({(r["model"], r["M"]) for r in run["records"]}):  # the message names the first
             if point in seen:
-                raise ValueError(f"model {point[0]} is in two runs ({seen[point]} and {run['date']})")
+                raise ValueError(f"{point[0]} M={point[1]} is in two runs ({seen[point]} and {run['date']})")
             seen[point] = run["date"]
+    for model in sorted({model for model, _ in seen}):
+        missing = [m for m in all_m or [] if (model, m) not in seen]
+        if missing:
+            raise ValueError(f"{model} has no M={'/'.join(map(str, missing))} in any run, which the table's "
+                             f"other runs have: run it there too (a table has no holes)")
     order = {name: i for i, name in enumerate(MODELS)}
 
     def place(name: str) -> int:  # MODELS order; a model of a --config file after them
@@ -69,7 +73,7 @@ def merge_runs(runs: list[dict[str, Any]], note: str = "", replace: bool = False
     runs_note = "; ".join(f"{_run_points(run, all_m, place)} {run['date']}" for run in runs)
     merged["args"] = dict(first["args"], note=f"{note}: {runs_note}" if note else runs_note)
     models = {m["name"]: m for run in runs for m in run["resolved"]["models"]}
-    merged["resolved"] = dict(first["resolved"],
+    merged["resolved"] = dict(first["resolved"], M=all_m,
                               models=sorted(models.values(), key=lambda m: place(m["name"])))
     return dict(merged, records=records)
 
@@ -88,15 +92,18 @@ def _latest_run_per_point(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _run_points(run: dict[str, Any], all_m: list[int] | None, place: Callable[[str], int]) -> str:
-    """"model, model" for a run's models, each with "M=a/b" where the run gave it fewer than all M."""
+    """"model, model" for a run's models, models of the same M together, each group followed by "M=a/b"
+    where the run gave it fewer than all M."""
     by_model: dict[str, set[int]] = {}
     for r in run["records"]:
         by_model.setdefault(r["model"], set()).add(r["M"])
-    parts = []
+    groups: dict[tuple[int, ...], list[str]] = {}
     for model in sorted(by_model, key=place):
-        m_values = sorted(by_model[model])
+        groups.setdefault(tuple(sorted(by_model[model])), []).append(model)
+    parts = []
+    for m_values, models in groups.items():
         partial = all_m is not None and set(m_values) != set(all_m)
-        parts.append(f"{model} M={'/'.join(map(str, m_values))}" if partial else model)
+        parts.append(", ".join(models) + (f" M={'/'.join(map(str, m_values))}" if partial else ""))
     return ", ".join(parts)
 
 
@@ -118,8 +125,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="merged JSON (markdown and PNG beside it)")
     parser.add_argument("--note", default="", help="provenance kept in the table (commit, machine)")
     parser.add_argument("--replace", action="store_true",
-                        help="a (model, M) point in several runs: keep the last run's records of it, which "
-                             "may cover fewer M (refresh a table)")
+                        help="a (model, M) point in several runs: keep the last run's records of it "
+                             "(refresh a table)")
     args = parser.parse_args()
     try:
         table = merge_runs([json.loads(path.read_text()) for path in args.runs], args.note, args.replace)

@@ -255,7 +255,7 @@ def test_merge_results_keeps_model_order_and_provenance(tmp_path):
 
 @pytest.mark.parametrize(
     "second, message",
-    [(_run("d2", ["qwen3-30b-a3b"]), "model qwen3-30b-a3b is in two runs"),
+    [(_run("d2", ["qwen3-30b-a3b"]), "qwen3-30b-a3b M=1 is in two runs"),
      (_run("d2", ["deepseek-v2"], ranks=(16,)), "runs with different ranks"),
      (dict(_run("d2", ["deepseek-v2"]), device="GPU Y"), "runs of different devices")],
     ids=["same-model", "other-ranks", "other-device"])
@@ -290,13 +290,13 @@ def test_merge_results_replace_refreshes_one_model():
     assert refreshed["args"]["note"].endswith("qwen3-30b-a3b d3")
     assert "deepseek-v2-lite, mixtral-8x7b d1 to d2" in refreshed["args"]["note"]
     # Without replace the same runs still refuse to merge.
-    with pytest.raises(ValueError, match="model qwen3-30b-a3b is in two runs"):
+    with pytest.raises(ValueError, match="qwen3-30b-a3b M=1 is in two runs"):
         merge_runs([table, fresh])
 
 
 def test_merge_results_replace_one_point():
     """A later run over fewer M replaces only those (model, M) points; the table keeps M order within each
-    model and the note names the M the run gave. Without replace the narrower M is refused."""
+    model and the note names the M the run gave. Without replace the repeated point is refused."""
     merge_runs = _merge_results().merge_runs
 
     table = merge_runs([_run("d1", ["deepseek-v2-lite", "qwen3-30b-a3b"])])
@@ -312,8 +312,32 @@ def test_merge_results_replace_one_point():
     assert [m["name"] for m in refreshed["resolved"]["models"]] == ["deepseek-v2-lite", "qwen3-30b-a3b"]
     # d1 keeps only M=1 of Qwen3 now, and the note says so
     assert refreshed["args"]["note"] == "deepseek-v2-lite, qwen3-30b-a3b M=1 d1; qwen3-30b-a3b M=16 d3"
-    with pytest.raises(ValueError, match="runs with different M"):
+    with pytest.raises(ValueError, match="qwen3-30b-a3b M=16 is in two runs"):
         merge_runs([table, fresh])
-    fresh["resolved"]["M"] = [16, 4096]  # an M the table does not have is refused even with replace
-    with pytest.raises(ValueError, match="runs with different M"):
+    # An M the table does not have, for one model only, would leave a hole: refused even with replace.
+    fresh["resolved"]["M"] = [16, 4096]
+    fresh["records"].append(dict(fresh["records"][0], M=4096))
+    with pytest.raises(ValueError, match="deepseek-v2-lite has no M=4096 in any run"):
         merge_runs([table, fresh], replace=True)
+
+
+def test_merge_results_runs_split_by_m():
+    """A table taken in two runs over the same models, small M then large M (one device call holds
+    neither whole), merges into one table of every M, each model's points in M order; a model missing
+    from one of the runs would leave holes and is refused."""
+    merge_runs = _merge_results().merge_runs
+
+    small = _run("d1", ["qwen3-30b-a3b", "deepseek-v2-lite"])
+    large = _run("d2", ["deepseek-v2-lite", "qwen3-30b-a3b"])
+    large["resolved"]["M"] = [1024, 4096]
+    large["records"] = [dict(r, M={1: 1024, 16: 4096}[r["M"]]) for r in large["records"]]
+    merged = merge_runs([small, large], "at abc")
+
+    assert merged["resolved"]["M"] == [1, 16, 1024, 4096]
+    assert [(r["model"], r["M"]) for r in merged["records"]] == [
+        (model, m) for model in ("deepseek-v2-lite", "qwen3-30b-a3b") for m in (1, 16, 1024, 4096)]
+    assert merged["args"]["note"] == (
+        "at abc: deepseek-v2-lite, qwen3-30b-a3b M=1/16 d1; deepseek-v2-lite, qwen3-30b-a3b M=1024/4096 d2")
+    large["records"] = [r for r in large["records"] if r["model"] == "qwen3-30b-a3b"]
+    with pytest.raises(ValueError, match="deepseek-v2-lite has no M=1024/4096 in any run"):
+        merge_runs([small, large])
