@@ -574,8 +574,8 @@ def test_slot_program_shrink_plan(monkeypatch, ranks):
 @interpreter
 def test_slot_program_shrink_rule(monkeypatch):
     """A program per slot from four adapters on, short of Mixtral's K, over the one pass only for fewer
-    pairs; the switch forces it for any known adapter count, and ``moe_lora_a`` refuses it beside a split of
-    K or without the adapter count."""
+    pairs and from five adapters; the switch forces it for any known adapter count, and ``moe_lora_a``
+    refuses it beside a split of K or without the adapter count."""
     many = fe.SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS
 
     def rule(adapters, longest_k=7168, pairs=384, one_pass=False):  # DeepSeek-V3's hidden size; M=64
@@ -583,8 +583,11 @@ def test_slot_program_shrink_rule(monkeypatch):
 
     few = fe.SLOT_PROGRAM_SHRINK_MIN_ADAPTERS - 1
     assert rule(few + 1) and rule(8) and rule(4, pairs=4 * many)  # in place of split K at any pairs
-    assert rule(4, pairs=many - 1, one_pass=True)  # M=256 of DeepSeek-V2-Lite: over the one pass too
-    assert not rule(4, pairs=many, one_pass=True)  # from M=256 of Qwen3-30B-A3B on, the one pass stays
+    # M=256 of DeepSeek-V2-Lite (1536 pairs): over the one pass from five adapters, four keep the one pass
+    assert rule(5, pairs=many - 1, one_pass=True) and rule(8, pairs=many - 1, one_pass=True)
+    assert not rule(4, pairs=many - 1, one_pass=True)
+    assert rule(4, pairs=many - 1)  # where the one pass does not hold, four already take it
+    assert not rule(8, pairs=many, one_pass=True)  # from M=256 of Qwen3-30B-A3B on, the one pass stays
     assert not rule(few) and not rule(1) and not rule(0)
     assert not rule(8, longest_k=14336)  # Mixtral-8x7B's intermediate size
     monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "1")

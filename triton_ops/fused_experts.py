@@ -142,6 +142,7 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
 # and where it would walk K in one pass (``one_split_shrink``) below the second count of routed pairs.
 SLOT_PROGRAM_SHRINK_MIN_ADAPTERS = 4
 SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS = 2048
+SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS = 5
 
 
 def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass: bool) -> bool:
@@ -151,7 +152,8 @@ def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass:
     block's slots: about as many programs as the split with several adapters (the one pass's times the
     slots), and no split-sum launch after it, so the GEMM overlaps it directly. From
     ``SLOT_PROGRAM_SHRINK_MIN_ADAPTERS`` adapters, over the one pass only below
-    ``SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS`` pairs, while neither shrink's K (``longest_k``) reaches
+    ``SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS`` pairs and from ``SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS``
+    adapters, while neither shrink's K (``longest_k``) reaches
     ``LONG_K_SLOT_GROUP_MIN_K`` (Mixtral-8x7B's 14336 was not measured; one program walking it alone is
     what cost the one-pass rule there).
 
@@ -164,12 +166,20 @@ def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass:
     (1536 pairs) +9.8 -> +8.3 % / +20.2 -> +17.7 % (again: +9.7 -> +8.5 % / +20.2 -> +18.1 %), DeepSeek-V2
     (1536) +6.4 -> +6.3 % / +10.2 -> +9.8 %, Qwen3-30B-A3B (2048) +14.2 -> +14.3 % / +24.9 -> +24.7 %; but
     M=1024 DeepSeek-V2-Lite +13.5 -> +18.3 % / +28.8 -> +34.0 %, Qwen3-30B-A3B +17.4 ->
-    +22.3 % / +34.0 -> +43.1 %, and M=4096 lost 2-6 points too. Fewer adapters were not measured (one
+    +22.3 % / +34.0 -> +43.1 %, and M=4096 lost 2-6 points too. At 9fc9df9 four adapters over the one pass
+    lost instead (what moved it since 69ffc4c was not found; 427ced8 touched the slot programs): M=256
+    DeepSeek-V2-Lite rank 16, one pass -> a program per slot, 4 / 5 / 6 / 8 adapters (5 rounds) +9.6 ->
+    +10.4 % / +16.6 -> +14.0 % / +17.9 -> +16.2 % / +20.1 -> +19.0 %; DeepSeek-V2 +6.4 -> +6.4 % / +7.8 ->
+    +7.5 % / +8.8 -> +8.5 % / +10.2 -> +10.1 %: so over the one pass from five adapters. (Rank 64 with four
+    adapters, four passes, has no one pass below 4096 pairs: split K -> a program per slot, DeepSeek-V2-Lite
+    +34.8 -> +34.5 %, DeepSeek-V2 +24.5 -> +23.9 %.) Fewer adapters were not measured (one
     adapter would get a program per block walking all of K: the loss ``one_split_shrink`` records at M=64).
     ``MOELORA_SLOT_PROGRAM_SHRINK=0`` / ``=1`` forces it off or on (for any known adapter count; on, over the
     one pass too)."""
+    over_one_pass = (pairs < SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS
+                     and num_adapters >= SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS)
     usual = (num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS and longest_k < LONG_K_SLOT_GROUP_MIN_K
-             and (not one_pass or pairs < SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS))
+             and (not one_pass or over_one_pass))
     return num_adapters >= 1 and env_switch("MOELORA_SLOT_PROGRAM_SHRINK", default=usual)
 
 
