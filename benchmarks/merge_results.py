@@ -1,17 +1,17 @@
-"""Merge runs of ``moelora bench`` over different models into one table (JSON + markdown + PNG).
+"""Merge runs of ``moelora bench`` over different models or M into one table (JSON + markdown + PNG).
 
     python benchmarks/merge_results.py --out benchmarks/results/bench_lora_NVIDIA_H100.json \
         run_small_models.json run_big_models.json --note "two runs on one machine"
 
 One call of the device tool runs at most 10 minutes, so a full table is taken in several runs on one
 machine, each over some of the models or some of the M with the same settings. The runs must be of one
-device and one set of settings (ranks, adapters, popularity, paths, dtype, timer) and must not repeat a
-(model, M) point, unless ``--replace``: then a later run's points replace those points' records in the runs
-before it (a merged table given first, refreshed where a change moved it: ``merge_results.py --replace
---out T.json T.json new_points.json``). The table's M are every run's, and every model must have all of
-them: a table has no holes. Records are put in ``moelora.bench.MODELS`` order, then M; the metadata is the
-first run's, its date replaced by every run's date range and ``--note`` (and each run's date, with the M it
-gave where not all) kept under ``args.note``.
+device and one set of settings (ranks, adapters, popularity, paths, dtype, timer, rounds) and must not
+repeat a (model, M) point, unless ``--replace``: then a later run's points replace those points' records in
+the runs before it (a merged table given first, refreshed where a change moved it: ``merge_results.py
+--replace --out T.json T.json new_points.json``). The table's M are every run's, and every model must have
+all of them: a table has no holes. Records are put in ``moelora.bench.MODELS`` order, then M; the metadata
+is the first run's, its date replaced by every run's date range and ``--note`` (and each run's date, with
+the M it gave where not all) kept under ``args.note``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moelora.bench import MODELS, markdown_table, plot_overhead  # noqa: E402
 
 # Settings that must agree between the runs merged into one table.
-_SAME_SETTINGS = ("ranks", "adapters", "popularity", "paths", "dtype", "warmup_ms", "rep_ms")
+_SAME_SETTINGS = ("ranks", "adapters", "popularity", "paths", "dtype", "warmup_ms", "rep_ms", "rounds")
+# A setting older runs did not record, and the value they ran with.
+_SETTING_DEFAULTS = {"rounds": 1}
 
 
 def merge_runs(runs: list[dict[str, Any]], note: str = "", replace: bool = False) -> dict[str, Any]:
@@ -46,7 +48,8 @@ def merge_runs(runs: list[dict[str, Any]], note: str = "", replace: bool = False
         if run["device"] != first["device"]:
             raise ValueError(f"runs of different devices: {first['device']!r} and {run['device']!r}")
         for key in _SAME_SETTINGS:
-            ours, theirs = run["resolved"].get(key), first["resolved"].get(key)
+            default = _SETTING_DEFAULTS.get(key)
+            ours, theirs = run["resolved"].get(key, default), first["resolved"].get(key, default)
             if ours != theirs:
                 raise ValueError(f"runs with different {key}: {theirs!r} and {ours!r} "
                                  f"({first['date']} / {run['date']})")

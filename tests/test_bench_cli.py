@@ -223,12 +223,16 @@ def _merge_results():
     return module
 
 
-def _run(date, models, ranks=(16, 64)):
-    """A minimal ``moelora bench`` JSON of one run over ``models``."""
+def _run(date, models, ranks=(16, 64), rounds=None):
+    """A minimal ``moelora bench`` JSON of one run over ``models`` (``rounds`` None: a run made before
+    ``--rounds``, which did not record it)."""
+    resolved = {"models": [{"name": m} for m in models], "ranks": list(ranks), "adapters": [1, 4],
+                "popularity": ["uniform"], "paths": ["base", "auto"], "M": [1, 16], "dtype": "bf16",
+                "warmup_ms": 25.0, "rep_ms": 100.0}
+    if rounds is not None:
+        resolved["rounds"] = rounds
     return {"device": "GPU X", "date": date, "timing": "t", "args": {"ranks": list(ranks)},
-            "resolved": {"models": [{"name": m} for m in models], "ranks": list(ranks), "adapters": [1, 4],
-                         "popularity": ["uniform"], "paths": ["base", "auto"], "M": [1, 16], "dtype": "bf16",
-                         "warmup_ms": 25.0, "rep_ms": 100.0},
+            "resolved": resolved,
             "records": [{"model": m, "M": mm, "rank": 16, "n_adapters": 1, "popularity": "uniform",
                          "path": "auto", "base_us": 10.0, "base_lora_us": 11.0, "overhead": 0.1, "tbps": 1.0,
                          "pct_hbm_peak": 30.0, "tflops": 1.0, "pct_tc_peak": 0.1}
@@ -257,8 +261,10 @@ def test_merge_results_keeps_model_order_and_provenance(tmp_path):
     "second, message",
     [(_run("d2", ["qwen3-30b-a3b"]), "qwen3-30b-a3b M=1 is in two runs"),
      (_run("d2", ["deepseek-v2"], ranks=(16,)), "runs with different ranks"),
-     (dict(_run("d2", ["deepseek-v2"]), device="GPU Y"), "runs of different devices")],
-    ids=["same-model", "other-ranks", "other-device"])
+     (dict(_run("d2", ["deepseek-v2"]), device="GPU Y"), "runs of different devices"),
+     # a run without "rounds" (before --rounds) ran one round a point
+     (_run("d2", ["deepseek-v2"], rounds=3), "runs with different rounds: 1 and 3")],
+    ids=["same-model", "other-ranks", "other-device", "other-rounds"])
 def test_merge_results_refuses_runs_that_do_not_fit(second, message):
     merge_runs = _merge_results().merge_runs
 
