@@ -55,13 +55,13 @@ def make_proj(rank, in_features, out_features, scaling, dtype=F64, amp=1.0):
     return LoRAProjection(a=a, b=b, scaling=scaling)
 
 
-def make_adapter(ranks, experts=range(E), scaling=0.5, modules=("gate", "up", "down"), amp=1.0):
+def make_adapter(ranks, experts=range(E), scaling=0.5, modules=("gate", "up", "down"), amp=1.0, dtype=F64):
     """ranks: dict module -> rank (per-module ranks, like PEFT's rank_pattern)."""
     lora = ReferenceLoRA()
     dims = {"gate": (H, I), "up": (H, I), "down": (I, H)}
     for mod in modules:
         for e in experts:
-            getattr(lora, mod)[e] = make_proj(ranks[mod], *dims[mod], scaling, amp=amp)
+            getattr(lora, mod)[e] = make_proj(ranks[mod], *dims[mod], scaling, dtype=dtype, amp=amp)
     return lora
 
 
@@ -492,15 +492,11 @@ def test_grouped_oracle_matches_reference(dtype, rsf, on_input, activation):
     weights, ids = make_routing(m=m, experts=E - 1, top_k=top_k, dtype=dtype)
     ids[2, 1] = -1  # an expert filtered out (expert parallelism): contributes zeros
     adapters = [
-        make_adapter({"gate": 3, "up": 5, "down": 2}),  # per-module ranks
+        make_adapter({"gate": 3, "up": 5, "down": 2}, dtype=dtype),  # per-module ranks
         None,  # a slot without weights: like no adapter
-        make_adapter({"gate": 7, "up": 7, "down": 7}, experts=(0, 2, 3), modules=("gate", "down")),
+        make_adapter({"gate": 7, "up": 7, "down": 7}, experts=(0, 2, 3), modules=("gate", "down"),
+                     dtype=dtype),
     ]
-    adapters = [a if a is None else ReferenceLoRA(
-        gate={e: LoRAProjection(p.a.to(dtype), p.b.to(dtype), p.scaling) for e, p in a.gate.items()},
-        up={e: LoRAProjection(p.a.to(dtype), p.b.to(dtype), p.scaling) for e, p in a.up.items()},
-        down={e: LoRAProjection(p.a.to(dtype), p.b.to(dtype), p.scaling) for e, p in a.down.items()},
-    ) for a in adapters]
     token_adapter = [0, -1, 2, 1, 0, 2, 2, -1, 0, 1, 2, 0, 2]
     kw = dict(adapters=adapters, token_adapter=token_adapter, routed_scaling_factor=rsf,
               apply_router_weight_on_input=on_input, activation=activation)
