@@ -922,6 +922,19 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
 
 # (E, top_k, H, I) for the overlap test: two model shapes, and a small one whose GEMM1 K-loop (256 columns)
 # is about as short as the shrink, so a GEMM1 that read the partials before they were written would do so.
+def test_one_token_dependent_gemm2_switch(monkeypatch):
+    """``MOELORA_ONE_TOKEN_DEPENDENT_GEMM2`` defaults to on where dependent launch exists (never on the CPU
+    or in the interpreter, where ``invoke_fused_moe_kernel(dependent=True)`` launches plainly); a value
+    other than 0/1 is refused by name."""
+    from triton_ops.pdl import one_token_dependent_gemm2
+
+    monkeypatch.delenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", raising=False)
+    assert not one_token_dependent_gemm2(torch.device("cpu"))
+    monkeypatch.setenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", "2")
+    with pytest.raises(ValueError, match="MOELORA_ONE_TOKEN_DEPENDENT_GEMM2"):
+        one_token_dependent_gemm2(torch.device("cpu"))
+
+
 # Mixtral-8x7B and "small-gemv" (rank 64 over at least 33 GEMM1 N tiles, whatever the default tile) have a
 # down-shrink launch of their own, which GEMM2 overlaps the same way.
 OVERLAP_SHAPES = dict(GPU_SHAPES, small=(16, 4, 256, 128), **{"small-gemv": (16, 4, 256, 4160)})
@@ -935,7 +948,9 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
     """One token with an adapter: GEMM1 launched dependently on the gate/up shrink (waiting for it after
     its K-loop), and GEMM2 on the down shrink where that is a launch, give bit for bit what the plain
     launches give, in replays with new x, routing and adapter slot each time (a replay that read the last
-    replay's partials would differ); also with every launch dependent (``MOELORA_PDL=1``)."""
+    replay's partials would differ); also with every launch dependent (``MOELORA_PDL=1``). GEMM2 is
+    launched dependently on GEMM1 in the graph (``one_token_dependent_gemm2``), plainly in the eager
+    call."""
     from triton_ops.pdl import dependent_launch_supported
 
     if not dependent_launch_supported(torch.device("cuda")):
@@ -946,11 +961,12 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
     ranks = dict(ranks=(40, 64), pool_rank=64) if name == "small-gemv" else {}
     lora, _, _ = lora_inputs(1, num_experts, hidden, inter, BF16, seed=5, device="cuda", **ranks)
     down_gemv = name in DOWN_GEMV_SHAPES
-    late_waits = []
+    late_waits, dependents = [], []
     invoke = fe.invoke_fused_moe_kernel
 
     def spied_invoke(*args, **kwargs):
         late_waits.append(kwargs.get("late_wait", False))
+        dependents.append(kwargs.get("dependent", False))
         return invoke(*args, **kwargs)
 
     monkeypatch.setattr(fe, "invoke_fused_moe_kernel", spied_invoke)
@@ -959,8 +975,10 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
 
     monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+    monkeypatch.delenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", raising=False)
     graph, graph_out = captured(layer)
     assert late_waits[-2:] == [True, down_gemv], "GEMM1 must wait late, GEMM2 only after a down-shrink launch"
+    assert dependents[-1], "GEMM2 of one token with an adapter is launched dependently by default"
     gen = torch.Generator("cuda").manual_seed(9)
     for step in range(12):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
@@ -970,9 +988,11 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         graph.replay()
         torch.cuda.synchronize()
         monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "0")
+        monkeypatch.setenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", "0")
         eager = layer()
-        assert late_waits[-2:] == [False, False]
+        assert late_waits[-2:] == [False, False] and not dependents[-1]
         monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+        monkeypatch.delenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2")
         assert torch.isfinite(eager).all()
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
 

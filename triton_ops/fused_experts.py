@@ -49,7 +49,7 @@ from triton_ops.moe_lora import (
     shrink_row_programs,
 )
 from triton_ops.moe_sum import moe_sum_reduce
-from triton_ops.pdl import decode_shrink_overlap, prefill_shrink_overlap
+from triton_ops.pdl import decode_shrink_overlap, one_token_dependent_gemm2, prefill_shrink_overlap
 from triton_ops.shrink_reduce import pack_shrink_partials, reduce_shrink_splits, reduce_splits_pays
 
 LORA_PATHS = ("fused", "split", "staged")
@@ -551,6 +551,7 @@ def fused_experts(
             lora=None if staged else gemm2_lora,
             topk_sum=topk_sum,
             late_wait=(down_launch_direct and overlap) or gemm2_late_wait,
+            dependent=split and direct and one_token_dependent_gemm2(x.device),
             **align,
         )
         if pair_out is not None and topk_sum is None:

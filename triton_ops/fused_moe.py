@@ -71,6 +71,7 @@ from triton_ops.lora_tiles import (
 )
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
+    dependent_launch_supported,
     programmatic_launch,
     require_dependent_launch,
     wait_for_previous_kernel,
@@ -887,6 +888,7 @@ def invoke_fused_moe_kernel(
     zero_counters: TopkSumOperands | None = None,
     topk_sum: TopkSumOperands | None = None,
     late_wait: bool = False,
+    dependent: bool = False,
 ) -> None:
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
     gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync.
@@ -899,7 +901,10 @@ def invoke_fused_moe_kernel(
     scheduled early (``decode_shrink_overlap``, ``prefill_shrink_overlap``); this launch is dependent and
     waits for it only after its K-loop. Everything else it reads (the alignment, ``a``) must have been
     complete before that launch started (a plain launch after its writer), so only the precomputed shrink
-    partials are read after the wait."""
+    partials are read after the wait.
+
+    ``dependent`` (sm_90+, ignored elsewhere): launched dependently whatever ``MOELORA_PDL`` says, waiting
+    for the launch before it as its first instruction (``one_token_dependent_gemm2``)."""
     numel = c.shape[0]
     if direct_ids is None and (sorted_ids is None or expert_ids is None or num_post_padded is None):
         raise ValueError("pass the alignment (sorted_ids, expert_ids, num_post_padded) or direct_ids")
@@ -1064,7 +1069,9 @@ def invoke_fused_moe_kernel(
         COUNTERS_BLOCK=triton.next_power_of_2(max(16, num_counters)),
         FUSED_SUM=topk_sum is not None,
         SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
-        **({"LATE_WAIT": True, "launch_pdl": True} if late_wait else programmatic_launch(a.device)),
+        **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
+           else {"USE_PDL": True, "launch_pdl": True} if dependent and dependent_launch_supported(a.device)
+           else programmatic_launch(a.device)),
         LORA_EXT=ext,
         LORA_EXT_K=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
         LORA_EXT_STAGES=lora_ext_stages() if ext else 1,

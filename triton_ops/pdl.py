@@ -87,6 +87,21 @@ def prefill_shrink_overlap(device: torch.device) -> bool:
     return env_switch("MOELORA_PREFILL_SHRINK_OVERLAP", default=True) and dependent_launch_supported(device)
 
 
+def one_token_dependent_gemm2(device: torch.device) -> bool:
+    """Whether one decode token's GEMM2 with adapters is launched dependently (waiting for GEMM1 as its
+    first instruction, ``invoke_fused_moe_kernel(dependent=True)``), so its launch is not a gap after
+    GEMM1 ends. Same bits as the plain launch (GPU test over graph replays). H100, interleaved A/B
+    (``benchmarks/ab_env.py``, 3 rounds), M=1, off -> on, time on / off, 1 / 4 adapters: rank 16
+    DeepSeek-V2-Lite 0.991 / 0.987 (+13.3 -> +12.2 %), Qwen3-30B-A3B 0.987 / 0.991 (+9.4 -> +8.0 %),
+    DeepSeek-V2 0.996 / 0.994, DeepSeek-V3 and Mixtral-8x7B 0.999-1.000; rank 64 0.988-1.000. It is part of
+    what ``MOELORA_PDL=1`` gains for the LoRA layer (M=1 rank 16, that switch on: H100 0.978-1.001,
+    H200 0.974-1.000), which for the base layer went both ways (M=1: H100 DeepSeek-V2-Lite 1.015,
+    Qwen3-30B-A3B 0.981, Mixtral-8x7B 1.017; H200 0.986, 1.016, 1.000), so that switch stays off.
+    On by default where dependent launch exists; ``MOELORA_ONE_TOKEN_DEPENDENT_GEMM2=0`` turns it off."""
+    return (env_switch("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", default=True)
+            and dependent_launch_supported(device))
+
+
 def releasing_launch(device: torch.device, release_next: bool) -> dict:
     """Keyword arguments for a launch of a kernel whose ``USE_PDL`` prologue waits for the kernel before
     it and then releases the next (``wait_for_previous_kernel``): ``programmatic_launch``'s, plus the
