@@ -93,10 +93,12 @@ def one_token_dependent_gemm2(device: torch.device) -> bool:
     GEMM1 ends. Same bits as the plain launch (GPU test over graph replays). H100, interleaved A/B
     (``benchmarks/ab_env.py``, 3 rounds), M=1, off -> on, time on / off, 1 / 4 adapters: rank 16
     DeepSeek-V2-Lite 0.991 / 0.987 (+13.3 -> +12.2 %), Qwen3-30B-A3B 0.987 / 0.991 (+9.4 -> +8.0 %),
-    DeepSeek-V2 0.996 / 0.994, DeepSeek-V3 and Mixtral-8x7B 0.999-1.000; rank 64 0.988-1.000. It is part of
-    what ``MOELORA_PDL=1`` gains for the LoRA layer (M=1 rank 16, that switch on: H100 0.978-1.001,
-    H200 0.974-1.000), which for the base layer went both ways (M=1: H100 DeepSeek-V2-Lite 1.015,
-    Qwen3-30B-A3B 0.981, Mixtral-8x7B 1.017; H200 0.986, 1.016, 1.000), so that switch stays off.
+    DeepSeek-V2 0.996 / 0.994, DeepSeek-V3 and Mixtral-8x7B 0.999-1.000; rank 64 0.988-1.000. H200 the same:
+    rank 16 DeepSeek-V2-Lite 0.983 / 0.985, Qwen3-30B-A3B 0.978 / 0.990, DeepSeek-V2 0.990 / 0.997,
+    DeepSeek-V3 and Mixtral-8x7B 0.999-1.001; rank 64 0.978-1.006 (DeepSeek-V2-Lite, one adapter).
+    It is part of what ``MOELORA_PDL=1`` gains for the LoRA layer (M=1 rank 16, that switch on: H100
+    0.978-1.001, H200 0.974-1.000), which for the base layer went both ways (M=1: H100 DeepSeek-V2-Lite
+    1.015, Qwen3-30B-A3B 0.981, Mixtral-8x7B 1.017; H200 0.986, 1.016, 1.000), so that switch stays off.
     On by default where dependent launch exists; ``MOELORA_ONE_TOKEN_DEPENDENT_GEMM2=0`` turns it off."""
     return (env_switch("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", default=True)
             and dependent_launch_supported(device))
