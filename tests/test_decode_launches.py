@@ -920,8 +920,6 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
         assert torch.equal(graph_out, eager), f"replay with routing seed {seed} differs"
 
 
-# (E, top_k, H, I) for the overlap test: two model shapes, and a small one whose GEMM1 K-loop (256 columns)
-# is about as short as the shrink, so a GEMM1 that read the partials before they were written would do so.
 def test_one_token_dependent_gemm2_switch(monkeypatch):
     """``MOELORA_ONE_TOKEN_DEPENDENT_GEMM2`` defaults to on where dependent launch exists (never on the CPU
     or in the interpreter, where ``invoke_fused_moe_kernel(dependent=True)`` launches plainly); a value
@@ -935,6 +933,8 @@ def test_one_token_dependent_gemm2_switch(monkeypatch):
         one_token_dependent_gemm2(torch.device("cpu"))
 
 
+# (E, top_k, H, I) for the overlap test: two model shapes, and a small one whose GEMM1 K-loop (256 columns)
+# is about as short as the shrink, so a GEMM1 that read the partials before they were written would do so.
 # Mixtral-8x7B and "small-gemv" (rank 64 over at least 33 GEMM1 N tiles, whatever the default tile) have a
 # down-shrink launch of their own, which GEMM2 overlaps the same way.
 OVERLAP_SHAPES = dict(GPU_SHAPES, small=(16, 4, 256, 128), **{"small-gemv": (16, 4, 256, 4160)})

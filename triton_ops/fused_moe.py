@@ -71,7 +71,6 @@ from triton_ops.lora_tiles import (
 )
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
-    dependent_launch_supported,
     programmatic_launch,
     require_dependent_launch,
     wait_for_previous_kernel,
@@ -1070,8 +1069,7 @@ def invoke_fused_moe_kernel(
         FUSED_SUM=topk_sum is not None,
         SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
-           else {"USE_PDL": True, "launch_pdl": True} if dependent and dependent_launch_supported(a.device)
-           else programmatic_launch(a.device)),
+           else programmatic_launch(a.device, always=dependent)),
         LORA_EXT=ext,
         LORA_EXT_K=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
         LORA_EXT_STAGES=lora_ext_stages() if ext else 1,

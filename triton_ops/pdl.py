@@ -111,10 +111,11 @@ def releasing_launch(device: torch.device, release_next: bool) -> dict:
     return programmatic_launch(device) | ({"USE_PDL": True} if release_next else {})
 
 
-def programmatic_launch(device: torch.device) -> dict:
+def programmatic_launch(device: torch.device, *, always: bool = False) -> dict:
     """Keyword arguments for a launch with PDL: ``{"USE_PDL": True, "launch_pdl": True}`` with
-    ``MOELORA_PDL=1`` on an sm_90+ GPU, else ``{}``. Off by default until it is measured on the device
-    (``benchmarks/ab_env.py --env MOELORA_PDL=1``)."""
-    if not env_switch("MOELORA_PDL", default=False) or not dependent_launch_supported(device):
+    ``MOELORA_PDL=1`` (or ``always``: a launch whose own rule says so) on an sm_90+ GPU, else ``{}``.
+    ``MOELORA_PDL`` is off by default until it is measured on the device (``benchmarks/ab_env.py --env
+    MOELORA_PDL=1``)."""
+    if not (always or env_switch("MOELORA_PDL", default=False)) or not dependent_launch_supported(device):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}
