@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +41,7 @@ from moelora.bench import (  # noqa: E402
 )
 from triton_ops.configs import GemmConfig, MoEConfig, get_moe_config  # noqa: E402
 from triton_ops.fused_experts import fused_experts  # noqa: E402
+from triton_ops.fused_moe import lora_rank_block  # noqa: E402
 
 # (GEMM1 tiles, GEMM2 tiles) per regime, as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
 DECODE_SIZED = (  # M <= 128: 16-row blocks, few pairs per expert
@@ -66,12 +68,29 @@ def _label(gemm: str, tile: GemmConfig) -> str:
     return f"{gemm} {tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
 
 
-def candidate_configs(num_tokens: int, current: MoEConfig) -> dict[str, MoEConfig]:
+def parse_tile(text: str) -> tuple[int, int, int, int, int]:
+    """``16x128x128w4s3`` as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"a tile is BMxBNxBKwWsS (e.g. 16x128x128w4s3), got {text!r}")
+    return tuple(int(group) for group in match.groups())  # type: ignore[return-value]
+
+
+def candidate_configs(num_tokens: int, current: MoEConfig,
+                      tiles: tuple[list, list] | None = None,
+                      pairs: list[tuple[tuple, tuple]] = ()) -> dict[str, MoEConfig]:
     """The current tiles ("current") and every candidate that differs from them, by label. GEMM_SIZE_M
-    stays the current one's; both GEMMs of a candidate share its BLOCK_M."""
-    gemm1_tiles, gemm2_tiles = (DECODE_SIZED if num_tokens <= 128 else
-                                SMALL_PREFILL if num_tokens <= 512 else PREFILL)
+    stays the current one's; both GEMMs of a candidate share its BLOCK_M. ``tiles`` replaces the regime's
+    (GEMM1, GEMM2) candidate lists; ``pairs`` adds candidates that change both GEMMs at once."""
+    gemm1_tiles, gemm2_tiles = tiles or (DECODE_SIZED if num_tokens <= 128 else
+                                         SMALL_PREFILL if num_tokens <= 512 else PREFILL)
     out = {"current": current}
+    for (bm, bn, bk, warps, stages), (bm2, bn2, bk2, warps2, stages2) in pairs:
+        if bm2 != bm:
+            raise ValueError(f"a pair's GEMMs share BLOCK_M (one alignment feeds both): {bm} vs {bm2}")
+        cfg = MoEConfig(GemmConfig(bm, bn, bk, current.gemm1.group_m, warps, stages),
+                        GemmConfig(bm, bn2, bk2, current.gemm2.group_m, warps2, stages2))
+        out[f"{_label('gemm1', cfg.gemm1)} + {_label('gemm2', cfg.gemm2)}"] = cfg
     for bm, bn, bk, warps, stages in gemm1_tiles:
         tile = GemmConfig(bm, bn, bk, current.gemm1.group_m, warps, stages)
         if tile != current.gemm1:
@@ -94,7 +113,8 @@ def _capture_candidate(fn) -> torch.cuda.CUDAGraph | None:
 
 
 def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: torch.Tensor, w2: torch.Tensor,
-                buffers: LoRABuffers) -> dict[str, float]:
+                buffers: LoRABuffers, tiles: tuple[list, list] | None = None,
+                pairs: list[tuple[tuple, tuple]] = ()) -> dict[str, float]:
     """Overhead over the base layer of the current LoRA tiles and of each candidate, by label."""
     shape = MODELS[name]
     device, dtype = w13.device, w13.dtype
@@ -102,12 +122,13 @@ def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: tor
     x = torch.randn(m, shape.H, generator=torch.Generator().manual_seed(7 * m + 1 + seed)).to(device, dtype)
     slots = token_slots_for(m, adapters, "uniform", 13 * m + adapters + seed)
     lora = lora_inputs(buffers, slots, 8, adapters, rank, device)
-    current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, dtype, device, lora=True)
+    current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, dtype, device, lora=True,
+                             rank_block=lora_rank_block(rank))
     base = _capture(lambda: fused_experts(x, w13, w2, weights, ids))
     if base is None:
         raise RuntimeError(f"{name} M={m}: the base layer could not be captured")
     labels, graphs = [], []
-    for label, cfg in candidate_configs(m, current).items():
+    for label, cfg in candidate_configs(m, current, tiles, pairs).items():
         graph = _capture_candidate(lambda cfg=cfg: fused_experts(x, w13, w2, weights, ids, lora=lora,
                                                                  lora_path="split", config=cfg))
         if graph is not None:
@@ -125,7 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gemm1", nargs="+", type=parse_tile, metavar="TILE",
+                        help="GEMM1 candidates in place of the regime's, e.g. 16x128x128w4s3")
+    parser.add_argument("--gemm2", nargs="+", type=parse_tile, metavar="TILE",
+                        help="GEMM2 candidates in place of the regime's (BLOCK_M the current one's)")
+    parser.add_argument("--pair", nargs=2, action="append", type=parse_tile, default=[], metavar="TILE",
+                        help="a GEMM1 and a GEMM2 tile tried together (repeatable)")
     args = parser.parse_args(argv)
+    tiles = None
+    if args.gemm1 or args.gemm2:
+        tiles = (args.gemm1 or [], args.gemm2 or [])
     if min(args.M + args.adapters + [args.rank]) < 1:
         raise SystemExit("--M, --adapters and --rank must be >= 1")
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
@@ -136,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         buffers = make_lora_buffers(shape, args.rank, 8, torch.bfloat16, device, 16)
         for m in args.M:
             for adapters in args.adapters:
-                overheads = sweep_point(name, m, args.rank, adapters, args.seed, w13, w2, buffers)
+                overheads = sweep_point(name, m, args.rank, adapters, args.seed, w13, w2, buffers, tiles,
+                                        [tuple(pair) for pair in args.pair])
                 best = min(overheads, key=overheads.get)
                 print(f"{name} M={m} rank {args.rank} x{adapters}: best {best} "
                       f"({100 * overheads[best]:+.1f} %)", flush=True)

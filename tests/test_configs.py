@@ -147,6 +147,30 @@ def test_prefetch_rule(monkeypatch, gemm, gated, expected):
     assert lora_prefetch_pays(gemm, gated=gated) is False
 
 
+def test_prefetch_rule_many_adapters_past_decode(monkeypatch):
+    """16-row tiles past decode skip the prefetch for batches of 4+ adapters at rank tile 16 (a block holds
+    several adapters' rows there); decode batches, fewer adapters, rank 64 and 32-row tiles keep it."""
+    from triton_ops.fused_moe import lora_prefetch_pays
+
+    monkeypatch.delenv("MOELORA_LORA_PREFETCH", raising=False)
+    m64 = GemmConfig(16, 32, 128, 1, 4, 5)  # Qwen3-30B-A3B M=64 GEMM1 (512 routed pairs)
+    m64_32 = GemmConfig(32, 64, 128, 8, 4, 3)  # Mixtral-8x7B M=64: 32-row tiles (lost without it)
+
+    def pays(gemm, numel=512, num_adapters=4, rank_block=16):
+        return lora_prefetch_pays(gemm, gated=True, numel=numel, num_adapters=num_adapters,
+                                  rank_block=rank_block)
+
+    assert not pays(m64) and not pays(m64, num_adapters=8)
+    assert pays(m64, numel=128)  # decode (M=16 of Qwen3-30B-A3B): 4 adapters lost 2.3 % without it
+    assert pays(m64, num_adapters=3) and pays(m64, num_adapters=0)  # 0: unknown, the usual rule
+    assert pays(m64, rank_block=64) and pays(m64_32)
+    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "1")
+    assert pays(m64)
+    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="MOELORA_LORA_PREFETCH must be 0, 1 or small"):
+        pays(m64)
+
+
 def test_register_cap_keeps_the_base_blocks_per_sm(monkeypatch):
     from triton_ops.fused_moe import lora_register_cap
 
@@ -181,6 +205,28 @@ def test_lora_entry_round_trip_and_lookup(monkeypatch):
     args = (1024, 8, 4096, 14336, 2, torch.bfloat16)
     assert get_moe_config(*args) == parsed
     assert get_moe_config(*args, lora=True) == lora
+
+
+def test_lora_by_rank_entry(monkeypatch):
+    """``lora_by_rank`` replaces ``lora`` at its rank tile only (DeepSeek-V2-Lite M=1 on the H100: GEMM1
+    16x128 won at rank 16 and lost at rank 64); it survives the JSON round trip, bad keys are refused."""
+    base = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 32, 128, 1, 4, 5))
+    lora = MoEConfig(GemmConfig(16, 64, 128, 1, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4))
+    rank16 = MoEConfig(GemmConfig(16, 128, 128, 1, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4))
+    entry = replace(base, lora=lora, lora_by_rank=((16, rank16),)).to_dict()
+    assert entry["lora_by_rank"]["16"]["BLOCK_SIZE_N"] == 128
+    parsed = MoEConfig.from_dict(json.loads(json.dumps(entry)))
+    assert parsed.for_lora(16) == rank16 and parsed.for_lora(64) == lora and parsed.for_lora() == lora
+    assert replace(parsed, lora=None).for_lora(64) == replace(parsed, lora=None)  # no lora: the base's
+    monkeypatch.setenv("MOELORA_MOE_CONFIG", json.dumps(entry))
+    args = (1, 64, 2048, 1408, 6, torch.bfloat16)
+    assert get_moe_config(*args, lora=True, rank_block=16) == rank16
+    assert get_moe_config(*args, lora=True, rank_block=64) == lora
+    for bad in ({"24": entry["lora"]}, {"8": entry["lora"]}, {"r16": entry["lora"]}):
+        with pytest.raises(ValueError, match="rank tiles"):
+            MoEConfig.from_dict({**entry, "lora_by_rank": bad})
+    with pytest.raises(ValueError, match="lora_by_rank"):
+        MoEConfig.from_dict({**entry, "lora_by_rank": {"16": {**entry["lora"], "lora_by_rank": {}}}})
 
 
 @pytest.mark.interpreter

@@ -767,8 +767,12 @@ def test_slot_range_expand_rule(monkeypatch):
     assert rule(one_block, gated=True, num_adapters=1, K=14336)
     monkeypatch.setenv("MOELORA_LORA_EXT", "0")
     assert not rule(two_blocks)
+    monkeypatch.setenv("MOELORA_LORA_EXT", "gemm1")  # GEMM1 forced, GEMM2 left to the rule
+    assert rule(one_block, gated=True, num_adapters=1) and rule(two_blocks) and not rule(one_block)
+    monkeypatch.setenv("MOELORA_LORA_EXT", "gemm2")
+    assert rule(one_block) and not rule(two_blocks, gated=True)
     monkeypatch.setenv("MOELORA_LORA_EXT", "yes")
-    with pytest.raises(ValueError, match="MOELORA_LORA_EXT must be 0 or 1"):
+    with pytest.raises(ValueError, match="MOELORA_LORA_EXT must be 0, 1, gemm1 or gemm2"):
         rule(two_blocks)
     # Stacked columns per dot: two rank-16 slots, one slot from rank tile 32 on, no more than the adapters.
     assert fused_moe.lora_ext_cols(16, 4) == 32 and fused_moe.lora_ext_cols(16, 1) == 16

@@ -689,6 +689,22 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
 
 
 @gpu
+@pytest.mark.parametrize("prefetch", ["", "1"])
+def test_gpu_split_small_tiles_many_adapters_prefetch(dsv2, fp32_highest, monkeypatch, prefetch):
+    """16-row tiles past decode with four adapters (M=64: 384 routed pairs, blocks holding several slots)
+    skip the epilogue prefetch by default ("1" keeps it, as before): both against the oracle."""
+    from triton_ops.configs import GemmConfig, MoEConfig
+    from triton_ops.fused_moe import lora_prefetch_pays
+
+    small = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 5), GemmConfig(16, 32, 128, 1, 4, 5))
+    force_layer_config(monkeypatch, small)
+    monkeypatch.setenv("MOELORA_LORA_PREFETCH", prefetch)
+    assert lora_prefetch_pays(small.gemm1, gated=True, numel=384, num_adapters=4) is (prefetch == "1")
+    label = f"split 16-row tiles x4 prefetch={prefetch or 'default'}"
+    check_bf16_layer_against_oracle(dsv2, 64, "split", label)
+
+
+@gpu
 @pytest.mark.parametrize("ext", ["", "1"])
 def test_gpu_split_slot_range_expand(dsv2, fp32_highest, monkeypatch, ext):
     """Tiles that hold two blocks an SM (DeepSeek-V2-Lite M=1024 on an H100): GEMM2 expands by the slot

@@ -13,8 +13,11 @@ object overriding N/K/GROUP/warps/stages for the down projection (BLOCK_SIZE_M i
 token alignment is computed once for both GEMMs). It may also carry a ``"lora"`` object, a whole entry of
 its own, for the layer with adapters on the split path (``get_moe_config(..., lora=True)``): a tile tuned
 for the base GEMMs alone need not be the best once every tile also expands adapter deltas
-(``benchmarks/tune_moe.py --lora-rank``). For GEMM1 BLOCK_SIZE_N counts columns of the activated
-output: the program reads gate and up tiles of that width each.
+(``benchmarks/tune_moe.py --lora-rank``). A ``"lora_by_rank"`` object maps a rank tile (16, 32, 64, ...: the
+pool's max rank rounded up to a power of two, at least 16) to an entry that replaces ``"lora"`` at that rank
+tile (``benchmarks/lora_tile_sweep.py`` finds them): the best tile at rank 16 need not be the best at 64.
+For GEMM1 BLOCK_SIZE_N counts columns of the activated output: the program reads gate and up tiles of that
+width each.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class GemmConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, base: GemmConfig | None = None) -> GemmConfig:
-        unknown = set(raw) - set(_KEYS) - {"gemm2", "lora"}
+        unknown = set(raw) - set(_KEYS) - {"gemm2", "lora", "lora_by_rank"}
         if unknown:
             raise ValueError(f"unknown MoE config keys {sorted(unknown)}; expected a subset of {_KEYS}")
         fields = {
@@ -73,6 +76,8 @@ class MoEConfig:
     gemm1: GemmConfig
     gemm2: GemmConfig
     lora: MoEConfig | None = None  # the split LoRA path's own tiles, when tuned apart
+    # Split LoRA tiles for one rank tile each, in place of ``lora`` there: ((rank tile, tiles), ...).
+    lora_by_rank: tuple[tuple[int, MoEConfig], ...] = ()
 
     @property
     def block_m(self) -> int:
@@ -85,9 +90,16 @@ class MoEConfig:
         if gemm2.block_m != gemm1.block_m:
             raise ValueError("gemm2 may not change BLOCK_SIZE_M: both GEMMs share one token alignment")
         lora = raw.get("lora")
-        if lora is not None and "lora" in lora:
-            raise ValueError("a \"lora\" config entry may not hold another \"lora\" entry")
-        return cls(gemm1, gemm2, cls.from_dict(lora) if lora is not None else None)
+        by_rank = raw.get("lora_by_rank", {})
+        for nested in [lora or {}, *by_rank.values()]:
+            if "lora" in nested or "lora_by_rank" in nested:
+                raise ValueError("a LoRA entry may not hold another \"lora\" or \"lora_by_rank\" entry")
+        rank_tiles = []
+        for key, entry in by_rank.items():
+            if not str(key).isdigit() or int(key) < 16 or int(key) & (int(key) - 1):
+                raise ValueError(f"\"lora_by_rank\" keys are rank tiles (16, 32, 64, ...), got {key!r}")
+            rank_tiles.append((int(key), cls.from_dict(entry)))
+        return cls(gemm1, gemm2, cls.from_dict(lora) if lora is not None else None, tuple(sorted(rank_tiles)))
 
     def to_dict(self) -> dict:
         """The JSON entry ``from_dict`` reads (gemm2 minus the shared BLOCK_SIZE_M; lora when set)."""
@@ -95,10 +107,16 @@ class MoEConfig:
         entry["gemm2"] = {k: v for k, v in self.gemm2.to_dict().items() if k != "BLOCK_SIZE_M"}
         if self.lora is not None:
             entry["lora"] = self.lora.to_dict()
+        if self.lora_by_rank:
+            entry["lora_by_rank"] = {str(rank): tiles.to_dict() for rank, tiles in self.lora_by_rank}
         return entry
 
-    def for_lora(self) -> MoEConfig:
-        """The tiles for the layer with adapters (split path): the tuned ``lora`` entry, else these."""
+    def for_lora(self, rank_block: int = 0) -> MoEConfig:
+        """The tiles for the layer with adapters (split path) at this rank tile: its ``lora_by_rank`` entry,
+        else the tuned ``lora`` entry, else these (0: any rank tile, the ``lora`` entry)."""
+        for rank, tiles in self.lora_by_rank:
+            if rank == rank_block:
+                return tiles
         return self.lora if self.lora is not None else self
 
 
@@ -208,15 +226,16 @@ def get_moe_config(
     dtype: torch.dtype,
     device: torch.device | None = None,
     lora: bool = False,
+    rank_block: int = 0,
 ) -> MoEConfig:
     """Forced config, else tuned JSON for this device, else the heuristic (see the module docstring);
-    with ``lora`` the entry's ``lora`` tiles where it has them."""
+    with ``lora`` the entry's LoRA tiles for ``rank_block`` (``MoEConfig.for_lora``) where it has them."""
     forced = _forced_config()
     if forced is not None:
-        return forced.for_lora() if lora else forced
+        return forced.for_lora(rank_block) if lora else forced
     on_gpu = device is not None and torch.device(device).type == "cuda"
     if on_gpu:
         tuned = tuned_moe_config(num_tokens, num_experts, intermediate, dtype, device_name(device))
         if tuned is not None:
-            return tuned.for_lora() if lora else tuned
+            return tuned.for_lora(rank_block) if lora else tuned
     return default_moe_config(num_tokens, num_experts, hidden, intermediate, top_k, dtype)

@@ -71,6 +71,14 @@ MAX_DOWN_PARTIALS = 16
 MAX_DECODE_DOWN_PARTIALS = 64
 
 
+def decode_down_partials_limit() -> int:
+    """``MAX_DECODE_DOWN_PARTIALS``, or ``MOELORA_DECODE_DOWN_PARTIALS=N`` (to compare on a GPU)."""
+    forced = os.environ.get("MOELORA_DECODE_DOWN_PARTIALS", "")
+    if forced and not forced.isdigit():
+        raise ValueError(f"MOELORA_DECODE_DOWN_PARTIALS must be a partial count, got {forced!r}")
+    return int(forced) if forced else MAX_DECODE_DOWN_PARTIALS
+
+
 # Past decode the GEMMs overlap the shrink launch before them (``prefill_shrink_overlap``); where a
 # split-sum launch (``reduce_shrink_splits``) follows the shrink, only from this many routed pairs on, or
 # from this rank tile on (``overlap_through_split_sum``).
@@ -379,10 +387,10 @@ def fused_experts(
         end = min(start + chunk, num_tokens)
         rows = end - start
         if config is not None:
-            cfg = config.for_lora() if split else config
+            cfg = config.for_lora(rank_block) if split else config
         else:
             cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device,
-                                 lora=split)
+                                 lora=split, rank_block=rank_block if split else 0)
         if lora is not None and lora_path == "fused":
             cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=x.element_size())
         chunk_ids = topk_ids[start:end]
@@ -402,7 +410,7 @@ def fused_experts(
         partial_width = down_tiles * rank_block if lora is not None else 0
         down_in_gemm1 = decode_shrink and (
             partial_width <= MAX_DOWN_PARTIALS * 16
-            or (pairs <= 32 and partial_width <= MAX_DECODE_DOWN_PARTIALS * 16))
+            or (pairs <= 32 and partial_width <= decode_down_partials_limit() * 16))
         # One token needs no alignment: its down shrink rides in GEMM1's epilogue or, past that many
         # partials, is a GEMV launch on its routed pairs (one_token_down_shrink) between the GEMMs.
         direct = not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and decode_direct_pairs(rows)

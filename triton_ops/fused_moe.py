@@ -664,7 +664,14 @@ def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
     return 32 if rank_block >= 64 else 16
 
 
-def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
+# Past decode (more than this many routed pairs), 16-row tiles of batches with this many adapters or more
+# at rank tile 16 do not prefetch (``lora_prefetch_pays``).
+PREFETCH_MAX_ADAPTERS_PAST_DECODE = 3
+DECODE_MAX_PAIRS = 128
+
+
+def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, numel: int = 0,
+                       num_adapters: int = 0, rank_block: int = 16) -> bool:
     """Whether the split epilogue's operands (the first slot group's shrink and B tiles) are loaded
     before the K-loop, so their latency hides behind it instead of following it in every tile. They
     hold registers (and 4-16 KiB of shared memory) through the loop. Worth it for the small decode tiles
@@ -676,13 +683,27 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) 
     M=4096 (GEMM2 128x256, 128) 1166 -> 1135 and 1231 -> 1181 us on the H200; but Mixtral M=256 on the H200
     (GEMM1 128x128, 64 each) 815 -> 868 us, so not there. Not for 128-row tiles that fit two blocks
     either: they lose one (Qwen3-30B M=1024 GEMM1 256 -> 328 us on an H200).
+    Nor for 16-row tiles past decode (``numel`` routed pairs over ``DECODE_MAX_PAIRS``) of a batch with
+    more than ``PREFETCH_MAX_ADAPTERS_PAST_DECODE`` adapters at rank tile 16: a block there holds rows of
+    several adapters, the prefetch covers the first slot's operands only and holds them through the
+    K-loop, and the GEMM waits for its shrink after the loop anyway. H100, interleaved A/B
+    (``benchmarks/ab_env.py``, 3 rounds), M=64, rank 16, 4 adapters, prefetch on -> off: Qwen3-30B-A3B +10.7
+    -> +9.8 %, DeepSeek-V2-Lite +9.2 -> +8.6 %, DeepSeek-V2 +5.3 -> +4.8 %, DeepSeek-V3 +3.1 -> +2.9 %; but
+    one adapter lost (0.4-1.3 %), M=16 (decode, 4 adapters) lost 1.0-2.3 %, rank 64 went both ways
+    (DeepSeek-V2-Lite +28.9 -> +30.4 %, DeepSeek-V3 +10.9 -> +10.0 %) and Mixtral-8x7B's 32-row tiles at
+    M=64 lost (+4.1 -> +4.7 %).
     ``MOELORA_LORA_PREFETCH=0`` turns every prefetch off, ``MOELORA_LORA_PREFETCH=small`` keeps only the
-    small tiles' (to compare on a GPU)."""
+    small tiles', ``MOELORA_LORA_PREFETCH=1`` keeps the 16-row tiles' for any adapter count (to compare on
+    a GPU)."""
     mode = os.environ.get("MOELORA_LORA_PREFETCH", "")
+    if mode not in ("", "0", "1", "small"):
+        raise ValueError(f"MOELORA_LORA_PREFETCH must be 0, 1 or small, got {mode!r}")
     if mode == "0":
         return False
     if config.block_m <= 32:
-        return True
+        many_adapters = (config.block_m <= 16 and numel > DECODE_MAX_PAIRS and rank_block <= 16
+                         and num_adapters > PREFETCH_MAX_ADAPTERS_PAST_DECODE)
+        return mode == "1" or not many_adapters
     if mode == "small":
         return False
     accumulator_registers = config.block_m * config.block_n // (32 * config.num_warps)
@@ -820,12 +841,15 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
     Qwen3-30B-A3B M=1024 +17.5 -> +18.8 %, M=4096 +21.3 -> +26.9 %, Mixtral-8x7B M=1024 +7.7 -> +10.9 %,
     DeepSeek-V2-Lite M=4096 +13.0 -> +16.8 %; rank 64 up to 30 points), as did GEMM2 tiles that hold one
     block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills).
-    ``MOELORA_LORA_EXT=0`` / ``=1`` forces either on every aligned GEMM (to compare)."""
+    ``MOELORA_LORA_EXT=0`` / ``=1`` forces either on every aligned GEMM, ``=gemm1`` / ``=gemm2`` forces it on
+    that GEMM and leaves the other to the rule (to compare)."""
     forced = os.environ.get("MOELORA_LORA_EXT", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"MOELORA_LORA_EXT must be 0 or 1, got {forced!r}")
-    if forced:
+    if forced not in ("", "0", "1", "gemm1", "gemm2"):
+        raise ValueError(f"MOELORA_LORA_EXT must be 0, 1, gemm1 or gemm2, got {forced!r}")
+    if forced in ("0", "1"):
         return forced == "1"
+    if forced == ("gemm1" if gated else "gemm2"):
+        return True
     return (not gated and config.block_m >= 64 and num_adapters >= 2 and K < LONG_K_SLOT_GROUP_MIN_K
             and gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2)
 
@@ -975,7 +999,8 @@ def invoke_fused_moe_kernel(
     split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                                   // (config.block_m * lora_chunk_r))))
     prefetch = (bool(shrunk_splits) and lora is not None and lora.rank_block <= lora_chunk_r
-                and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size()))
+                and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size(), numel=numel,
+                                       num_adapters=lora.num_adapters, rank_block=lora.rank_block))
     one_row = one_row_lora(direct=direct_ids is not None, prefetch=prefetch, late_wait=late_wait,
                            splits=lora_splits, split_chunk=split_chunk, programs=grid[0], device=a.device)
     unroll = 0
