@@ -691,7 +691,9 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, 
     -> +9.8 %, DeepSeek-V2-Lite +9.2 -> +8.6 %, DeepSeek-V2 +5.3 -> +4.8 %, DeepSeek-V3 +3.1 -> +2.9 %; but
     one adapter lost (0.4-1.3 %), M=16 (decode, 4 adapters) lost 1.0-2.3 %, rank 64 went both ways
     (DeepSeek-V2-Lite +28.9 -> +30.4 %, DeepSeek-V3 +10.9 -> +10.0 %) and Mixtral-8x7B's 32-row tiles at
-    M=64 lost (+4.1 -> +4.7 %).
+    M=64 lost (+4.1 -> +4.7 %). H200, the rule against the old (``=1``), 4 / 8 adapters: Qwen3-30B-A3B +13.7 /
+    +17.0 % vs +14.8 / +18.3 %, DeepSeek-V3 +3.1 / +3.7 % vs +4.7 / +5.4 %, DeepSeek-V2 0.2-0.3 points better,
+    but DeepSeek-V2-Lite +14.3 / +18.3 % vs +13.5 / +18.1 % (the one loss).
     ``MOELORA_LORA_PREFETCH=0`` turns every prefetch off, ``MOELORA_LORA_PREFETCH=small`` keeps only the
     small tiles', ``MOELORA_LORA_PREFETCH=1`` keeps the 16-row tiles' for any adapter count (to compare on
     a GPU)."""
