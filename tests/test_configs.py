@@ -227,6 +227,8 @@ def test_lora_by_rank_entry(monkeypatch):
             MoEConfig.from_dict({**entry, "lora_by_rank": bad})
     with pytest.raises(ValueError, match="lora_by_rank"):
         MoEConfig.from_dict({**entry, "lora_by_rank": {"16": {**entry["lora"], "lora_by_rank": {}}}})
+    with pytest.raises(ValueError, match="maps rank tiles"):
+        MoEConfig.from_dict({**entry, "lora_by_rank": [entry["lora"]]})
 
 
 @pytest.mark.interpreter

@@ -91,6 +91,8 @@ class MoEConfig:
             raise ValueError("gemm2 may not change BLOCK_SIZE_M: both GEMMs share one token alignment")
         lora = raw.get("lora")
         by_rank = raw.get("lora_by_rank", {})
+        if not isinstance(by_rank, dict):
+            raise ValueError(f"\"lora_by_rank\" maps rank tiles to entries, got {type(by_rank).__name__}")
         for nested in [lora or {}, *by_rank.values()]:
             if "lora" in nested or "lora_by_rank" in nested:
                 raise ValueError("a LoRA entry may not hold another \"lora\" or \"lora_by_rank\" entry")

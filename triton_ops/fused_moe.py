@@ -69,6 +69,7 @@ from triton_ops.lora_tiles import (
     spread_to_group,
     sum_raw_partials,
 )
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
     programmatic_launch,
@@ -664,10 +665,9 @@ def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
     return 32 if rank_block >= 64 else 16
 
 
-# Past decode (more than this many routed pairs), 16-row tiles of batches with this many adapters or more
-# at rank tile 16 do not prefetch (``lora_prefetch_pays``).
+# Past decode (more routed pairs than the one-program alignment takes), 16-row tiles of batches with more
+# adapters than this at rank tile 16 do not prefetch (``lora_prefetch_pays``).
 PREFETCH_MAX_ADAPTERS_PAST_DECODE = 3
-DECODE_MAX_PAIRS = 128
 
 
 def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, numel: int = 0,
@@ -683,8 +683,8 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, 
     M=4096 (GEMM2 128x256, 128) 1166 -> 1135 and 1231 -> 1181 us on the H200; but Mixtral M=256 on the H200
     (GEMM1 128x128, 64 each) 815 -> 868 us, so not there. Not for 128-row tiles that fit two blocks
     either: they lose one (Qwen3-30B M=1024 GEMM1 256 -> 328 us on an H200).
-    Nor for 16-row tiles past decode (``numel`` routed pairs over ``DECODE_MAX_PAIRS``) of a batch with
-    more than ``PREFETCH_MAX_ADAPTERS_PAST_DECODE`` adapters at rank tile 16: a block there holds rows of
+    Nor for 16-row tiles past decode (``numel`` routed pairs over ``SINGLE_PROGRAM_MAX_PAIRS``) of a batch
+    with more than ``PREFETCH_MAX_ADAPTERS_PAST_DECODE`` adapters at rank tile 16: a block there holds rows of
     several adapters, the prefetch covers the first slot's operands only and holds them through the
     K-loop, and the GEMM waits for its shrink after the loop anyway. H100, interleaved A/B
     (``benchmarks/ab_env.py``, 3 rounds), M=64, rank 16, 4 adapters, prefetch on -> off: Qwen3-30B-A3B +10.7
@@ -703,7 +703,7 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, 
     if mode == "0":
         return False
     if config.block_m <= 32:
-        many_adapters = (config.block_m <= 16 and numel > DECODE_MAX_PAIRS and rank_block <= 16
+        many_adapters = (config.block_m <= 16 and numel > SINGLE_PROGRAM_MAX_PAIRS and rank_block <= 16
                          and num_adapters > PREFETCH_MAX_ADAPTERS_PAST_DECODE)
         return mode == "1" or not many_adapters
     if mode == "small":
