@@ -14,6 +14,9 @@ MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic shown is always ``default_mo
 also tunes the tiles of the layer with adapters (split path), timing whole ``fused_experts`` calls (at
 decode, replayed from CUDA graphs), and stores them as each entry's ``"lora"`` object where
 they beat the base's tiles (``--lora-only`` keeps the file's base entries and tunes only those).
+With ``--lora-by-rank`` the tiles go into the entry's ``"lora_by_rank"`` object under the rank tile of
+``--lora-rank`` instead (``MoEConfig.for_lora``), where they beat the tiles that rank tile uses now, so a
+rank-16 tuning and a rank-64 one can keep different tiles.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from triton_ops.configs import (  # noqa: E402
     device_name,
 )
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
-from triton_ops.fused_moe import invoke_fused_moe_kernel  # noqa: E402
+from triton_ops.fused_moe import invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.moe_align import moe_align_block_size  # noqa: E402
 
 MODELS = {
@@ -189,8 +192,15 @@ def tune_lora_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, bas
     return best, best_us, base_us
 
 
+def with_lora_tiles_for_rank(entry: MoEConfig, rank_block: int, tiles: MoEConfig) -> MoEConfig:
+    """``entry`` whose ``lora_by_rank`` holds ``tiles`` at ``rank_block`` (replacing what was there)."""
+    kept = tuple((rank, cfg) for rank, cfg in entry.lora_by_rank if rank != rank_block)
+    return replace(entry, lora_by_rank=tuple(sorted((*kept, (rank_block, tiles)))))
+
+
 def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: Path, lora_rank: int = 0,
-               lora_adapters: int = 4, lora_only: bool = False) -> tuple[str, dict]:
+               lora_adapters: int = 4, lora_only: bool = False, lora_by_rank: bool = False
+               ) -> tuple[str, dict]:
     num_experts, top_k, hidden, inter = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype, generator=gen) / hidden**0.5
@@ -209,11 +219,15 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
             # Whole layer calls are timed from CUDA graphs at every M: eagerly, a prefill call of a few
             # hundred µs times the host's launches (H100, DeepSeek-V2-Lite M=256, 4 adapters: 1575 us
             # eager against 470 us in moelora bench).
-            lora_cfg, lora_us, base_cfg_us = tune_lora_point(m, w13, w2, top_k, tuned, lora_rank,
+            rank_block = lora_rank_block(lora_rank)
+            # Candidates must beat the tiles the layer runs now (this rank tile's, or "lora", or the base's).
+            start = replace(tuned.for_lora(rank_block if lora_by_rank else 0), lora=None, lora_by_rank=())
+            lora_cfg, lora_us, base_cfg_us = tune_lora_point(m, w13, w2, top_k, start, lora_rank,
                                                              lora_adapters, gen, timer=graph_timer)
-            if lora_cfg != tuned:
-                tuned = replace(tuned, lora=lora_cfg)
-            print(f"{name:18s} M={m:5d}  split LoRA r={lora_rank} x{lora_adapters}: base tiles "
+            if lora_cfg != start:
+                tuned = (with_lora_tiles_for_rank(tuned, rank_block, lora_cfg) if lora_by_rank
+                         else replace(tuned, lora=lora_cfg))
+            print(f"{name:18s} M={m:5d}  split LoRA r={lora_rank} x{lora_adapters}: current tiles "
                   f"{base_cfg_us:9.1f} us  tuned {lora_us:9.1f} us ({base_cfg_us / lora_us:.2f}x)  "
                   f"{lora_cfg.to_dict()}", flush=True)
         results[str(m)] = tuned.to_dict()
@@ -235,6 +249,8 @@ def main() -> None:
     parser.add_argument("--lora-adapters", type=int, default=4, help="adapters in the LoRA tuning batch")
     parser.add_argument("--lora-only", action="store_true", help="keep the file's base entries; tune only "
                         "the LoRA tiles")
+    parser.add_argument("--lora-by-rank", action="store_true", help="store the LoRA tiles under the rank "
+                        "tile of --lora-rank (\"lora_by_rank\") instead of as \"lora\"")
     default_dir = Path(__file__).resolve().parents[1] / "triton_ops" / "configs"
     parser.add_argument("--out-dir", type=Path, default=default_dir)
     parser.add_argument("--bundle", type=Path, help="also write every tuned file into one JSON (plain name, "
@@ -253,7 +269,8 @@ def main() -> None:
     bundle = {}
     for name in args.models:
         file_name, entries = tune_shape(name, args.M, dtype, args.out_dir, lora_rank=args.lora_rank,
-                                        lora_adapters=args.lora_adapters, lora_only=args.lora_only)
+                                        lora_adapters=args.lora_adapters, lora_only=args.lora_only,
+                                        lora_by_rank=args.lora_by_rank)
         bundle[file_name] = entries
         if args.bundle:
             args.bundle.write_text(json.dumps(bundle, indent=1) + "\n")

@@ -299,6 +299,20 @@ def test_lora_tuner_search(monkeypatch):
     assert best == MoEConfig(GemmConfig(32, 16, 32, 1, 4, 2), GemmConfig(32, 32, 32, 1, 4, 2))
 
 
+def test_lora_tuner_stores_tiles_by_rank():
+    """tune_moe.py --lora-by-rank: the tuned tiles go under their rank tile, replacing only that one."""
+    import tune_moe
+
+    base = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 32, 128, 1, 4, 5))
+    lora = MoEConfig(GemmConfig(16, 64, 128, 1, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4))
+    wide = MoEConfig(GemmConfig(16, 128, 128, 1, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4))
+    entry = tune_moe.with_lora_tiles_for_rank(replace(base, lora=lora), 64, lora)
+    entry = tune_moe.with_lora_tiles_for_rank(entry, 16, base)
+    entry = tune_moe.with_lora_tiles_for_rank(entry, 16, wide)
+    assert entry.lora_by_rank == ((16, wide), (64, lora)) and entry.lora == lora
+    assert MoEConfig.from_dict(entry.to_dict()).for_lora(16) == wide
+
+
 def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
     """benchmarks/ab_env.py (dry run, interpreter): B's launches see --env, A's and base's the environment
     as it was, which is restored afterwards. M=80 x top-2: 160 pairs, the prefill split path with its
