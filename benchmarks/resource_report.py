@@ -117,16 +117,21 @@ def compile_launch(kernel, kwargs: dict) -> dict:
 def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, splits: int = 4
                   ) -> list[tuple[str, dict]]:
     """The base and LoRA launches of both GEMMs at M tokens, as caught keyword arguments; the split
-    variants read ``splits`` shrink partials (1: as after ``reduce_shrink_splits``)."""
+    variants read ``splits`` shrink partials (1: as after ``reduce_shrink_splits``). The split and ext
+    variants take the tiles the split layer runs at this rank (``cfg.for_lora``: an entry's ``"lora"`` or
+    ``"lora_by_rank"`` tiles), the base and fused ones the entry's own."""
     shape = MODELS[model]
     E, k, H, inter = shape.E, shape.top_k, shape.H, shape.I
     meta = dict(device="meta")
     bf16 = dict(dtype=torch.bfloat16, **meta)
     pairs = m * k
-    max_padded = pairs + E * (cfg.block_m - 1)
-    align = dict(sorted_ids=torch.empty(max_padded, dtype=torch.int32, **meta),
-                 expert_ids=torch.empty(triton.cdiv(max_padded, cfg.block_m), dtype=torch.int32, **meta),
-                 num_post_padded=torch.empty(1, dtype=torch.int32, **meta))
+
+    def alignment(block_m: int) -> dict:
+        max_padded = pairs + E * (block_m - 1)
+        return dict(sorted_ids=torch.empty(max_padded, dtype=torch.int32, **meta),
+                    expert_ids=torch.empty(triton.cdiv(max_padded, block_m), dtype=torch.int32, **meta),
+                    num_post_padded=torch.empty(1, dtype=torch.int32, **meta))
+
     x = torch.empty(m, H, **bf16)
     w13, w2 = torch.empty(E, 2 * inter, H, **bf16), torch.empty(E, H, inter, **bf16)
     act, out = torch.empty(pairs, inter, **bf16), torch.empty(pairs, H, **bf16)
@@ -145,17 +150,18 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, 
     ext_gate_up = replace(gate_up, packed=torch.empty(pairs, 2 * rb, **bf16))
     ext_down = replace(down, packed=torch.empty(pairs, rb, **bf16))
     fused_cfg = _with_lora_tiles(cfg, rank_block=rb)
+    split_cfg = cfg.for_lora(rb)
     variants = [
         ("gemm1 base", cfg.gemm1, None), ("gemm2 base", cfg.gemm2, None),
-        ("gemm1 split", cfg.gemm1, split_gate_up), ("gemm2 split", cfg.gemm2, split_down),
-        ("gemm1 ext", cfg.gemm1, ext_gate_up), ("gemm2 ext", cfg.gemm2, ext_down),
+        ("gemm1 split", split_cfg.gemm1, split_gate_up), ("gemm2 split", split_cfg.gemm2, split_down),
+        ("gemm1 ext", split_cfg.gemm1, ext_gate_up), ("gemm2 ext", split_cfg.gemm2, ext_down),
         ("gemm1 fused", fused_cfg.gemm1, gate_up), ("gemm2 fused", fused_cfg.gemm2, down),
     ]
     if pairs <= SINGLE_PROGRAM_MAX_PAIRS:  # decode: GEMM1's epilogue may also write GEMM2's shrink
-        tiles = triton.cdiv(inter, cfg.gemm1.block_n)
+        tiles = triton.cdiv(inter, split_cfg.gemm1.block_n)
         with_down = replace(split_gate_up, down_a=down.lora_a,
                             down_shrunk=torch.empty(pairs, tiles, rb, dtype=torch.float32, **meta))
-        variants.insert(3, ("gemm1 split+down", cfg.gemm1, with_down))
+        variants.insert(3, ("gemm1 split+down", split_cfg.gemm1, with_down))
     caught = _CaughtLaunch(fused_moe._fused_moe_kernel)
     real, fused_moe._fused_moe_kernel = fused_moe._fused_moe_kernel, caught
     real_wave, fused_moe._fits_one_wave = fused_moe._fits_one_wave, lambda programs, device: (
@@ -163,6 +169,7 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, 
     try:
         out_launches = []
         for name, gemm, lora in variants:
+            align = alignment(gemm.block_m)
             if name.startswith("gemm1"):
                 invoke_fused_moe_kernel(x, w13, act, topk_weights=None, a_row_div=k, config=gemm,
                                         activation="silu", lora=lora, **align)
