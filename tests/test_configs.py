@@ -369,3 +369,19 @@ def test_lora_tile_sweep_candidates():
     assert "gemm2 16x32x128 w4 s5" not in lora_tile_sweep.candidate_configs(64, cases[64])
     small = lora_tile_sweep.candidate_configs(256, cases[256])
     assert small["gemm1 64x64x64 w4 s3"].gemm2.block_m == 64
+
+
+def test_env_count(monkeypatch):
+    """The counts read from the environment to compare on a GPU: unset is None (the rule's value), digits
+    are the count, anything else says which variable and what it expects."""
+    from triton_ops.configs import env_count
+    from triton_ops.fused_experts import MAX_DECODE_DOWN_PARTIALS, decode_down_partials_limit
+
+    monkeypatch.delenv("MOELORA_DECODE_DOWN_PARTIALS", raising=False)
+    assert env_count("MOELORA_DECODE_DOWN_PARTIALS", "partial count") is None
+    assert decode_down_partials_limit() == MAX_DECODE_DOWN_PARTIALS
+    monkeypatch.setenv("MOELORA_DECODE_DOWN_PARTIALS", "32")
+    assert decode_down_partials_limit() == 32
+    monkeypatch.setenv("MOELORA_DECODE_DOWN_PARTIALS", "-1")
+    with pytest.raises(ValueError, match="MOELORA_DECODE_DOWN_PARTIALS must be a partial count, got '-1'"):
+        decode_down_partials_limit()

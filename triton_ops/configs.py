@@ -151,6 +151,15 @@ def env_switch(name: str, default: bool) -> bool:
     return default if value == "" else value == "1"
 
 
+def env_count(name: str, what: str) -> int | None:
+    """A count from the environment (``NAME=N``, to compare on a GPU): None when unset; anything but digits
+    is a mistake worth saying (``what`` names the count in the message)."""
+    value = os.environ.get(name, "")
+    if value and not value.isdigit():
+        raise ValueError(f"{name} must be a {what}, got {value!r}")
+    return int(value) if value else None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 

@@ -21,7 +21,14 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from triton_ops.configs import MAX_SHARED_BYTES, MoEConfig, env_switch, get_moe_config, pipeline_smem_bytes
+from triton_ops.configs import (
+    MAX_SHARED_BYTES,
+    MoEConfig,
+    env_count,
+    env_switch,
+    get_moe_config,
+    pipeline_smem_bytes,
+)
 from triton_ops.decode_shrink import (
     decode_shrink_block_k,
     decode_shrink_splits,
@@ -73,10 +80,8 @@ MAX_DECODE_DOWN_PARTIALS = 64
 
 def decode_down_partials_limit() -> int:
     """``MAX_DECODE_DOWN_PARTIALS``, or ``MOELORA_DECODE_DOWN_PARTIALS=N`` (to compare on a GPU)."""
-    forced = os.environ.get("MOELORA_DECODE_DOWN_PARTIALS", "")
-    if forced and not forced.isdigit():
-        raise ValueError(f"MOELORA_DECODE_DOWN_PARTIALS must be a partial count, got {forced!r}")
-    return int(forced) if forced else MAX_DECODE_DOWN_PARTIALS
+    forced = env_count("MOELORA_DECODE_DOWN_PARTIALS", "partial count")
+    return MAX_DECODE_DOWN_PARTIALS if forced is None else forced
 
 
 # Past decode the GEMMs overlap the shrink launch before them (``prefill_shrink_overlap``); where a

@@ -45,6 +45,7 @@ import triton.language as tl
 from triton_ops.configs import (
     GemmConfig,
     blocks_per_sm_by_shared,
+    env_count,
     env_switch,
     pipeline_smem_bytes,
 )
@@ -774,11 +775,9 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, group: int, prefetch: 
     outside the prefetch (to compare)."""
     if prefetch or group > 1:
         return 0
-    forced = os.environ.get("MOELORA_LORA_UNROLL", "")
-    if forced:
-        if not forced.isdigit():
-            raise ValueError(f"MOELORA_LORA_UNROLL must be a slot count 0-4 (0: off), got {forced!r}")
-        return min(4, int(forced))
+    forced = env_count("MOELORA_LORA_UNROLL", "slot count 0-4 (0: off)")
+    if forced is not None:
+        return min(4, forced)
     if gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2:
         return 0
     return UNROLL_MAX_SLOTS
@@ -862,10 +861,8 @@ def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
     128x64 / 128x128 tiles (256 / 288 bytes) and lost: DeepSeek-V2-Lite M=1024, 4 adapters, +53 %
     against +19 % without the slot-range expand; two: +16.5 %. ``MOELORA_LORA_EXT_SLOTS=N`` sets the
     slots a dot (to compare)."""
-    forced = os.environ.get("MOELORA_LORA_EXT_SLOTS", "")
-    if forced and not forced.isdigit():
-        raise ValueError(f"MOELORA_LORA_EXT_SLOTS must be a slot count, got {forced!r}")
-    slots = max(1, int(forced)) if forced else max(1, 32 // rank_block)
+    forced = env_count("MOELORA_LORA_EXT_SLOTS", "slot count")
+    slots = max(1, forced) if forced is not None else max(1, 32 // rank_block)
     if num_adapters > 0:
         slots = min(slots, triton.next_power_of_2(num_adapters))
     return slots * rank_block
@@ -874,10 +871,8 @@ def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
 def lora_ext_stages() -> int:
     """Pipeline stages of the slot-range expand's loop (1: not pipelined; its few iterations would each
     hold shared memory beside the main loop's). ``MOELORA_LORA_EXT_STAGES=N`` sets it (to compare)."""
-    forced = os.environ.get("MOELORA_LORA_EXT_STAGES", "")
-    if forced and not forced.isdigit():
-        raise ValueError(f"MOELORA_LORA_EXT_STAGES must be a stage count, got {forced!r}")
-    return max(1, int(forced)) if forced else 1
+    forced = env_count("MOELORA_LORA_EXT_STAGES", "stage count")
+    return max(1, forced) if forced is not None else 1
 
 
 def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
