@@ -7,8 +7,19 @@ tiles (``get_moe_config(..., lora=True)``) and with every candidate, all capture
 interleaved (``moelora.bench.cold_l2_times_ms``: one replay of each in turn, L2 emptied before each), so
 clock drift falls on all of them alike. Printed: each one's overhead over the base. A GEMM1 candidate keeps
 the current GEMM2 (with its BLOCK_M when theirs differ: one alignment feeds both), a GEMM2 candidate the
-current GEMM1. A winner goes into the device's config file as the entry's ``"lora"`` object by hand, after
-a ``moelora bench`` run confirms it. Adapters, routing and inputs are those of ``moelora bench``.
+current GEMM1. Adapters, routing and inputs are those of ``moelora bench``.
+
+``--write-dir DIR`` records each point's winner (the candidate with the lowest overhead at its worst over
+``--adapters``, ahead of the current tiles' worst by ``--min-gain`` points or more) in DIR's copy of the
+device's config file (copied from the tuned files the sweep read, ``MOELORA_MOE_CONFIG_DIR`` or
+``triton_ops/configs/``, when DIR has none): under the entry the lookup uses for that M, as its
+``"lora_by_rank"`` tiles at the swept rank tile, or with ``--as-lora`` as its ``"lora"`` tiles (every rank
+tile without its own). Then confirm them with ``benchmarks/ab_env.py --env MOELORA_MOE_CONFIG_DIR=DIR``
+(an interleaved A/B, which separates a real gain from one sweep's noise) and at the other rank tile before
+copying a file into ``triton_ops/configs/``:
+
+    python benchmarks/lora_tile_sweep.py --models deepseek-v2-lite --M 1024 4096 --write-dir /tmp/cand
+    python benchmarks/ab_env.py --env MOELORA_MOE_CONFIG_DIR=/tmp/cand --models deepseek-v2-lite --M 1024 4096
 
 ``benchmarks/tune_moe.py --lora-rank`` searches the whole candidate space per point (compiles dominate);
 this times a handful around the current tiles, cheap enough for several points in one device call. The
@@ -18,8 +29,10 @@ H100 ``"lora"`` entries of DeepSeek-V2-Lite (M=64, 256, 4096) and Qwen3-30B-A3B 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +52,13 @@ from moelora.bench import (  # noqa: E402
     make_weights,
     token_slots_for,
 )
-from triton_ops.configs import GemmConfig, MoEConfig, get_moe_config  # noqa: E402
+from triton_ops.configs import (  # noqa: E402
+    GemmConfig,
+    MoEConfig,
+    config_file_name,
+    device_name,
+    get_moe_config,
+)
 from triton_ops.fused_experts import fused_experts  # noqa: E402
 from triton_ops.fused_moe import lora_rank_block  # noqa: E402
 
@@ -102,6 +121,38 @@ def candidate_configs(num_tokens: int, current: MoEConfig,
     return out
 
 
+def pick_winner(overheads_by_adapters: dict[int, dict[str, float]], min_gain: float) -> str | None:
+    """The label whose worst overhead over the adapter counts is lowest, when it beats the current tiles'
+    worst by ``min_gain`` (a fraction: 0.01 is one point) or more; None otherwise. A candidate missing at
+    some adapter count (it could not run there) is not one."""
+    runs = list(overheads_by_adapters.values())
+    labels = [label for label in runs[0] if all(label in run for run in runs)]
+    worst = {label: max(run[label] for run in runs) for label in labels}
+    best = min(worst, key=worst.get)
+    if best == "current" or worst["current"] - worst[best] < min_gain:
+        return None
+    return best
+
+
+def record_lora_tiles(path: Path, source: Path, num_tokens: int, tiles: MoEConfig, rank_block: int,
+                      base: MoEConfig) -> str:
+    """Writes ``tiles`` into the config file ``path`` (first copied from ``source`` when it is not there
+    and ``source`` is) as the LoRA tiles of the entry the lookup takes for ``num_tokens`` (the nearest M),
+    under ``rank_block`` (0: as ``"lora"``); a file with no entries gets one at ``num_tokens`` with ``base``
+    as its base tiles. Returns the entry's key."""
+    if not path.is_file() and source.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, path)
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    key = (min(sorted(entries, key=int), key=lambda m: abs(int(m) - num_tokens)) if entries
+           else str(num_tokens))
+    entry = MoEConfig.from_dict(entries[key]) if key in entries else base
+    entries[key] = entry.with_lora_tiles(tiles, rank_block).to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(sorted(entries.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
+    return key
+
+
 def _capture_candidate(fn) -> torch.cuda.CUDAGraph | None:
     """``fn`` captured in a CUDA graph, or None when it cannot run here: the warm-up compiles the tile, and
     a tile that asks more shared memory than the device has raises there (not a candidate)."""
@@ -152,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="GEMM2 candidates in place of the regime's (BLOCK_M the current one's)")
     parser.add_argument("--pair", nargs=2, action="append", type=parse_tile, default=[], metavar="TILE",
                         help="a GEMM1 and a GEMM2 tile tried together (repeatable)")
+    parser.add_argument("--write-dir", type=Path, metavar="DIR",
+                        help="record each point's winner in DIR's copy of the config file (see above)")
+    parser.add_argument("--min-gain", type=float, default=1.0,
+                        help="points of overhead a winner must gain at its worst adapter count (default 1)")
+    parser.add_argument("--as-lora", action="store_true",
+                        help="with --write-dir: record winners as \"lora\" instead of under the rank tile")
     args = parser.parse_args(argv)
     tiles = None
     if args.gemm1 or args.gemm2:
@@ -160,19 +217,38 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--M, --adapters and --rank must be >= 1")
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset)")
+    pairs = [tuple(pair) for pair in args.pair]
+    rank_block = lora_rank_block(args.rank)
+    source_dir = Path(os.environ.get("MOELORA_MOE_CONFIG_DIR", Path(__file__).resolve().parents[1]
+                                     / "triton_ops" / "configs"))
     for name in args.models:
         shape, device = MODELS[name], torch.device("cuda")
         w13, w2 = make_weights(shape, torch.bfloat16, device, args.seed)
         buffers = make_lora_buffers(shape, args.rank, 8, torch.bfloat16, device, 16)
         for m in args.M:
+            by_adapters = {}
             for adapters in args.adapters:
-                overheads = sweep_point(name, m, args.rank, adapters, args.seed, w13, w2, buffers, tiles,
-                                        [tuple(pair) for pair in args.pair])
+                overheads = by_adapters[adapters] = sweep_point(name, m, args.rank, adapters, args.seed, w13,
+                                                                w2, buffers, tiles, pairs)
                 best = min(overheads, key=overheads.get)
                 print(f"{name} M={m} rank {args.rank} x{adapters}: best {best} "
                       f"({100 * overheads[best]:+.1f} %)", flush=True)
                 for label, overhead in overheads.items():
                     print(f"    {label:32s} {100 * overhead:+6.1f} %", flush=True)
+            if args.write_dir is None:
+                continue
+            winner = pick_winner(by_adapters, args.min_gain / 100)
+            if winner is None:
+                print(f"{name} M={m}: nothing beats the current tiles by {args.min_gain} points", flush=True)
+                continue
+            current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device,
+                                     lora=True, rank_block=rank_block)
+            file_name = config_file_name(shape.E, shape.I, device_name(device), torch.bfloat16)
+            key = record_lora_tiles(
+                args.write_dir / file_name, source_dir / file_name, m,
+                candidate_configs(m, current, tiles, pairs)[winner], 0 if args.as_lora else rank_block,
+                get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device))
+            print(f"{name} M={m}: wrote {winner} into {args.write_dir / file_name} (entry {key})", flush=True)
         del w13, w2, buffers
         torch.cuda.empty_cache()
     return 0

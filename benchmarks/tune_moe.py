@@ -192,12 +192,6 @@ def tune_lora_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, bas
     return best, best_us, base_us
 
 
-def with_lora_tiles_for_rank(entry: MoEConfig, rank_block: int, tiles: MoEConfig) -> MoEConfig:
-    """``entry`` whose ``lora_by_rank`` holds ``tiles`` at ``rank_block`` (replacing what was there)."""
-    kept = tuple((rank, cfg) for rank, cfg in entry.lora_by_rank if rank != rank_block)
-    return replace(entry, lora_by_rank=tuple(sorted((*kept, (rank_block, tiles)))))
-
-
 def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: Path, lora_rank: int = 0,
                lora_adapters: int = 4, lora_only: bool = False, lora_by_rank: bool = False
                ) -> tuple[str, dict]:
@@ -225,8 +219,7 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
             lora_cfg, lora_us, base_cfg_us = tune_lora_point(m, w13, w2, top_k, start, lora_rank,
                                                              lora_adapters, gen, timer=graph_timer)
             if lora_cfg != start:
-                tuned = (with_lora_tiles_for_rank(tuned, rank_block, lora_cfg) if lora_by_rank
-                         else replace(tuned, lora=lora_cfg))
+                tuned = tuned.with_lora_tiles(lora_cfg, rank_block if lora_by_rank else 0)
             print(f"{name:18s} M={m:5d}  split LoRA r={lora_rank} x{lora_adapters}: current tiles "
                   f"{base_cfg_us:9.1f} us  tuned {lora_us:9.1f} us ({base_cfg_us / lora_us:.2f}x)  "
                   f"{lora_cfg.to_dict()}", flush=True)

@@ -299,18 +299,20 @@ def test_lora_tuner_search(monkeypatch):
     assert best == MoEConfig(GemmConfig(32, 16, 32, 1, 4, 2), GemmConfig(32, 32, 32, 1, 4, 2))
 
 
-def test_lora_tuner_stores_tiles_by_rank():
-    """tune_moe.py --lora-by-rank: the tuned tiles go under their rank tile, replacing only that one."""
-    import tune_moe
-
+def test_with_lora_tiles_by_rank_and_as_lora():
+    """MoEConfig.with_lora_tiles (tune_moe.py --lora-by-rank, lora_tile_sweep.py --write-dir): tiles go under
+    their rank tile, replacing only that one, or (rank tile 0) become the entry's "lora"."""
     base = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 32, 128, 1, 4, 5))
     lora = MoEConfig(GemmConfig(16, 64, 128, 1, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4))
     wide = MoEConfig(GemmConfig(16, 128, 128, 1, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4))
-    entry = tune_moe.with_lora_tiles_for_rank(replace(base, lora=lora), 64, lora)
-    entry = tune_moe.with_lora_tiles_for_rank(entry, 16, base)
-    entry = tune_moe.with_lora_tiles_for_rank(entry, 16, wide)
+    entry = base.with_lora_tiles(lora).with_lora_tiles(lora, 64)
+    entry = entry.with_lora_tiles(base, 16).with_lora_tiles(wide, 16)
     assert entry.lora_by_rank == ((16, wide), (64, lora)) and entry.lora == lora
     assert MoEConfig.from_dict(entry.to_dict()).for_lora(16) == wide
+    as_lora = entry.with_lora_tiles(wide)
+    assert as_lora.for_lora(32) == wide and as_lora.for_lora(64) == lora
+    with pytest.raises(ValueError, match="may not hold"):
+        base.with_lora_tiles(entry, 16)
 
 
 def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
@@ -369,6 +371,43 @@ def test_lora_tile_sweep_candidates():
     assert "gemm2 16x32x128 w4 s5" not in lora_tile_sweep.candidate_configs(64, cases[64])
     small = lora_tile_sweep.candidate_configs(256, cases[256])
     assert small["gemm1 64x64x64 w4 s3"].gemm2.block_m == 64
+
+
+def test_lora_tile_sweep_picks_by_the_worst_adapter_count():
+    """lora_tile_sweep.py --write-dir: the winner is judged at its worst adapter count, must beat the current
+    tiles' worst by --min-gain, and must have run at every count."""
+    import lora_tile_sweep
+
+    runs = {1: {"current": 0.10, "a": 0.07, "b": 0.05, "c": 0.01},
+            4: {"current": 0.20, "a": 0.17, "b": 0.19}}  # c could not run with 4 adapters
+    assert lora_tile_sweep.pick_winner(runs, 0.01) == "a"  # b is better with 1 adapter, a at its worst
+    assert lora_tile_sweep.pick_winner(runs, 0.05) is None  # a gains 3 points, not 5
+    assert lora_tile_sweep.pick_winner({1: {"current": 0.1, "a": 0.2}}, 0.0) is None
+
+
+def test_lora_tile_sweep_records_into_a_copy(tmp_path):
+    """lora_tile_sweep.py --write-dir: the file is copied from the tuned one, the winner goes into the entry
+    the lookup takes for that M (the nearest; ties to the smaller M), under its rank tile or as "lora",
+    and the tuned file itself is left alone."""
+    import lora_tile_sweep
+
+    base = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 32, 128, 1, 4, 5))
+    prefill = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3))
+    wide = MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 4))
+    source = tmp_path / "tuned" / "f.json"
+    source.parent.mkdir()
+    source.write_text(json.dumps({"1": base.to_dict(), "1024": prefill.to_dict()}, indent=1) + "\n")
+    before = source.read_text()
+    out = tmp_path / "cand" / "f.json"
+    assert lora_tile_sweep.record_lora_tiles(out, source, 900, wide, 16, base) == "1024"
+    assert lora_tile_sweep.record_lora_tiles(out, source, 512, wide, 0, base) == "1"  # a tie: the smaller M
+    written = {m: MoEConfig.from_dict(entry) for m, entry in json.loads(out.read_text()).items()}
+    assert written["1024"] == prefill.with_lora_tiles(wide, 16) and written["1"] == base.with_lora_tiles(wide)
+    assert source.read_text() == before
+    # No tuned file to start from: one entry at the swept M, the base tiles given.
+    fresh = tmp_path / "fresh" / "f.json"
+    assert lora_tile_sweep.record_lora_tiles(fresh, tmp_path / "none.json", 64, wide, 64, base) == "64"
+    assert MoEConfig.from_dict(json.loads(fresh.read_text())["64"]).for_lora(64) == wide
 
 
 def test_env_count(monkeypatch):

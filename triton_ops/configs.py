@@ -113,6 +113,16 @@ class MoEConfig:
             entry["lora_by_rank"] = {str(rank): tiles.to_dict() for rank, tiles in self.lora_by_rank}
         return entry
 
+    def with_lora_tiles(self, tiles: MoEConfig, rank_block: int = 0) -> MoEConfig:
+        """This entry with ``tiles`` as its split LoRA tiles: under ``lora_by_rank`` at ``rank_block``
+        (replacing what was there), or as ``lora`` (every rank tile without its own) when 0."""
+        if tiles.lora is not None or tiles.lora_by_rank:
+            raise ValueError("LoRA tiles may not hold \"lora\" or \"lora_by_rank\" entries of their own")
+        if not rank_block:
+            return replace(self, lora=tiles)
+        kept = tuple((rank, cfg) for rank, cfg in self.lora_by_rank if rank != rank_block)
+        return replace(self, lora_by_rank=tuple(sorted((*kept, (rank_block, tiles)))))
+
     def for_lora(self, rank_block: int = 0) -> MoEConfig:
         """The tiles for the layer with adapters (split path) at this rank tile: its ``lora_by_rank`` entry,
         else the tuned ``lora`` entry, else these (0: any rank tile, the ``lora`` entry)."""
