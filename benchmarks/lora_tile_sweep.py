@@ -244,11 +244,16 @@ def main(argv: list[str] | None = None) -> int:
             current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device,
                                      lora=True, rank_block=rank_block)
             file_name = config_file_name(shape.E, shape.I, device_name(device), torch.bfloat16)
+            chosen = candidate_configs(m, current, tiles, pairs)[winner]
             key = record_lora_tiles(
-                args.write_dir / file_name, source_dir / file_name, m,
-                candidate_configs(m, current, tiles, pairs)[winner], 0 if args.as_lora else rank_block,
+                args.write_dir / file_name, source_dir / file_name, m, chosen,
+                0 if args.as_lora else rank_block,
                 get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device))
             print(f"{name} M={m}: wrote {winner} into {args.write_dir / file_name} (entry {key})", flush=True)
+            written = MoEConfig.from_dict(json.loads((args.write_dir / file_name).read_text())[key])
+            if written.for_lora(rank_block) != chosen:
+                print(f"    note: the entry's own tiles for rank tile {rank_block} still take precedence "
+                      "there over its \"lora\" tiles", flush=True)
         del w13, w2, buffers
         torch.cuda.empty_cache()
     return 0
