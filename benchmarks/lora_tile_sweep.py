@@ -55,9 +55,10 @@ from moelora.bench import (  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     GemmConfig,
     MoEConfig,
-    config_file_name,
     device_name,
     get_moe_config,
+    nearest_tuned_m,
+    tuned_config_path,
 )
 from triton_ops.fused_experts import fused_experts  # noqa: E402
 from triton_ops.fused_moe import lora_rank_block  # noqa: E402
@@ -135,22 +136,20 @@ def pick_winner(overheads_by_adapters: dict[int, dict[str, float]], min_gain: fl
 
 
 def record_lora_tiles(path: Path, source: Path, num_tokens: int, tiles: MoEConfig, rank_block: int,
-                      base: MoEConfig) -> str:
+                      base: MoEConfig) -> tuple[str, MoEConfig]:
     """Writes ``tiles`` into the config file ``path`` (first copied from ``source`` when it is not there
-    and ``source`` is) as the LoRA tiles of the entry the lookup takes for ``num_tokens`` (the nearest M),
-    under ``rank_block`` (0: as ``"lora"``); a file with no entries gets one at ``num_tokens`` with ``base``
-    as its base tiles. Returns the entry's key."""
+    and ``source`` is) as the LoRA tiles of the entry the lookup takes for ``num_tokens``
+    (``nearest_tuned_m``), under ``rank_block`` (0: as ``"lora"``); a file with no entries gets one at
+    ``num_tokens`` with ``base`` as its base tiles. Returns the entry's key and the entry as written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_file() and source.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, path)
     entries = json.loads(path.read_text()) if path.is_file() else {}
-    key = (min(sorted(entries, key=int), key=lambda m: abs(int(m) - num_tokens)) if entries
-           else str(num_tokens))
-    entry = MoEConfig.from_dict(entries[key]) if key in entries else base
-    entries[key] = entry.with_lora_tiles(tiles, rank_block).to_dict()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    key = str(nearest_tuned_m(map(int, entries), num_tokens)) if entries else str(num_tokens)
+    entry = (MoEConfig.from_dict(entries[key]) if key in entries else base).with_lora_tiles(tiles, rank_block)
+    entries[key] = entry.to_dict()
     path.write_text(json.dumps(dict(sorted(entries.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
-    return key
+    return key, entry
 
 
 def _capture_candidate(fn) -> torch.cuda.CUDAGraph | None:
@@ -219,8 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset)")
     pairs = [tuple(pair) for pair in args.pair]
     rank_block = lora_rank_block(args.rank)
-    source_dir = Path(os.environ.get("MOELORA_MOE_CONFIG_DIR", Path(__file__).resolve().parents[1]
-                                     / "triton_ops" / "configs"))
     for name in args.models:
         shape, device = MODELS[name], torch.device("cuda")
         w13, w2 = make_weights(shape, torch.bfloat16, device, args.seed)
@@ -243,14 +240,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device,
                                      lora=True, rank_block=rank_block)
-            file_name = config_file_name(shape.E, shape.I, device_name(device), torch.bfloat16)
+            source = tuned_config_path(shape.E, shape.I, device_name(device), torch.bfloat16)
             chosen = candidate_configs(m, current, tiles, pairs)[winner]
-            key = record_lora_tiles(
-                args.write_dir / file_name, source_dir / file_name, m, chosen,
-                0 if args.as_lora else rank_block,
+            out = args.write_dir / source.name
+            key, written = record_lora_tiles(
+                out, source, m, chosen, 0 if args.as_lora else rank_block,
                 get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device))
-            print(f"{name} M={m}: wrote {winner} into {args.write_dir / file_name} (entry {key})", flush=True)
-            written = MoEConfig.from_dict(json.loads((args.write_dir / file_name).read_text())[key])
+            print(f"{name} M={m}: wrote {winner} into {out} (entry {key})", flush=True)
             if written.for_lora(rank_block) != chosen:
                 print(f"    note: the entry's own tiles for rank tile {rank_block} still take precedence "
                       "there over its \"lora\" tiles", flush=True)

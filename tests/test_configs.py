@@ -399,14 +399,16 @@ def test_lora_tile_sweep_records_into_a_copy(tmp_path):
     source.write_text(json.dumps({"1": base.to_dict(), "1024": prefill.to_dict()}, indent=1) + "\n")
     before = source.read_text()
     out = tmp_path / "cand" / "f.json"
-    assert lora_tile_sweep.record_lora_tiles(out, source, 900, wide, 16, base) == "1024"
-    assert lora_tile_sweep.record_lora_tiles(out, source, 512, wide, 0, base) == "1"  # a tie: the smaller M
+    assert lora_tile_sweep.record_lora_tiles(out, source, 900, wide, 16, base) == (
+        "1024", prefill.with_lora_tiles(wide, 16))
+    # 512 is as far from 1 as from 1024: the lookup takes the smaller M, and so does the sweep.
+    assert lora_tile_sweep.record_lora_tiles(out, source, 512, wide, 0, base)[0] == "1"
     written = {m: MoEConfig.from_dict(entry) for m, entry in json.loads(out.read_text()).items()}
     assert written["1024"] == prefill.with_lora_tiles(wide, 16) and written["1"] == base.with_lora_tiles(wide)
     assert source.read_text() == before
     # No tuned file to start from: one entry at the swept M, the base tiles given.
     fresh = tmp_path / "fresh" / "f.json"
-    assert lora_tile_sweep.record_lora_tiles(fresh, tmp_path / "none.json", 64, wide, 64, base) == "64"
+    assert lora_tile_sweep.record_lora_tiles(fresh, tmp_path / "none.json", 64, wide, 64, base)[0] == "64"
     assert MoEConfig.from_dict(json.loads(fresh.read_text())["64"]).for_lora(64) == wide
 
 

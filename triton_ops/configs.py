@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -199,18 +200,28 @@ def _forced_config() -> MoEConfig | None:
     return MoEConfig.from_dict(json.loads(text))
 
 
+def tuned_config_path(num_experts: int, intermediate: int, device: str, dtype: torch.dtype) -> Path:
+    """The tuned file the lookup reads for this shape and device (in ``MOELORA_MOE_CONFIG_DIR`` when set)."""
+    config_dir = Path(os.environ.get("MOELORA_MOE_CONFIG_DIR", _CONFIG_DIR))
+    return config_dir / config_file_name(num_experts, intermediate, device, dtype)
+
+
+def nearest_tuned_m(token_counts: Iterable[int], num_tokens: int) -> int:
+    """The tuned M whose entry serves ``num_tokens``: the nearest, the smaller one on a tie."""
+    return min(sorted(token_counts), key=lambda m: abs(m - num_tokens))
+
+
 def tuned_moe_config(
     num_tokens: int, num_experts: int, intermediate: int, dtype: torch.dtype, device: str
 ) -> MoEConfig | None:
     """The tuned entry nearest to ``num_tokens`` for this shape and device, or None."""
     if os.environ.get("MOELORA_NO_TUNED_CONFIGS") == "1":
         return None
-    config_dir = Path(os.environ.get("MOELORA_MOE_CONFIG_DIR", _CONFIG_DIR))
-    path = config_dir / config_file_name(num_experts, intermediate, device, dtype)
+    path = tuned_config_path(num_experts, intermediate, device, dtype)
     if not path.is_file():
         return None
-    entries = _load_tuned(str(path))
-    return min(entries, key=lambda entry: abs(entry[0] - num_tokens))[1]
+    entries = dict(_load_tuned(str(path)))
+    return entries[nearest_tuned_m(entries, num_tokens)]
 
 
 def default_moe_config(
