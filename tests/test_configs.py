@@ -315,6 +315,7 @@ def test_with_lora_tiles_by_rank_and_as_lora():
         base.with_lora_tiles(entry, 16)
 
 
+@pytest.mark.interpreter
 def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
     """benchmarks/ab_env.py (dry run, interpreter): B's launches see --env, A's and base's the environment
     as it was, which is restored afterwards. M=80 x top-2: 160 pairs, the prefill split path with its
