@@ -14,9 +14,11 @@ current GEMM1. Adapters, routing and inputs are those of ``moelora bench``.
 device's config file (copied from the tuned files the sweep read, ``MOELORA_MOE_CONFIG_DIR`` or
 ``triton_ops/configs/``, when DIR has none): under the entry the lookup uses for that M, as its
 ``"lora_by_rank"`` tiles at the swept rank tile, or with ``--as-lora`` as its ``"lora"`` tiles (every rank
-tile without its own). Then confirm them with ``benchmarks/ab_env.py --env MOELORA_MOE_CONFIG_DIR=DIR``
-(an interleaved A/B, which separates a real gain from one sweep's noise) and at the other rank tile before
-copying a file into ``triton_ops/configs/``:
+tile without its own), or with ``--multi`` as its ``"lora_multi_by_rank"`` tiles at the swept rank tile (the
+tiles of batches with two adapters or more: every ``--adapters`` count must then be at least 2, and the
+current tiles are those such batches run). Then confirm them with ``benchmarks/ab_env.py --env
+MOELORA_MOE_CONFIG_DIR=DIR`` (an interleaved A/B, which separates a real gain from one sweep's noise) and at
+the other rank tile before copying a file into ``triton_ops/configs/``:
 
     python benchmarks/lora_tile_sweep.py --models deepseek-v2-lite --M 1024 4096 --write-dir /tmp/cand
     python benchmarks/ab_env.py --env MOELORA_MOE_CONFIG_DIR=/tmp/cand --models deepseek-v2-lite --M 1024 4096
@@ -136,17 +138,19 @@ def pick_winner(overheads_by_adapters: dict[int, dict[str, float]], min_gain: fl
 
 
 def record_lora_tiles(path: Path, source: Path, num_tokens: int, tiles: MoEConfig, rank_block: int,
-                      base: MoEConfig) -> tuple[str, MoEConfig]:
+                      base: MoEConfig, *, multi: bool = False) -> tuple[str, MoEConfig]:
     """Writes ``tiles`` into the config file ``path`` (first copied from ``source`` when it is not there
     and ``source`` is) as the LoRA tiles of the entry the lookup takes for ``num_tokens``
-    (``nearest_tuned_m``), under ``rank_block`` (0: as ``"lora"``); a file with no entries gets one at
+    (``nearest_tuned_m``), under ``rank_block`` (0: as ``"lora"``; with ``multi`` in
+    ``"lora_multi_by_rank"``); a file with no entries gets one at
     ``num_tokens`` with ``base`` as its base tiles. Returns the entry's key and the entry as written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_file() and source.is_file():
         shutil.copyfile(source, path)
     entries = json.loads(path.read_text()) if path.is_file() else {}
     key = str(nearest_tuned_m(map(int, entries), num_tokens)) if entries else str(num_tokens)
-    entry = (MoEConfig.from_dict(entries[key]) if key in entries else base).with_lora_tiles(tiles, rank_block)
+    entry = (MoEConfig.from_dict(entries[key]) if key in entries else base).with_lora_tiles(tiles, rank_block,
+                                                                                             multi=multi)
     entries[key] = entry.to_dict()
     path.write_text(json.dumps(dict(sorted(entries.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
     return key, entry
@@ -164,8 +168,9 @@ def _capture_candidate(fn) -> torch.cuda.CUDAGraph | None:
 
 def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: torch.Tensor, w2: torch.Tensor,
                 buffers: LoRABuffers, tiles: tuple[list, list] | None = None,
-                pairs: list[tuple[tuple, tuple]] = ()) -> dict[str, float]:
-    """Overhead over the base layer of the current LoRA tiles and of each candidate, by label."""
+                pairs: list[tuple[tuple, tuple]] = (), multi: bool = False) -> dict[str, float]:
+    """Overhead over the base layer of the current LoRA tiles (with ``multi``, those of batches with several
+    adapters) and of each candidate, by label."""
     shape = MODELS[name]
     device, dtype = w13.device, w13.dtype
     weights, ids = make_routing(m, shape, m + seed, device)
@@ -173,7 +178,7 @@ def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: tor
     slots = token_slots_for(m, adapters, "uniform", 13 * m + adapters + seed)
     lora = lora_inputs(buffers, slots, 8, adapters, rank, device)
     current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, dtype, device, lora=True,
-                             rank_block=lora_rank_block(rank))
+                             rank_block=lora_rank_block(rank), num_adapters=2 if multi else 1)
     base = _capture(lambda: fused_experts(x, w13, w2, weights, ids))
     if base is None:
         raise RuntimeError(f"{name} M={m}: the base layer could not be captured")
@@ -208,12 +213,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="points of overhead a winner must gain at its worst adapter count (default 1)")
     parser.add_argument("--as-lora", action="store_true",
                         help="with --write-dir: record winners as \"lora\" instead of under the rank tile")
+    parser.add_argument("--multi", action="store_true",
+                        help="sweep and record the tiles of batches with several adapters "
+                             "(\"lora_multi_by_rank\"; every --adapters count >= 2)")
     args = parser.parse_args(argv)
     tiles = None
     if args.gemm1 or args.gemm2:
         tiles = (args.gemm1 or [], args.gemm2 or [])
     if min(args.M + args.adapters + [args.rank]) < 1:
         raise SystemExit("--M, --adapters and --rank must be >= 1")
+    if args.multi and min(args.adapters) < 2:
+        raise SystemExit(f"--multi sweeps the tiles of batches with several adapters: --adapters must all be "
+                         f">= 2, got {args.adapters}")
+    if args.multi and args.as_lora:
+        raise SystemExit("--multi records under the swept rank tile: it does not go with --as-lora")
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset)")
     pairs = [tuple(pair) for pair in args.pair]
@@ -226,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             by_adapters = {}
             for adapters in args.adapters:
                 overheads = by_adapters[adapters] = sweep_point(name, m, args.rank, adapters, args.seed, w13,
-                                                                w2, buffers, tiles, pairs)
+                                                                w2, buffers, tiles, pairs, args.multi)
                 best = min(overheads, key=overheads.get)
                 print(f"{name} M={m} rank {args.rank} x{adapters}: best {best} "
                       f"({100 * overheads[best]:+.1f} %)", flush=True)
@@ -239,15 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} M={m}: nothing beats the current tiles by {args.min_gain} points", flush=True)
                 continue
             current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device,
-                                     lora=True, rank_block=rank_block)
+                                     lora=True, rank_block=rank_block, num_adapters=2 if args.multi else 1)
             source = tuned_config_path(shape.E, shape.I, device_name(device), torch.bfloat16)
             chosen = candidate_configs(m, current, tiles, pairs)[winner]
             out = args.write_dir / source.name
             key, written = record_lora_tiles(
                 out, source, m, chosen, 0 if args.as_lora else rank_block,
-                get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device))
+                get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device),
+                multi=args.multi)
             print(f"{name} M={m}: wrote {winner} into {out} (entry {key})", flush=True)
-            if written.for_lora(rank_block) != chosen:
+            if written.for_lora(rank_block, 2 if args.multi else 1) != chosen:
                 print(f"    note: the entry's own tiles for rank tile {rank_block} still take precedence "
                       "there over its \"lora\" tiles", flush=True)
         del w13, w2, buffers

@@ -215,7 +215,8 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
             # eager against 470 us in moelora bench).
             rank_block = lora_rank_block(lora_rank)
             # Candidates must beat the tiles the layer runs now (this rank tile's, or "lora", or the base's).
-            start = replace(tuned.for_lora(rank_block if lora_by_rank else 0), lora=None, lora_by_rank=())
+            start = replace(tuned.for_lora(rank_block if lora_by_rank else 0), lora=None, lora_by_rank=(),
+                            lora_multi_by_rank=())
             lora_cfg, lora_us, base_cfg_us = tune_lora_point(m, w13, w2, top_k, start, lora_rank,
                                                              lora_adapters, gen, timer=graph_timer)
             if lora_cfg != start:

@@ -231,10 +231,45 @@ def test_lora_by_rank_entry(monkeypatch):
         MoEConfig.from_dict({**entry, "lora_by_rank": [entry["lora"]]})
 
 
-@pytest.mark.interpreter
-def test_split_path_launches_the_lora_tiles(monkeypatch):
-    """A config with a ``lora`` entry: the split LoRA path runs its tiles (alignment and both GEMMs), the
-    base path the entry's own; both outputs still match the reference."""
+def test_lora_multi_by_rank_entry(monkeypatch):
+    """``lora_multi_by_rank`` serves batches of two adapters or more at its rank tile, ahead of
+    ``lora_by_rank`` (Qwen3-30B-A3B M=1024 rank 64 on the H100: 64-row tiles won with 4 and 8 adapters, lost
+    with one); one adapter or an unknown count (0) keeps the single tiles; it survives the JSON round trip
+    and bad keys or nesting are refused."""
+    base = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
+    rank64 = MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 4))
+    multi64 = MoEConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
+    entry = replace(base, lora_by_rank=((64, rank64),), lora_multi_by_rank=((64, multi64),)).to_dict()
+    assert entry["lora_multi_by_rank"]["64"]["BLOCK_SIZE_M"] == 64
+    parsed = MoEConfig.from_dict(json.loads(json.dumps(entry)))
+    assert [parsed.for_lora(64, n) for n in (0, 1, 2, 8)] == [rank64, rank64, multi64, multi64]
+    assert parsed.for_lora(16, 4) is parsed  # no LoRA tiles at rank tile 16: the entry's own
+    monkeypatch.setenv("MOELORA_MOE_CONFIG", json.dumps(entry))
+    args = (1024, 128, 2048, 768, 8, torch.bfloat16)
+    assert get_moe_config(*args, lora=True, rank_block=64) == rank64
+    assert get_moe_config(*args, lora=True, rank_block=64, num_adapters=4) == multi64
+    assert get_moe_config(*args, num_adapters=4) == parsed  # the base path: no LoRA tiles
+    with pytest.raises(ValueError, match="rank tiles"):
+        MoEConfig.from_dict({**entry, "lora_multi_by_rank": {"48": entry["lora_multi_by_rank"]["64"]}})
+    with pytest.raises(ValueError, match="may not hold"):
+        MoEConfig.from_dict({**entry, "lora_multi_by_rank": {"64": {**entry["lora_multi_by_rank"]["64"],
+                                                                    "lora_by_rank": {}}}})
+    with pytest.raises(ValueError, match="may not hold"):
+        MoEConfig.from_dict({**entry, "lora": {**entry["lora_by_rank"]["64"], "lora_multi_by_rank": {}}})
+    with pytest.raises(ValueError, match="maps rank tiles"):
+        MoEConfig.from_dict({**entry, "lora_multi_by_rank": [entry["lora_by_rank"]["64"]]})
+    # with_lora_tiles(multi=True) writes (and replaces) only the multi-adapter tiles at their rank tile.
+    again = base.with_lora_tiles(rank64, 64).with_lora_tiles(rank64, 64, multi=True)
+    again = again.with_lora_tiles(multi64, 64, multi=True)
+    assert again == MoEConfig.from_dict(entry)
+    with pytest.raises(ValueError, match="rank tile"):
+        base.with_lora_tiles(multi64, multi=True)
+    with pytest.raises(ValueError, match="may not hold"):
+        base.with_lora_tiles(again, 64, multi=True)
+
+
+def _spy_gemm_launches(monkeypatch) -> list:
+    """The GEMM configs fused_experts launches, in order, from here on (the launches still run)."""
     fused_experts_module = importlib.import_module("triton_ops.fused_experts")
     launched = []
     real_invoke = fused_experts_module.invoke_fused_moe_kernel
@@ -244,12 +279,50 @@ def test_split_path_launches_the_lora_tiles(monkeypatch):
         return real_invoke(*args, config=config, **kwargs)
 
     monkeypatch.setattr(fused_experts_module, "invoke_fused_moe_kernel", spy)
+    return launched
+
+
+def _split_case(seed: int):
+    """40 tokens, top-4 of 4 experts, two adapters of ranks 5 and 16 in a rank-16 pool of 3 slots (fp32):
+    test_lora_kernels.make_case's inputs, reference and base reference."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_lora_kernels import make_case
 
-    (x, w13, w2), weights, ids, lora, ref, base_ref = make_case(
-        m=40, hidden=64, inter=48, num_experts=4, top_k=4, ranks=(5, 16), max_rank=16, num_slots=3,
-        dtype=torch.float32, gen=torch.Generator().manual_seed(5))
+    return make_case(m=40, hidden=64, inter=48, num_experts=4, top_k=4, ranks=(5, 16), max_rank=16,
+                     num_slots=3, dtype=torch.float32, gen=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.interpreter
+def test_split_path_takes_the_multi_adapter_tiles(monkeypatch):
+    """The split path asks for the tiles of its batch's adapter count (``lora.num_adapters``, host-known):
+    one adapter runs the rank tile's tiles, three the multi-adapter ones; each output matches the
+    reference (a tile changes no result)."""
+    launched = _spy_gemm_launches(monkeypatch)
+    # 40 tokens x top-4 over 4 experts: 40 rows an expert, so 16- and 32-row blocks both see several slots.
+    (x, w13, w2), weights, ids, lora, ref, _ = _split_case(seed=7)
+    single = MoEConfig(GemmConfig(32, 16, 32, 1, 4, 2), GemmConfig(32, 64, 32, 1, 4, 2))
+    multi = MoEConfig(GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 16, 32, 1, 4, 2))
+    config = MoEConfig(GemmConfig(16, 64, 32, 1, 4, 2), GemmConfig(16, 64, 32, 1, 4, 2),
+                       lora_by_rank=((16, single),), lora_multi_by_rank=((16, multi),))
+    scale = ref.abs().max()
+    for hint, tiles in ((1, single), (3, multi)):
+        launched.clear()
+        out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=hint),
+                            lora_path="split", config=config)
+        assert launched == [tiles.gemm1, tiles.gemm2]
+        torch.testing.assert_close(out, ref, atol=2e-5 * scale, rtol=1e-4)
+    launched.clear()
+    monkeypatch.setenv("MOELORA_MOE_CONFIG", json.dumps(config.to_dict()))  # the lookup's path
+    fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=3), lora_path="split")
+    assert launched == [multi.gemm1, multi.gemm2]
+
+
+@pytest.mark.interpreter
+def test_split_path_launches_the_lora_tiles(monkeypatch):
+    """A config with a ``lora`` entry: the split LoRA path runs its tiles (alignment and both GEMMs), the
+    base path the entry's own; both outputs still match the reference."""
+    launched = _spy_gemm_launches(monkeypatch)
+    (x, w13, w2), weights, ids, lora, ref, base_ref = _split_case(seed=5)
     base_tiles = MoEConfig(GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 32, 32, 1, 4, 2))
     lora_tiles = MoEConfig(GemmConfig(32, 16, 32, 1, 4, 2), GemmConfig(32, 64, 32, 1, 4, 2))
     config = replace(base_tiles, lora=lora_tiles)
@@ -411,6 +484,9 @@ def test_lora_tile_sweep_records_into_a_copy(tmp_path):
     fresh = tmp_path / "fresh" / "f.json"
     assert lora_tile_sweep.record_lora_tiles(fresh, tmp_path / "none.json", 64, wide, 64, base)[0] == "64"
     assert MoEConfig.from_dict(json.loads(fresh.read_text())["64"]).for_lora(64) == wide
+    # --multi: the winner goes under "lora_multi_by_rank", the single tiles of the entry stay.
+    key, entry = lora_tile_sweep.record_lora_tiles(out, source, 1024, base, 16, base, multi=True)
+    assert key == "1024" and entry.for_lora(16, 4) == base and entry.for_lora(16, 1) == wide
 
 
 def test_env_count(monkeypatch):

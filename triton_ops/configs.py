@@ -16,6 +16,10 @@ for the base GEMMs alone need not be the best once every tile also expands adapt
 (``benchmarks/tune_moe.py --lora-rank``). A ``"lora_by_rank"`` object maps a rank tile (16, 32, 64, ...: the
 pool's max rank rounded up to a power of two, at least 16) to an entry that replaces ``"lora"`` at that rank
 tile (``benchmarks/lora_tile_sweep.py`` finds them): the best tile at rank 16 need not be the best at 64.
+A ``"lora_multi_by_rank"`` object, keyed the same way, holds the tiles of batches with two adapters or more
+(the caller's host-known ``num_adapters``), ahead of ``"lora_by_rank"`` there: a prefill sequence is one
+adapter's and an expert's rows stay in token order, so smaller blocks hold fewer adapters, and each adapter
+in a block costs its epilogues an expand, while one adapter may run best on the larger tile.
 For GEMM1 BLOCK_SIZE_N counts columns of the activated output: the program reads gate and up tiles of that
 width each.
 """
@@ -33,6 +37,10 @@ import torch
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
 _KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+# An entry's LoRA tiles: ``lora`` (any rank tile), per rank tile, per rank tile for several adapters.
+_LORA_KEYS = ("lora", "lora_by_rank", "lora_multi_by_rank")
+# From this many distinct adapters in a batch, ``lora_multi_by_rank`` tiles apply.
+MULTI_ADAPTER_TILES_MIN_ADAPTERS = 2
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class GemmConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, base: GemmConfig | None = None) -> GemmConfig:
-        unknown = set(raw) - set(_KEYS) - {"gemm2", "lora", "lora_by_rank"}
+        unknown = set(raw) - set(_KEYS) - {"gemm2", *_LORA_KEYS}
         if unknown:
             raise ValueError(f"unknown MoE config keys {sorted(unknown)}; expected a subset of {_KEYS}")
         fields = {
@@ -79,6 +87,8 @@ class MoEConfig:
     lora: MoEConfig | None = None  # the split LoRA path's own tiles, when tuned apart
     # Split LoRA tiles for one rank tile each, in place of ``lora`` there: ((rank tile, tiles), ...).
     lora_by_rank: tuple[tuple[int, MoEConfig], ...] = ()
+    # The same for batches of MULTI_ADAPTER_TILES_MIN_ADAPTERS adapters or more, ahead of ``lora_by_rank``.
+    lora_multi_by_rank: tuple[tuple[int, MoEConfig], ...] = ()
 
     @property
     def block_m(self) -> int:
@@ -91,18 +101,26 @@ class MoEConfig:
         if gemm2.block_m != gemm1.block_m:
             raise ValueError("gemm2 may not change BLOCK_SIZE_M: both GEMMs share one token alignment")
         lora = raw.get("lora")
-        by_rank = raw.get("lora_by_rank", {})
-        if not isinstance(by_rank, dict):
-            raise ValueError(f"\"lora_by_rank\" maps rank tiles to entries, got {type(by_rank).__name__}")
-        for nested in [lora or {}, *by_rank.values()]:
-            if "lora" in nested or "lora_by_rank" in nested:
-                raise ValueError("a LoRA entry may not hold another \"lora\" or \"lora_by_rank\" entry")
-        rank_tiles = []
-        for key, entry in by_rank.items():
-            if not str(key).isdigit() or int(key) < 16 or int(key) & (int(key) - 1):
-                raise ValueError(f"\"lora_by_rank\" keys are rank tiles (16, 32, 64, ...), got {key!r}")
-            rank_tiles.append((int(key), cls.from_dict(entry)))
-        return cls(gemm1, gemm2, cls.from_dict(lora) if lora is not None else None, tuple(sorted(rank_tiles)))
+        nested = [lora or {}]
+        tiles_by_key = {}
+        for key in _LORA_KEYS[1:]:
+            by_rank = raw.get(key, {})
+            if not isinstance(by_rank, dict):
+                raise ValueError(f"\"{key}\" maps rank tiles to entries, got {type(by_rank).__name__}")
+            nested += by_rank.values()
+            rank_tiles = []
+            for rank_key, entry in by_rank.items():
+                if not str(rank_key).isdigit() or int(rank_key) < 16 or int(rank_key) & (int(rank_key) - 1):
+                    raise ValueError(f"\"{key}\" keys are rank tiles (16, 32, 64, ...), got {rank_key!r}")
+                rank_tiles.append((int(rank_key), entry))
+            tiles_by_key[key] = rank_tiles
+        for entry in nested:
+            if isinstance(entry, dict) and set(entry) & set(_LORA_KEYS):
+                raise ValueError("a LoRA entry may not hold another \"lora\", \"lora_by_rank\" or "
+                                 "\"lora_multi_by_rank\" entry")
+        return cls(gemm1, gemm2, cls.from_dict(lora) if lora is not None else None,
+                   *(tuple(sorted((rank, cls.from_dict(entry)) for rank, entry in tiles_by_key[key]))
+                     for key in _LORA_KEYS[1:]))
 
     def to_dict(self) -> dict:
         """The JSON entry ``from_dict`` reads (gemm2 minus the shared BLOCK_SIZE_M; lora when set)."""
@@ -110,23 +128,35 @@ class MoEConfig:
         entry["gemm2"] = {k: v for k, v in self.gemm2.to_dict().items() if k != "BLOCK_SIZE_M"}
         if self.lora is not None:
             entry["lora"] = self.lora.to_dict()
-        if self.lora_by_rank:
-            entry["lora_by_rank"] = {str(rank): tiles.to_dict() for rank, tiles in self.lora_by_rank}
+        for key in _LORA_KEYS[1:]:
+            if getattr(self, key):
+                entry[key] = {str(rank): tiles.to_dict() for rank, tiles in getattr(self, key)}
         return entry
 
-    def with_lora_tiles(self, tiles: MoEConfig, rank_block: int = 0) -> MoEConfig:
+    def with_lora_tiles(self, tiles: MoEConfig, rank_block: int = 0, *, multi: bool = False) -> MoEConfig:
         """This entry with ``tiles`` as its split LoRA tiles: under ``lora_by_rank`` at ``rank_block``
-        (replacing what was there), or as ``lora`` (every rank tile without its own) when 0."""
-        if tiles.lora is not None or tiles.lora_by_rank:
-            raise ValueError("LoRA tiles may not hold \"lora\" or \"lora_by_rank\" entries of their own")
+        (replacing what was there), or as ``lora`` (every rank tile without its own) when 0; with ``multi``
+        under ``lora_multi_by_rank`` at ``rank_block`` (batches of several adapters; needs a rank tile)."""
+        if tiles.lora is not None or tiles.lora_by_rank or tiles.lora_multi_by_rank:
+            raise ValueError("LoRA tiles may not hold \"lora\", \"lora_by_rank\" or \"lora_multi_by_rank\" "
+                             "entries of their own")
         if not rank_block:
+            if multi:
+                raise ValueError("tiles for several adapters go under a rank tile (16, 32, 64, ...), got 0")
             return replace(self, lora=tiles)
-        kept = tuple((rank, cfg) for rank, cfg in self.lora_by_rank if rank != rank_block)
-        return replace(self, lora_by_rank=tuple(sorted((*kept, (rank_block, tiles)))))
+        field = "lora_multi_by_rank" if multi else "lora_by_rank"
+        kept = tuple((rank, cfg) for rank, cfg in getattr(self, field) if rank != rank_block)
+        return replace(self, **{field: tuple(sorted((*kept, (rank_block, tiles))))})
 
-    def for_lora(self, rank_block: int = 0) -> MoEConfig:
-        """The tiles for the layer with adapters (split path) at this rank tile: its ``lora_by_rank`` entry,
-        else the tuned ``lora`` entry, else these (0: any rank tile, the ``lora`` entry)."""
+    def for_lora(self, rank_block: int = 0, num_adapters: int = 0) -> MoEConfig:
+        """The tiles for the layer with adapters (split path) at this rank tile: with ``num_adapters`` (the
+        batch's distinct adapters, 0 when unknown) of MULTI_ADAPTER_TILES_MIN_ADAPTERS or more its
+        ``lora_multi_by_rank`` entry, else its ``lora_by_rank`` entry, else the tuned ``lora`` entry, else
+        these (0: any rank tile, the ``lora`` entry)."""
+        if num_adapters >= MULTI_ADAPTER_TILES_MIN_ADAPTERS:
+            for rank, tiles in self.lora_multi_by_rank:
+                if rank == rank_block:
+                    return tiles
         for rank, tiles in self.lora_by_rank:
             if rank == rank_block:
                 return tiles
@@ -259,15 +289,17 @@ def get_moe_config(
     device: torch.device | None = None,
     lora: bool = False,
     rank_block: int = 0,
+    num_adapters: int = 0,
 ) -> MoEConfig:
     """Forced config, else tuned JSON for this device, else the heuristic (see the module docstring);
-    with ``lora`` the entry's LoRA tiles for ``rank_block`` (``MoEConfig.for_lora``) where it has them."""
+    with ``lora`` the entry's LoRA tiles for ``rank_block`` and ``num_adapters`` distinct adapters in the
+    batch (0: unknown, taken as one; ``MoEConfig.for_lora``) where it has them."""
     forced = _forced_config()
     if forced is not None:
-        return forced.for_lora(rank_block) if lora else forced
+        return forced.for_lora(rank_block, num_adapters) if lora else forced
     on_gpu = device is not None and torch.device(device).type == "cuda"
     if on_gpu:
         tuned = tuned_moe_config(num_tokens, num_experts, intermediate, dtype, device_name(device))
         if tuned is not None:
-            return tuned.for_lora(rank_block) if lora else tuned
+            return tuned.for_lora(rank_block, num_adapters) if lora else tuned
     return default_moe_config(num_tokens, num_experts, hidden, intermediate, top_k, dtype)

@@ -336,7 +336,7 @@ def fused_experts(
         routed_scaling_factor: rsf, multiplies the combined output.
         no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
         config: force a launch config (default: ``triton_ops.configs.get_moe_config``); on the split LoRA
-            path its ``lora`` tiles when it has them.
+            path its LoRA tiles for the rank tile and ``lora.num_adapters`` when it has them.
         lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
         lora_path: "fused" (shrinks in the GEMM K-loops, expands in their epilogues: the base path's
             launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
@@ -392,10 +392,11 @@ def fused_experts(
         end = min(start + chunk, num_tokens)
         rows = end - start
         if config is not None:
-            cfg = config.for_lora(rank_block) if split else config
+            cfg = config.for_lora(rank_block, lora.num_adapters) if split else config
         else:
             cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device,
-                                 lora=split, rank_block=rank_block if split else 0)
+                                 lora=split, rank_block=rank_block if split else 0,
+                                 num_adapters=lora.num_adapters if split else 0)
         if lora is not None and lora_path == "fused":
             cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=x.element_size())
         chunk_ids = topk_ids[start:end]
