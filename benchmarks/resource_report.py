@@ -118,8 +118,9 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, 
                   ) -> list[tuple[str, dict]]:
     """The base and LoRA launches of both GEMMs at M tokens, as caught keyword arguments; the split
     variants read ``splits`` shrink partials (1: as after ``reduce_shrink_splits``). The split and ext
-    variants take the tiles the split layer runs at this rank (``cfg.for_lora``: an entry's ``"lora"`` or
-    ``"lora_by_rank"`` tiles), the base and fused ones the entry's own."""
+    variants take the tiles the split layer runs at this rank and adapter count (``cfg.for_lora``: an
+    entry's ``"lora"``, ``"lora_by_rank"`` or, from two adapters, ``"lora_multi_by_rank"`` tiles), the base
+    and fused ones the entry's own."""
     shape = MODELS[model]
     E, k, H, inter = shape.E, shape.top_k, shape.H, shape.I
     meta = dict(device="meta")
@@ -150,7 +151,7 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, 
     ext_gate_up = replace(gate_up, packed=torch.empty(pairs, 2 * rb, **bf16))
     ext_down = replace(down, packed=torch.empty(pairs, rb, **bf16))
     fused_cfg = _with_lora_tiles(cfg, rank_block=rb)
-    split_cfg = cfg.for_lora(rb)
+    split_cfg = cfg.for_lora(rb, adapters)
     variants = [
         ("gemm1 base", cfg.gemm1, None), ("gemm2 base", cfg.gemm2, None),
         ("gemm1 split", split_cfg.gemm1, split_gate_up), ("gemm2 split", split_cfg.gemm2, split_down),
