@@ -55,6 +55,7 @@ from moelora.bench import (  # noqa: E402
     token_slots_for,
 )
 from triton_ops.configs import (  # noqa: E402
+    MULTI_ADAPTER_TILES_MIN_ADAPTERS,
     GemmConfig,
     MoEConfig,
     device_name,
@@ -167,18 +168,16 @@ def _capture_candidate(fn) -> torch.cuda.CUDAGraph | None:
 
 
 def sweep_point(name: str, m: int, rank: int, adapters: int, seed: int, w13: torch.Tensor, w2: torch.Tensor,
-                buffers: LoRABuffers, tiles: tuple[list, list] | None = None,
-                pairs: list[tuple[tuple, tuple]] = (), multi: bool = False) -> dict[str, float]:
-    """Overhead over the base layer of the current LoRA tiles (with ``multi``, those of batches with several
-    adapters) and of each candidate, by label."""
+                buffers: LoRABuffers, current: MoEConfig, tiles: tuple[list, list] | None = None,
+                pairs: list[tuple[tuple, tuple]] = ()) -> dict[str, float]:
+    """Overhead over the base layer of the ``current`` LoRA tiles and of each candidate around them, by
+    label."""
     shape = MODELS[name]
     device, dtype = w13.device, w13.dtype
     weights, ids = make_routing(m, shape, m + seed, device)
     x = torch.randn(m, shape.H, generator=torch.Generator().manual_seed(7 * m + 1 + seed)).to(device, dtype)
     slots = token_slots_for(m, adapters, "uniform", 13 * m + adapters + seed)
     lora = lora_inputs(buffers, slots, 8, adapters, rank, device)
-    current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, dtype, device, lora=True,
-                             rank_block=lora_rank_block(rank), num_adapters=2 if multi else 1)
     base = _capture(lambda: fused_experts(x, w13, w2, weights, ids))
     if base is None:
         raise RuntimeError(f"{name} M={m}: the base layer could not be captured")
@@ -222,24 +221,28 @@ def main(argv: list[str] | None = None) -> int:
         tiles = (args.gemm1 or [], args.gemm2 or [])
     if min(args.M + args.adapters + [args.rank]) < 1:
         raise SystemExit("--M, --adapters and --rank must be >= 1")
-    if args.multi and min(args.adapters) < 2:
+    if args.multi and min(args.adapters) < MULTI_ADAPTER_TILES_MIN_ADAPTERS:
         raise SystemExit(f"--multi sweeps the tiles of batches with several adapters: --adapters must all be "
-                         f">= 2, got {args.adapters}")
+                         f">= {MULTI_ADAPTER_TILES_MIN_ADAPTERS}, got {args.adapters}")
     if args.multi and args.as_lora:
         raise SystemExit("--multi records under the swept rank tile: it does not go with --as-lora")
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset)")
     pairs = [tuple(pair) for pair in args.pair]
     rank_block = lora_rank_block(args.rank)
+    # The adapter count whose tiles the sweep starts from (and writes, with --write-dir).
+    tiles_adapters = MULTI_ADAPTER_TILES_MIN_ADAPTERS if args.multi else 1
     for name in args.models:
         shape, device = MODELS[name], torch.device("cuda")
         w13, w2 = make_weights(shape, torch.bfloat16, device, args.seed)
         buffers = make_lora_buffers(shape, args.rank, 8, torch.bfloat16, device, 16)
         for m in args.M:
+            current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device,
+                                     lora=True, rank_block=rank_block, num_adapters=tiles_adapters)
             by_adapters = {}
             for adapters in args.adapters:
                 overheads = by_adapters[adapters] = sweep_point(name, m, args.rank, adapters, args.seed, w13,
-                                                                w2, buffers, tiles, pairs, args.multi)
+                                                                w2, buffers, current, tiles, pairs)
                 best = min(overheads, key=overheads.get)
                 print(f"{name} M={m} rank {args.rank} x{adapters}: best {best} "
                       f"({100 * overheads[best]:+.1f} %)", flush=True)
@@ -251,8 +254,6 @@ def main(argv: list[str] | None = None) -> int:
             if winner is None:
                 print(f"{name} M={m}: nothing beats the current tiles by {args.min_gain} points", flush=True)
                 continue
-            current = get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device,
-                                     lora=True, rank_block=rank_block, num_adapters=2 if args.multi else 1)
             source = tuned_config_path(shape.E, shape.I, device_name(device), torch.bfloat16)
             chosen = candidate_configs(m, current, tiles, pairs)[winner]
             out = args.write_dir / source.name
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device),
                 multi=args.multi)
             print(f"{name} M={m}: wrote {winner} into {out} (entry {key})", flush=True)
-            if written.for_lora(rank_block, 2 if args.multi else 1) != chosen:
+            if written.for_lora(rank_block, tiles_adapters) != chosen:
                 print(f"    note: the entry's own tiles for rank tile {rank_block} still take precedence "
                       "there over its \"lora\" tiles", flush=True)
         del w13, w2, buffers
