@@ -489,6 +489,17 @@ def test_lora_tile_sweep_records_into_a_copy(tmp_path):
     assert key == "1024" and entry.for_lora(16, 4) == base and entry.for_lora(16, 1) == wide
 
 
+
+def test_lora_tile_sweep_refuses_multi_without_several_adapters():
+    """--multi sweeps the tiles of batches with several adapters: a one-adapter count, or --as-lora (which
+    has no rank tile to hold them), is refused with a message before anything runs (no GPU needed)."""
+    import lora_tile_sweep
+
+    with pytest.raises(SystemExit, match="--adapters must all be >= 2, got \\[1, 4\\]"):
+        lora_tile_sweep.main(["--multi", "--adapters", "1", "4"])
+    with pytest.raises(SystemExit, match="does not go with --as-lora"):
+        lora_tile_sweep.main(["--multi", "--adapters", "4", "8", "--as-lora"])
+
 def test_env_count(monkeypatch):
     """The counts read from the environment to compare on a GPU: unset is None (the rule's value), digits
     are the count, anything else says which variable and what it expects."""
