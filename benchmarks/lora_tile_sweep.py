@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 get_moe_config(m, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16, device),
                 multi=args.multi)
             print(f"{name} M={m}: wrote {winner} into {out} (entry {key})", flush=True)
-            if written.for_lora(rank_block, tiles_adapters) != chosen:
+            # Only a "lora" entry can be outranked: the rank tile's own tiles come first.
+            if args.as_lora and written.for_lora(rank_block, tiles_adapters) != chosen:
                 print(f"    note: the entry's own tiles for rank tile {rank_block} still take precedence "
                       "there over its \"lora\" tiles", flush=True)
         del w13, w2, buffers
