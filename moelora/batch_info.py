@@ -7,7 +7,7 @@ model in that step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,11 @@ class MoELoRABatchInfo:
         slots_used: sorted distinct slots used by at least one token.
         adapter_names: one entry per sequence, ``None`` = no adapter.
         seq_lens: tokens per sequence (the ``token_slots`` entries of sequence ``i`` are contiguous).
+        pool: the pool that built this batch; a layer of another pool refuses it.
+        slot_generations: the generation of each slot of ``slots_used`` when the batch was built. The pool
+            bumps a slot's generation whenever it empties or rewrites the slot, so a layer refuses a batch
+            whose adapter was unloaded or replaced since (``prepare_batch(..., out=batch)`` refreshes it).
+        slot_adapters: the adapter name in each slot of ``slots_used`` when the batch was built.
     """
 
     token_slots: torch.Tensor
@@ -52,12 +57,17 @@ class MoELoRABatchInfo:
     slots_used: tuple[int, ...]
     adapter_names: tuple[str | None, ...]
     seq_lens: tuple[int, ...]
+    pool: object | None = field(default=None, repr=False, compare=False)
+    slot_generations: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    slot_adapters: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def release(self) -> None:
-        """Tells the pool this batch is done, so its adapters may be evicted again.
+        """Tells the pool this batch is done, so LRU eviction may take its adapters again.
 
         Optional: the pool also notices when the batch object is garbage collected. Call it when a
-        batch object outlives its use (e.g. kept in a list). Idempotent.
+        batch object outlives its use (e.g. kept in a list). Idempotent. A released batch can still run
+        as long as its slots are unchanged; once one of its adapters is evicted or unloaded, layers
+        refuse it.
         """
         finalizer = self.__dict__.get("_pool_finalizer")
         if finalizer is not None:

@@ -127,7 +127,26 @@ class FusedMoEWithLoRA(nn.Module):
         topk_ids: torch.Tensor,
         batch: MoELoRABatchInfo | None = None,
     ) -> torch.Tensor:
-        """(M, H) = rsf * sum_k w_k * W2'(act(W_gate' x) * W_up' x) with each token's adapter (DESIGN §1)."""
+        """(M, H) = rsf * sum_k w_k * W2'(act(W_gate' x) * W_up' x) with each token's adapter (DESIGN §1).
+
+        ``batch`` must come from this layer's pool and be current: a batch from another pool, or one
+        whose adapter was unloaded or evicted since ``prepare_batch``, is refused (a host-side check).
+        A routed pair whose expert id is outside ``[0, E)`` contributes nothing."""
+        if batch is None:
+            return self._forward(x, topk_weights, topk_ids, None)
+        # Held until the kernels are queued: a slot write queued by another thread after the check lands
+        # after this forward's kernels on the stream, never between the check and them.
+        with self.pool.lock:
+            self.pool.check_batch(batch)
+            return self._forward(x, topk_weights, topk_ids, batch)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        batch: MoELoRABatchInfo | None,
+    ) -> torch.Tensor:
         if batch is not None and batch.num_tokens != x.shape[0]:
             raise ValueError(
                 f"the batch info describes {batch.num_tokens} tokens but x has {x.shape[0]}: "
@@ -135,7 +154,7 @@ class FusedMoEWithLoRA(nn.Module):
             )
         has_lora = batch is not None and batch.has_lora
         path = self.resolve_path(x, topk_ids, batch) if has_lora else None
-        if path == "torch" or (not has_lora and not _triton_can_run(x)):
+        if path == "torch" or (not has_lora and (self.path == "torch" or not _triton_can_run(x))):
             return moe_lora_forward_torch(
                 x, self.w13, self.w2, topk_weights, topk_ids,
                 self.buffers_ if has_lora else None, batch if has_lora else None,

@@ -44,6 +44,7 @@ __all__ = ["AdapterLoadError", "LoRALayerBuffers", "MoELoRAMemoryPool"]
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PROJECTIONS = ("gate", "up", "down")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class AdapterLoadError(ValueError):
@@ -200,7 +201,10 @@ class MoELoRAMemoryPool:
         self._lock = threading.RLock()
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recent first
         self._pinned: set[str] = set()
-        self._slot_users = [0] * n_slots  # live batches using each slot
+        self._slot_users = [0] * n_slots  # live batches using each slot's current adapter
+        # Bumped whenever a slot is emptied or gets new content: a batch records the generations of its
+        # slots, and a layer refuses it once they differ (its adapter was unloaded or replaced).
+        self._slot_generation = [0] * n_slots
         self._host_tier: OrderedDict[str, _StagedAdapter] = OrderedDict()
         self._staged: dict[str, _StagedAdapter] = {}  # resident adapters' host copies (reports, re-loads)
         self._executor: ThreadPoolExecutor | None = None
@@ -246,6 +250,42 @@ class MoELoRAMemoryPool:
         """Live batches currently using adapter ``name``'s slot."""
         with self._lock:
             return self._slot_users[self.slot_of(name)]
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's lock. A layer holds it from :meth:`check_batch` until its kernels are queued, so no
+        slot write can be queued between the check and the forward that relies on it."""
+        return self._lock
+
+    def is_current(self, batch: MoELoRABatchInfo) -> bool:
+        """True when ``batch`` was built by this pool and none of its slots changed since."""
+        gens = self._slot_generation
+        return batch.pool is self and all(
+            gens[s] == g for s, g in zip(batch.slots_used, batch.slot_generations, strict=True))
+
+    def check_batch(self, batch: MoELoRABatchInfo) -> None:
+        """Refuses a batch that would run with weights other than its own: one built by another pool, or
+        one whose adapter was unloaded, evicted or replaced in its slot since it was built. Host-side
+        comparisons only (no device read)."""
+        if not isinstance(batch, MoELoRABatchInfo):
+            raise TypeError(
+                f"batch must be a MoELoRABatchInfo from pool.prepare_batch, got {type(batch).__name__}")
+        if batch.pool is not self:
+            owner = "no pool (built by hand)" if batch.pool is None else f"another pool ({batch.pool!r})"
+            raise ValueError(
+                f"this batch was built by {owner}, not by this layer's pool {self!r}: build it with this "
+                "pool's prepare_batch"
+            )
+        gens = self._slot_generation
+        seen = zip(batch.slots_used, batch.slot_generations, batch.slot_adapters, strict=True)
+        for slot, gen, name in seen:
+            if gens[slot] != gen:
+                now = self.slot_adapters[slot]
+                now = f"now holds {now!r}" if isinstance(now, str) else "is now empty"
+                raise ValueError(
+                    f"stale batch: adapter {name!r} was unloaded or evicted since this batch was built (its "
+                    f"slot {slot} {now}); call pool.prepare_batch(..., out=batch) again before this forward"
+                )
 
     def __repr__(self) -> str:
         return (
@@ -336,17 +376,18 @@ class MoELoRAMemoryPool:
 
     def unload_adapter(self, name: str) -> None:
         """Frees adapter ``name``'s slot (its rank and scaling become 0); a host-tier copy stays when
-        the host tier is enabled. Refused while a live batch uses the adapter (release the batch)."""
+        the host tier is enabled; an adapter only in the host tier is dropped from it.
+
+        Refused only for a pinned adapter. Batches built before the unload that use ``name`` become stale:
+        layers refuse them until ``prepare_batch(..., out=batch)`` rebuilds them. Forwards already queued
+        on the device still run with the adapter: the slot writes that follow are queued after them."""
         with self._lock:
             if name not in self.adapter_slots and name in self._host_tier:
                 del self._host_tier[name]
                 return
             slot = self.slot_of(name)
-            if self._slot_users[slot]:
-                raise ValueError(
-                    f"adapter {name!r} is used by {self._slot_users[slot]} live batch(es); "
-                    "release them (batch.release() or drop them) before unloading"
-                )
+            if name in self._pinned:
+                raise ValueError(f"adapter {name!r} is pinned; unpin it before unloading")
             self._evict_slot(slot)
 
     def _stage_from(self, name: str, path: str | Path) -> _StagedAdapter:
@@ -411,6 +452,8 @@ class MoELoRAMemoryPool:
 
     def _evict_slot(self, slot: int) -> None:
         """Empties ``slot``; its adapter goes to the host tier (if enabled). Caller holds the lock."""
+        self._slot_generation[slot] += 1
+        self._slot_users[slot] = 0  # batches still holding the old adapter are stale now, not users
         name = self.slot_adapters[slot]
         if isinstance(name, str):
             del self.adapter_slots[name]
@@ -427,6 +470,8 @@ class MoELoRAMemoryPool:
 
     def _publish(self, slot: int, staged: _StagedAdapter) -> None:
         """Makes a written slot visible to prepare_batch. Caller holds the lock."""
+        self._slot_generation[slot] += 1
+        self._slot_users[slot] = 0
         self.adapter_slots[staged.name] = slot
         self.slot_adapters[slot] = staged.name
         self.slot_rank_host[slot] = staged.rank
@@ -671,6 +716,8 @@ class MoELoRAMemoryPool:
             s = s.item() if s.numel() == 1 else None
         if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
             raise AdapterLoadError(f"{where}: scaling must be a finite number, got {proj.scaling!r}")
+        if abs(s) > _FLOAT32_MAX:  # the slot table is float32: it would overflow there
+            raise AdapterLoadError(f"{where}: scaling {s!r} does not fit float32 (|s| <= {_FLOAT32_MAX:.4g})")
         if not values:
             return
         for what, t in (("A", proj.a), ("B", proj.b)):
@@ -723,12 +770,22 @@ class MoELoRAMemoryPool:
         The slot ids are built on the host and sent with a single host->device copy (pinned,
         non-blocking on CUDA); nothing is read back from the device.
         """
-        if isinstance(adapter_names, str):
+        if isinstance(adapter_names, (str, bytes)):
             raise ValueError("adapter_names must be a sequence with one entry per sequence, not a str")
+        if not isinstance(adapter_names, Iterable):
+            raise TypeError(
+                "adapter_names must be a sequence with one entry per sequence (str or None), "
+                f"got {type(adapter_names).__name__}"
+            )
         names = tuple(adapter_names)
+        bad_names = [n for n in names if n is not None and not isinstance(n, str)]
+        if bad_names:
+            raise TypeError(f"adapter names must be str or None, got {bad_names!r}")
         if seq_lens is None:
             lens = (1,) * len(names)
         else:
+            if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Iterable):
+                raise TypeError(f"seq_lens must be a sequence of ints, got {type(seq_lens).__name__}")
             lens = tuple(seq_lens)
             if len(lens) != len(names):
                 raise ValueError(f"seq_lens has {len(lens)} entries for {len(names)} sequences")
@@ -736,6 +793,17 @@ class MoELoRAMemoryPool:
             if bad:
                 raise ValueError(f"seq_lens must be non-negative ints, got {bad!r}")
             lens = tuple(int(n) for n in lens)
+        if out is not None:
+            if not isinstance(out, MoELoRABatchInfo):
+                raise TypeError(
+                    f"out must be a MoELoRABatchInfo from prepare_batch, got {type(out).__name__}")
+            if out.pool is not self:
+                raise ValueError("out= was built by another pool; in-place updates need a batch of this pool")
+            if out.num_tokens != sum(lens) or out.token_slots.numel() != sum(lens):
+                raise ValueError(
+                    f"out= holds {out.token_slots.numel()} tokens but this batch has {sum(lens)}; "
+                    "in-place update needs the same token count"
+                )
 
         with self._lock:
             return self._prepare_batch_locked(names, lens, out)
@@ -743,14 +811,17 @@ class MoELoRAMemoryPool:
     def _prepare_batch_locked(
         self, names: tuple[str | None, ...], lens: tuple[int, ...], out: MoELoRABatchInfo | None
     ) -> MoELoRABatchInfo:
-        held_anywhere = set(self.adapter_slots) | set(self._host_tier)
-        unknown = [n for n in names if n is not None and n not in held_anywhere]
+        known = self.adapter_slots.keys() | self._host_tier.keys()
+        unknown = [n for n in names if n is not None and n not in known]
         if unknown:
             raise ValueError(
                 f"unknown adapter(s) {sorted(set(unknown))}; loaded adapters: {self.adapters()}, "
                 f"host tier: {list(self._host_tier)}"
             )
         wanted = list(dict.fromkeys(n for n, k in zip(names, lens, strict=True) if n is not None and k > 0))
+        # Taken out of the host tier before anything is placed: placing one can evict a resident adapter
+        # into the host tier, which may push another wanted one out of it.
+        missing = [self._host_tier[n] for n in wanted if n not in self.adapter_slots]
         # Slots of this batch's resident adapters are held while missing ones are brought back from the
         # host tier, so bringing one back can never evict another adapter of the same batch.
         held: list[int] = []
@@ -759,23 +830,26 @@ class MoELoRAMemoryPool:
                 if n in self.adapter_slots:
                     held.append(self.adapter_slots[n])
                     self._slot_users[held[-1]] += 1
-            for n in wanted:
-                if n not in self.adapter_slots:
-                    held.append(self._place(self._host_tier[n]))
-                    self._slot_users[held[-1]] += 1
+            for staged in missing:
+                held.append(self._place(staged))
+                self._slot_users[held[-1]] += 1
         finally:
             for slot in held:
                 self._slot_users[slot] -= 1
         for n in wanted:
             self._recent.move_to_end(n)
-        seq_slots = [-1 if n is None else self.adapter_slots[n] for n in names]
+        # A name with no tokens takes no slot (it may stay in the host tier).
+        seq_slots = [self.adapter_slots[n] if n is not None and k > 0 else -1
+                     for n, k in zip(names, lens, strict=True)]
 
         token_slots: list[int] = []
         for s, n in zip(seq_slots, lens, strict=True):
             token_slots.extend([s] * n)
         num_tokens = len(token_slots)
-        used = tuple(sorted({s for s, n in zip(seq_slots, lens, strict=True) if s >= 0 and n > 0}))
+        used = tuple(sorted({s for s in seq_slots if s >= 0}))
         max_rank = max((self.slot_rank_host[s] for s in used), default=0)
+        generations = tuple(self._slot_generation[s] for s in used)
+        slot_names = tuple(self.slot_adapters[s] for s in used)
 
         host = torch.tensor(token_slots, dtype=torch.int32)
         on_cuda = self.device.type == "cuda"
@@ -794,20 +868,17 @@ class MoELoRAMemoryPool:
                 slots_used=used,
                 adapter_names=names,
                 seq_lens=lens,
+                pool=self,
+                slot_generations=generations,
+                slot_adapters=slot_names,
             )
             self._hold(batch, used)
             return batch
 
-        if out.num_tokens != num_tokens or out.token_slots.numel() != num_tokens:
-            raise ValueError(
-                f"out= holds {out.token_slots.numel()} tokens but this batch has {num_tokens}; "
-                "in-place update needs the same token count"
-            )
         if out.token_slots.device != self.slot_ranks.device:
             raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
         out.token_slots.copy_(host, non_blocking=on_cuda)
         out.release()
-        self._hold(out, used)
         out.slot_ranks = self.slot_ranks
         out.slot_scalings = self.slot_scalings
         out.has_lora = bool(used)
@@ -815,18 +886,24 @@ class MoELoRAMemoryPool:
         out.slots_used = used
         out.adapter_names = names
         out.seq_lens = lens
+        out.slot_generations = generations
+        out.slot_adapters = slot_names
+        self._hold(out, used)
         return out
 
     def _hold(self, batch: MoELoRABatchInfo, slots: tuple[int, ...]) -> None:
         """Counts ``batch`` as a user of ``slots`` until it is released or garbage collected."""
         for slot in slots:
             self._slot_users[slot] += 1
-        batch.__dict__["_pool_finalizer"] = weakref.finalize(batch, self._release_slots, slots)
+        batch.__dict__["_pool_finalizer"] = weakref.finalize(
+            batch, self._release_slots, slots, batch.slot_generations)
 
-    def _release_slots(self, slots: tuple[int, ...]) -> None:
+    def _release_slots(self, slots: tuple[int, ...], generations: tuple[int, ...]) -> None:
         with self._lock:
-            for slot in slots:
-                self._slot_users[slot] = max(0, self._slot_users[slot] - 1)
+            for slot, gen in zip(slots, generations, strict=True):
+                # A slot emptied or rewritten since no longer counts this batch (its count was reset).
+                if self._slot_generation[slot] == gen:
+                    self._slot_users[slot] = max(0, self._slot_users[slot] - 1)
 
     def close(self) -> None:
         """Stops the background loader thread (pending loads finish first)."""

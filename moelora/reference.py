@@ -176,10 +176,11 @@ def _used_adapters(adapters: list[ReferenceLoRA | None], slots: list[int], hidde
     return used
 
 
-def _check_ids_and_activation(topk_ids: torch.Tensor, num_experts: int, activation: str) -> str:
-    """Raises on an expert id past E or an unknown activation; returns the activation's name, lower case."""
-    if topk_ids.numel() and int(topk_ids.max()) >= num_experts:
-        raise ValueError(f"topk_ids holds an expert id >= E={num_experts}")
+def _check_ids_and_activation(topk_ids: torch.Tensor, activation: str) -> str:
+    """Raises on non-integer expert ids or an unknown activation; returns the activation's name, lower
+    case. Ids outside [0, E) are valid input: such a pair contributes nothing (DESIGN §4)."""
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     activation = activation.lower()
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
@@ -215,14 +216,14 @@ def reference_moe_no_combine(
         out[t, k] = rsf · y      if apply_router_weight_on_input
                     rsf · w · y  otherwise
 
-    ``s B (A v)`` is ``(W + s B A) v`` written the way PEFT computes it. A negative expert id (an
-    expert filtered out, e.g. by expert parallelism) contributes zeros.
+    ``s B (A v)`` is ``(W + s B A) v`` written the way PEFT computes it. An expert id outside ``[0, E)``
+    (an expert filtered out, e.g. by expert parallelism, or a router bug) contributes zeros.
 
     Arithmetic is float32 on the CPU (float64 if ``x``, ``w13`` or ``w2`` is float64); the result is
     returned in that dtype on ``x``'s device.
     """
     m, hidden, num_experts, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
-    activation = _check_ids_and_activation(topk_ids, num_experts, activation)
+    activation = _check_ids_and_activation(topk_ids, activation)
 
     dtype = _compute_dtype(x, w13, w2)
     adapters = list(adapters) if adapters is not None else []
@@ -250,7 +251,7 @@ def reference_moe_no_combine(
         lora = lora_cache.get(slots[t])
         for k in range(top_k):
             e = ids[t][k]
-            if e < 0:
+            if not 0 <= e < num_experts:
                 continue
             w = weights[t, k]
             w_gate, w_up, w_down = expert(e)
@@ -339,17 +340,17 @@ def reference_moe_grouped(
     rounding, not bit for bit (matrix products sum in another order; tests/test_reference.py).
     """
     m, hidden, num_experts, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
-    activation = _check_ids_and_activation(topk_ids, num_experts, activation)
+    activation = _check_ids_and_activation(topk_ids, activation)
     dtype, device = _compute_dtype(x, w13, w2), x.device
     adapters = list(adapters) if adapters is not None else []
     slots = _token_slots(token_adapter, m, len(adapters))
     top_k = topk_ids.shape[1]
     loras = _used_adapters(adapters, slots, hidden, inter, dtype, device)
 
-    # Group key per routed pair: expert * (adapters + 1) + slot + 1; pairs of a filtered expert (< 0) skip.
+    # Group key per routed pair: expert * (adapters + 1) + slot + 1; pairs outside [0, E) skip.
     ids = topk_ids.to(device=device, dtype=torch.int64).reshape(-1)
     pair_slots = torch.tensor(slots, device=device, dtype=torch.int64).repeat_interleave(top_k)
-    keys = torch.where(ids >= 0, ids * (len(adapters) + 1) + pair_slots + 1, -1)
+    keys = torch.where((ids >= 0) & (ids < num_experts), ids * (len(adapters) + 1) + pair_slots + 1, -1)
     xs = x.detach().to(dtype)
     weights = topk_weights.detach().to(device=device, dtype=dtype).reshape(-1, 1)
     out = torch.zeros(m * top_k, hidden, dtype=dtype, device=device)

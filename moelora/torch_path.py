@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import LoRALayerBuffers
-from moelora.reference import check_moe_shapes
 
 __all__ = ["moe_lora_forward_torch"]
 
@@ -98,12 +97,17 @@ def moe_lora_forward_torch(
 
     ``A/B`` come from ``buffers`` (one layer's :class:`LoRALayerBuffers`) at slot ``a``, ``s_a`` from
     ``batch.slot_scalings``. ``buffers=None``, ``batch=None`` or a batch without adapters gives the
-    base MoE. A negative expert id contributes nothing. Computed in float32 (float64 if ``x``,
-    ``w13`` or ``w2`` is float64) on ``x``'s device.
+    base MoE. A pair whose expert id is outside ``[0, E)`` contributes nothing. Computed in float32
+    (float64 if ``x`` is float64) on ``x``'s device; inputs are checked as on the Triton path.
 
     Shapes: ``x (M, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H, I)``, ``topk_weights/topk_ids (M, k)``.
     """
-    m, hidden, num_experts, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    # Imported here: the triton_ops package loads its kernels, which must wait for TRITON_INTERPRET.
+    from triton_ops.moe_inputs import FLOAT_DTYPES, check_moe_inputs
+
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, float_dtypes=(*FLOAT_DTYPES, torch.float64))
+    m, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
     activation = activation.lower()
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
@@ -125,10 +129,8 @@ def moe_lora_forward_torch(
     flat_ids = topk_ids.reshape(-1).to(device=dev, dtype=torch.long)
     flat_w = topk_weights.reshape(-1).to(device=dev, dtype=cdtype)
     flat_tok = torch.arange(m, device=dev).repeat_interleave(top_k)
-    if int(flat_ids.max()) >= num_experts:
-        raise ValueError(f"topk_ids holds an expert id >= E={num_experts}")
-    valid = flat_ids >= 0
-    # Pairs sorted by expert (stable); filtered-out pairs (negative id) sort last and are never used.
+    valid = (flat_ids >= 0) & (flat_ids < num_experts)
+    # Pairs sorted by expert (stable); pairs outside [0, E) sort last and are never used.
     order = torch.argsort(flat_ids.masked_fill(~valid, num_experts), stable=True)
     counts = torch.bincount(flat_ids[valid], minlength=num_experts).tolist()
 

@@ -47,6 +47,7 @@ from triton_ops.fused_moe import (
     sm_count,
 )
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
+from triton_ops.moe_inputs import check_moe_inputs
 from triton_ops.moe_lora import (
     moe_lora_a,
     moe_lora_down_combine,
@@ -257,54 +258,8 @@ class MoELoRAInputs:
     # kernels set side by side per pass (one adapter: one, so no stacked tile is wasted).
     num_adapters: int = 0
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def _chunk_tokens() -> int:
     return max(1, int(os.environ.get("MOELORA_MOE_CHUNK_TOKENS", 32768)))
-
-
-def check_moe_inputs(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> None:
-    """Raises ValueError/TypeError that say what was expected for inconsistent MoE inputs."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be (num_tokens, hidden), got shape {tuple(x.shape)}")
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(
-            f"w13 must be (E, 2*I, H) and w2 (E, H, I); got {tuple(w13.shape)} and {tuple(w2.shape)}"
-        )
-    num_experts, two_i, hidden = w13.shape
-    if hidden != x.shape[1]:
-        raise ValueError(f"w13 is (E, 2I, H) = {tuple(w13.shape)} but x has hidden size {x.shape[1]}")
-    if two_i % 2:
-        raise ValueError(f"w13's second dim must be 2*I (gate rows then up rows), got {two_i}")
-    if tuple(w2.shape) != (num_experts, hidden, two_i // 2):
-        raise ValueError(
-            f"w2 must be (E, H, I) = {(num_experts, hidden, two_i // 2)} to match w13 {tuple(w13.shape)}, "
-            f"got {tuple(w2.shape)}"
-        )
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise TypeError(f"w13 and w2 must have x's dtype {x.dtype}, got {w13.dtype} and {w2.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids must be (num_tokens={x.shape[0]}, top_k), got {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights {tuple(topk_weights.shape)} must have topk_ids' shape {tuple(topk_ids.shape)}"
-        )
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if not topk_weights.is_floating_point():
-        raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
-    for name, tensor in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}: all must share a device")
 
 
 def fused_experts(
@@ -358,6 +313,12 @@ def fused_experts(
         if lora_path == "staged" and no_combine:
             raise ValueError("no_combine needs lora_path='fused': the staged down kernel sums the top-k")
 
+    # The kernels address x and the outputs as row-major: any other layout is copied (and, in place,
+    # copied back at the end).
+    strided_target = x if inplace and not x.is_contiguous() else None
+    if not x.is_contiguous():
+        x = x.contiguous()
+
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     intermediate = two_i // 2
@@ -372,7 +333,7 @@ def fused_experts(
     else:
         out = torch.empty_like(x)
     if num_tokens == 0:
-        return out
+        return out if strided_target is None else strided_target
 
     chunk = min(num_tokens, _chunk_tokens())
     activated = torch.empty((chunk * top_k, intermediate), dtype=x.dtype, device=x.device)
@@ -579,6 +540,8 @@ def fused_experts(
                                   None if apply_router_weight_on_input else chunk_weights.view(rows, top_k),
                                   lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,
                                   routed_scaling_factor=routed_scaling_factor)
+    if strided_target is not None:
+        return strided_target.copy_(out)
     return out
 
 

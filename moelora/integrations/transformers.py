@@ -350,6 +350,11 @@ class _Selector:
                 batch = self.pool.prepare_batch(sel.names, sel.lens_for(num_tokens))
                 sel.batches[num_tokens] = batch
                 sel.builds += 1
+            elif not self.pool.is_current(batch):
+                # An adapter was unloaded or evicted since: rebuilt in place (an unloaded one that is not
+                # in the host tier is refused here, by name).
+                self.pool.prepare_batch(sel.names, sel.lens_for(num_tokens), out=batch)
+                sel.builds += 1
             return batch
 
     def clear(self) -> None:
@@ -536,7 +541,8 @@ class MoELoRAHandle:
         return self.pool.load_adapter_async(name, path)
 
     def unload_adapter(self, name: str) -> None:
-        """``MoELoRAMemoryPool.unload_adapter`` (refused while an active selection uses it)."""
+        """``MoELoRAMemoryPool.unload_adapter`` (refused for a pinned adapter). A selection that names it
+        is refused at its next forward, unless the adapter is still in the host tier."""
         self.pool.unload_adapter(name)
 
     @contextlib.contextmanager

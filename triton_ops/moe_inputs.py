@@ -1,0 +1,61 @@
+"""Checks of a fused MoE call's inputs, shared by the Triton launch wrapper and the PyTorch path."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_moe_inputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    float_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> None:
+    """Raises ValueError/TypeError that say what was expected for inconsistent MoE inputs.
+
+    Expert ids are not range-checked (that would read the device): a pair whose id is outside
+    ``[0, E)`` contributes nothing on every path."""
+    for name, tensor in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
+                         ("topk_ids", topk_ids)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"w13 must be (E, 2*I, H) and w2 (E, H, I); got {tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    num_experts, two_i, hidden = w13.shape
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(
+            f"x must be (num_tokens, H={hidden}) to match the experts' w13 (E, 2I, H) = {tuple(w13.shape)}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if two_i % 2:
+        raise ValueError(f"w13's second dim must be 2*I (gate rows then up rows), got {two_i}")
+    if tuple(w2.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(
+            f"w2 must be (E, H, I) = {(num_experts, hidden, two_i // 2)} to match w13 {tuple(w13.shape)}, "
+            f"got {tuple(w2.shape)}"
+        )
+    if x.dtype not in float_dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in float_dtypes)
+        raise TypeError(f"x must be one of {names}, got {x.dtype}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"w13 and w2 must have x's dtype {x.dtype}, got {w13.dtype} and {w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be (num_tokens={x.shape[0]}, top_k), got {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights {tuple(topk_weights.shape)} must have topk_ids' shape {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
+    for name, tensor in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}: all must share a device")
