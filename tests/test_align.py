@@ -4,8 +4,9 @@ Contract under test: for experts e = 0..E-1 in order, ``sorted_ids`` lists the f
 p = t*k + j with ``topk_ids[t, j] == e`` in ascending order, padded with the sentinel ``numel`` up to the
 next multiple of ``block_size``; experts with no pairs take no blocks. ``num_post_padded[0]`` is the sum
 of the padded counts, ``expert_ids[b]`` is the expert of block b (-1 beyond the last used block), and
-every entry of ``sorted_ids`` at or after ``num_post_padded`` is the sentinel. All outputs are int32, on
-the device of ``topk_ids``, sized to the upper bound ``numel + E*(block_size-1)`` (no host sync).
+every entry of ``sorted_ids`` at or after ``num_post_padded`` is the sentinel. Pairs whose id is outside
+[0, E) form a last run of their own (the null run, blocks of expert id -1). All outputs are int32, on the
+device of ``topk_ids``, sized to the upper bound ``numel + min(E + 1, numel)*(block_size-1)`` (no host sync).
 
 The CPU tests carry ``pytest.mark.interpreter`` one by one rather than through a module-level
 ``pytestmark``: conftest skips ``interpreter`` tests on a CUDA machine without TRITON_INTERPRET=1 and
@@ -24,22 +25,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def max_padded_of(numel: int, num_experts: int, block_size: int) -> int:
+    """Every run with a pair (E experts' and the null run) pads at most block_size - 1 slots."""
+    return numel + min(num_experts + 1, numel) * (block_size - 1)
+
+
 def reference_align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
-    """Plain torch version of the contract: stable argsort of the flat expert ids, padded per expert."""
+    """Plain torch version of the contract: stable argsort of the flat expert ids, padded per expert, then
+    the null run (pairs whose id is outside [0, E), ascending) with expert id -1."""
     flat = topk_ids.reshape(-1).to("cpu", torch.int64)
     numel = flat.numel()
-    max_padded = numel + min(num_experts, numel) * (block_size - 1)
+    max_padded = max_padded_of(numel, num_experts, block_size)
     sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32)
     expert_ids = torch.full((_cdiv(max_padded, block_size),), -1, dtype=torch.int32)
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    in_range = (flat >= 0) & (flat < num_experts)
+    key = torch.where(in_range, flat, num_experts)  # the null run sorts last
+    order = torch.argsort(key, stable=True).to(torch.int32)
+    counts = torch.bincount(key, minlength=num_experts + 1).tolist()
     pos = src = 0
     for e, c in enumerate(counts):
         if c == 0:
             continue
         padded = _cdiv(c, block_size) * block_size
         sorted_ids[pos : pos + c] = order[src : src + c]
-        expert_ids[pos // block_size : (pos + padded) // block_size] = e
+        expert_ids[pos // block_size : (pos + padded) // block_size] = e if e < num_experts else -1
         pos += padded
         src += c
     return sorted_ids, expert_ids, pos
@@ -48,7 +57,7 @@ def reference_align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
 def check_align(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> None:
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, block_size, num_experts)
     numel = topk_ids.numel()
-    max_padded = numel + min(num_experts, numel) * (block_size - 1)
+    max_padded = max_padded_of(numel, num_experts, block_size)
     num_blocks_max = _cdiv(max_padded, block_size)
 
     for name, t in (
@@ -67,9 +76,10 @@ def check_align(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> No
     ex = expert_ids.cpu()
     npp = int(num_post_padded.cpu()[0])
     flat = topk_ids.reshape(-1).to("cpu", torch.int64)
+    in_range = (flat >= 0) & (flat < num_experts)
 
     # Invariants first: their messages say more than a bare mismatch would.
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(torch.where(in_range, flat, num_experts), minlength=num_experts + 1)
     expected_npp = int(((counts + block_size - 1) // block_size * block_size).sum())
     assert npp == expected_npp == ref_npp, f"num_post_padded {npp}, expected {expected_npp}"
     assert npp % block_size == 0
@@ -84,10 +94,11 @@ def check_align(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> No
     is_real = blocks != numel
     assert is_real.any(dim=1).all(), "a block with no real entry: experts with no pairs take no blocks"
     block_expert = ex[:num_blocks].long().unsqueeze(1).expand(num_blocks, block_size)
-    assert (flat[blocks[is_real]] == block_expert[is_real]).all(), "one expert per block"
+    pair_expert = torch.where(in_range, flat, -1)
+    assert (pair_expert[blocks[is_real]] == block_expert[is_real]).all(), "one expert (or null) per block"
     assert (ex[num_blocks:] == -1).all(), "expert_ids past the last used block must be -1"
 
-    # Then the exact layout (ascending pair order inside each expert, experts in order).
+    # Then the exact layout (ascending pair order inside each expert, experts in order, null run last).
     assert torch.equal(s, ref_sorted), "sorted_ids differs from the stable-argsort reference"
     assert torch.equal(ex, ref_experts), "expert_ids differs from the reference"
 
@@ -215,3 +226,21 @@ def test_align_gpu_no_host_sync():
         moe_align_block_size(ids, 64, 256)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# Ids outside [0, E) at random positions: -1 (expert-parallel "not mine"), E, 10**6 and, in int64, past
+# int32; M=1/7 take the one-program alignment, M=50 with k=6 (300 pairs) the three-launch one.
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("bs,E,M,k", [(16, 6, 1, 2), (16, 64, 7, 6), (32, 64, 50, 6), (16, 8, 50, 2),
+                                      (64, 1, 33, 1)])
+def test_align_puts_out_of_range_ids_in_the_null_run(bs, E, M, k, dtype):
+    ids = random_topk_ids(M, E, k, dtype)
+    gen = torch.Generator().manual_seed(M * 31 + E)
+    bad = torch.rand(ids.shape, generator=gen) < 0.3
+    choices = [-1, E, 10**6, -(10**6)] + ([2**40] if dtype == torch.int64 else [])
+    values = torch.tensor(choices, dtype=dtype)[torch.randint(len(choices), ids.shape, generator=gen)]
+    ids = torch.where(bad, values, ids)
+    ids.view(-1)[0] = -1  # at least one null pair
+    check_align(ids, bs, E)
+    check_align(torch.full((M, k), E, dtype=dtype), bs, E)  # every pair null

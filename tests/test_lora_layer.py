@@ -245,6 +245,43 @@ def test_mixed_adapters_match_reference(path, dtype, top_k):
     )
 
 
+def with_out_of_range_ids(topk_ids, num_experts, seed):
+    """``topk_ids`` with -1 (an expert-parallel "not mine" marker), E and 10**6 (router bugs) put at random
+    positions (about a third of the pairs, at least one of each)."""
+    gen = torch.Generator().manual_seed(seed)
+    bad_values = torch.tensor([-1, num_experts, 10**6], dtype=topk_ids.dtype)
+    picks = bad_values[torch.randint(3, topk_ids.shape, generator=gen)].to(topk_ids.device)
+    where = (torch.rand(topk_ids.shape, generator=gen) < 0.35).to(topk_ids.device)
+    out = torch.where(where, picks, topk_ids)
+    out.view(-1)[: min(3, out.numel())] = bad_values[: min(3, out.numel())].to(out.device)
+    return out
+
+
+# M=1: decode without alignment (each pair its own program); 7: the one-program alignment; 70 with top-2
+# (140 pairs): the three-launch alignment. top_k 1: GEMM2 writes the output itself; 6 = E.
+@pytest.mark.parametrize("path", [*ALL_PATHS, pytest.param("base", marks=interpreter)])
+@pytest.mark.parametrize("m,top_k", [(1, 2), (7, 2), (70, 2), (7, 1), (7, 6)])
+def test_expert_ids_outside_range_contribute_nothing(path, m, top_k):
+    pool, adapters = load_mixed(F32)
+    names, lens = split_batch(m, ["a", None, "b", "c"])
+    x = torch.randn(m, H)
+    w13, w2 = make_base(E, H, INTER, F32)
+    topk_weights, topk_ids = make_routing(m, E, top_k)
+    bad_ids = with_out_of_range_ids(topk_ids, E, seed=m * 7 + top_k)
+    if path == "base":
+        layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER)
+        batch = loras = per_token = None
+    else:
+        layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path=path)
+        batch = pool.prepare_batch(names, lens)
+        loras, per_token = token_adapters(names, lens, adapters)
+    out = layer(x, topk_weights, bad_ids, batch)
+    # The same routing with those pairs' weights at 0: what "contributes nothing" means.
+    kept = topk_weights.masked_fill(bad_ids != topk_ids, 0.0)
+    ref = reference_moe(x, w13, w2, kept, topk_ids, adapters=loras, token_adapter=per_token)
+    assert_matches(out, ref, TOL[F32], f"path={path}")
+
+
 @pytest.mark.parametrize("path", ALL_PATHS)
 def test_mixed_adapters_64_experts(path):
     # E=64 (DeepSeek-V2-Lite's expert count) with 13 tokens x top-6: most experts get zero or one pair,
@@ -634,6 +671,28 @@ def check_bf16_layer_against_oracle(dsv2, m, path, label, max_rank=16, ranks=(16
     assert torch.isfinite(out).all()
     assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
     return batch
+
+
+@gpu
+@pytest.mark.parametrize("path", ["split", "fused", "staged", "base"])
+# decode without alignment (M=1), the one-program alignment (16), and the three-launch one (300).
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_expert_ids_outside_range_contribute_nothing(dsv2, fp32_highest, path, m):
+    """bf16 DeepSeek-V2-Lite shapes with -1, E and 10**6 among the ids: no NaN, no illegal access, and the
+    result of the same routing without those pairs."""
+    pool, pool32, _, w13, w2, w13_32, w2_32 = dsv2(16)
+    x = torch.randn(m, DSV2_H, device="cuda").to(BF16)
+    topk_weights, topk_ids = make_routing(m, DSV2_E, DSV2_K, device="cuda")
+    bad_ids = with_out_of_range_ids(topk_ids, DSV2_E, seed=m)
+    names, lens = split_batch(m, [*GPU_ADAPTERS, None]) if path != "base" else ([None], [m])
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="auto" if path == "base" else path)
+    out = layer(x, topk_weights, bad_ids, pool.prepare_batch(names, lens))
+    kept = topk_weights.masked_fill(bad_ids != topk_ids, 0.0)
+    ref = torch_oracle(pool32, w13_32, w2_32, x, kept, topk_ids, names, lens)
+    torch.cuda.synchronize()  # an illegal access surfaces here
+    assert torch.isfinite(out).all()
+    rel_l2, _ = rel_errors(out, ref)
+    assert rel_l2 <= TOL[BF16], f"rel L2 error {rel_l2:.3g} > {TOL[BF16]}"
 
 
 @gpu

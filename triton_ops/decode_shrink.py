@@ -33,7 +33,7 @@ from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_fo
 def _align_and_pair_shrink_kernel(
     # Pointers: alignment
     topk_ids_ptr,  # (numel,) int32/int64 flat routed expert ids
-    expert_start_ptr,  # (E,) int32 scratch
+    expert_start_ptr,  # (E + 1,) int32 scratch
     expert_ids_ptr,  # (max_blocks,) int32 out
     sorted_ids_ptr,  # (max_padded,) int32 out
     num_post_padded_ptr,  # (1,) int32 out
@@ -90,6 +90,9 @@ def _align_and_pair_shrink_kernel(
         slot = tl.load(token_slots_ptr + token)
         if slot >= 0:
             expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+            # A pair whose id is outside [0, E) contributes nothing: its partials are read on expert 0
+            # (in bounds, finite) by a direct GEMM that stores zeros for it, or not read at all.
+            expert = tl.where((expert >= 0) & (expert < num_experts), expert, 0)
             rank = tl.load(slot_ranks_ptr + slot)
             offs_r = tl.arange(0, LORA_R)
             offs_k = tl.arange(0, BLOCK_K)

@@ -23,10 +23,12 @@ With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delt
 
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
-on the host without a sync. With DIRECT_PAIRS (one decode token: its top-k experts are distinct) there is
-no alignment: block b is routed pair b alone, its expert read from the flat topk_ids; there ONE_ROW
-(``one_row_lora``) reads that pair's slot as a scalar and uses nothing it loads for the LoRA epilogue
-before the K-loop. Offsets into a, b and c are int64.
+on the host without a sync. A null block (expert id -1: pairs whose id is outside [0, E)) reads nothing
+and writes zero rows (``_store_null_rows``). With DIRECT_PAIRS (one decode token: its top-k experts are
+distinct) there is no alignment: block b is routed pair b alone, its expert read from the flat topk_ids (an
+id outside [0, E) runs on expert 0 and stores a zero row: a branch on the loaded id would hold every load
+behind it when all ids are valid); there ONE_ROW (``one_row_lora``) reads that pair's slot as a scalar and
+uses nothing it loads for the LoRA epilogue before the K-loop. Offsets into a, b and c are int64.
 
 Decode extras (no launch of their own): with ZERO_COUNTERS GEMM1's program 0 zeroes GEMM2's per-column
 arrival counters; with FUSED_SUM the last GEMM2 program of each N-tile column sums the top-k rows of every
@@ -96,6 +98,18 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _store_null_rows(c_ptr, pair, row_valid, offs_n, col_valid, N, stride_cm, stride_cn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED_RAW: tl.constexpr):
+    """Zero output rows for pairs that contribute nothing (both halves of a raw gated row)."""
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+    mask = row_valid[:, None] & col_valid[None, :]
+    tl.store(c_ptrs, zeros, mask=mask)
+    if GATED_RAW:
+        tl.store(c_ptrs + N * stride_cn, zeros, mask=mask)
+
+
+@triton.jit
 def _fused_moe_kernel(
     # Pointers
     a_ptr,  # (rows, K) fp16/bf16/fp32: x for GEMM1, the activated intermediate for GEMM2
@@ -119,6 +133,7 @@ def _fused_moe_kernel(
     # Sizes
     N,
     K,
+    num_experts,
     numel,
     max_padded,
     a_row_div,
@@ -208,9 +223,13 @@ def _fused_moe_kernel(
     pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
     pid_n = (pid % pids_per_group) // group_size_m
 
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = offs_n < N
     if DIRECT_PAIRS:
         # expert_ids_ptr is the flat topk_ids (numel,); block pid_m is pair pid_m in its first row.
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        null_pair = (expert < 0) | (expert >= num_experts)
+        expert = tl.where(null_pair, 0, expert)  # in bounds; the stored row is zero (epilogue)
         pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
         used_blocks = numel
     else:
@@ -218,16 +237,22 @@ def _fused_moe_kernel(
         if pid_m * BLOCK_M >= num_post_padded:
             return
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        if expert < 0:
-            return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_ids_ptr + offs_m)
         used_blocks = num_post_padded // BLOCK_M
+        if expert < 0:
+            # A null block: zero rows, and this column's arrival for the fused top-k sum.
+            wait_for_previous_kernel_late(LATE_WAIT)
+            _store_null_rows(c_ptr, pair, pair < numel, offs_n, col_valid, N, stride_cm, stride_cn,
+                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED_RAW=ACTIVATION == 3)
+            if FUSED_SUM:
+                finish_topk_sum_if_last(
+                    c_ptr, sum_out_ptr, sum_counters_ptr + pid_n, used_blocks, offs_n, col_valid, num_tokens,
+                    top_k, stride_cm, stride_cn, stride_om, stride_on, BLOCK_N=BLOCK_N, BLOCK_T=SUM_BLOCK_T,
+                )
+            return
     row_valid = pair < numel
     a_row = (pair // a_row_div).to(tl.int64)
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
     if HAS_LORA:
@@ -529,6 +554,8 @@ def _fused_moe_kernel(
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
     if MUL_ROUTED_WEIGHT:
         row_scale *= tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+    if DIRECT_PAIRS:
+        row_scale = tl.where(null_pair, 0.0, row_scale)
     acc *= row_scale[:, None]
     if ACTIVATION != 0:
         acc_up *= row_scale[:, None]
@@ -558,6 +585,8 @@ def _fused_moe_kernel(
                     FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, FIRST_PREFETCHED=DOWN_PREFETCH,
                 )
 
+    if DIRECT_PAIRS:
+        acc = tl.where(null_pair, 0.0, acc)
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
     if FUSED_SUM:
@@ -1026,6 +1055,7 @@ def invoke_fused_moe_kernel(
         sum_counters_ptr=counters.counters if counters is not None else c,
         N=out_n,
         K=K,
+        num_experts=b.shape[0],
         numel=numel,
         max_padded=max_padded,
         a_row_div=a_row_div,

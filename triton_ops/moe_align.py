@@ -2,16 +2,20 @@
 
 Semantics:  for e = 0 .. E-1 in order, ``sorted_ids`` lists the flat pair indices p = t*top_k + j with
             topk_ids[t, j] == e in ascending order, then the sentinel ``numel`` up to the next multiple
-            of ``block_size``; experts with no pair take no block.
-            expert_ids[b] = expert of block b (b < num_post_padded / block_size), -1 past the end.
-            num_post_padded[0] = sum_e roundup(count_e, block_size).
+            of ``block_size``; experts with no pair take no block. After them the null run: the pairs
+            whose id is outside [0, E) (an expert-parallel "not mine" marker, or a router bug), in
+            ascending order and padded the same way; its blocks have expert id -1, and a GEMM writes
+            zero rows for them (such a pair contributes nothing).
+            expert_ids[b] = expert of block b, -1 for a null block and past the end.
+            num_post_padded[0] = sum_e roundup(count_e, block_size) + roundup(count_null, block_size).
 Grid:       numel <= 128: one program does everything (decode: one launch). Otherwise:
             count   (num_chunks,)   per-chunk expert histogram and each pair's rank inside its chunk
             offsets (1,)            chunk prefix per expert, padded expert starts, block->expert map
             scatter (num_chunks,)   sorted_ids[expert_start[e] + chunk_offset[c, e] + rank] = p
 
 Everything is sized from ``numel`` and ``num_experts`` on the host, so nothing syncs with the GPU and
-the three launches can be captured in a CUDA graph. The order inside an expert is deterministic
+the three launches can be captured in a CUDA graph. No id is used as an index before it is known to be
+in [0, E), so any id is safe to pass. The order inside an expert is deterministic
 (ascending pair index), so two runs on the same routing produce bit-identical GEMM inputs.
 """
 
@@ -29,10 +33,21 @@ _CHUNK = 128
 
 
 @triton.jit
+def _load_expert_ids(topk_ids_ptr, offs, numel, num_experts):
+    """The ids of lanes ``offs``: the expert, ``-2`` (null run) for an id outside [0, E), ``-1`` past numel.
+    -2 is distinct from -1, so the in-chunk rank of a null pair counts the null pairs before it."""
+    valid = offs < numel
+    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1)
+    in_range = (ids >= 0) & (ids < num_experts)
+    return tl.where(valid, tl.where(in_range, ids, -2), -1).to(tl.int32)
+
+
+@triton.jit
 def _count_kernel(
     # Pointers
     topk_ids_ptr,  # (numel,) int32/int64, flat routed expert ids
     chunk_counts_ptr,  # (num_chunks, E) int32, out: pairs of each expert in each chunk
+    chunk_nulls_ptr,  # (num_chunks,) int32, out: pairs of the null run in each chunk
     pair_rank_ptr,  # (numel,) int32, out: rank of the pair among its chunk's pairs of the same expert
     # Sizes
     numel,
@@ -44,13 +59,13 @@ def _count_kernel(
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < numel
-    # Out-of-range lanes get expert -1 so they match no real expert.
-    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    ids = _load_expert_ids(topk_ids_ptr, offs, numel, num_experts)
 
     lane = tl.arange(0, CHUNK)
     same_before = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(same_before.to(tl.int32), axis=1)
     tl.store(pair_rank_ptr + offs, rank, mask=valid)
+    tl.store(chunk_nulls_ptr + chunk, tl.sum((ids == -2).to(tl.int32), axis=0))
 
     row = chunk_counts_ptr + chunk.to(tl.int64) * num_experts
     for e0 in range(0, num_experts, BLOCK_E):
@@ -62,6 +77,7 @@ def _count_kernel(
 @triton.jit
 def _expert_layout(
     totals,  # (BLOCK_E,) int32 pairs per expert
+    null_total,  # int32 pairs of the null run
     expert_start_ptr,
     expert_ids_ptr,
     sorted_ids_ptr,
@@ -73,23 +89,28 @@ def _expert_layout(
     BLOCK_E: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """Padded expert starts, the sentinel in each expert's padding tail, and the block -> expert map.
-    Returns the starts (BLOCK_E,)."""
+    """Padded expert starts (the null run's at index E), the sentinel in each run's padding tail, and the
+    block -> expert map. Returns the starts (BLOCK_E,) and the padded end of the null run."""
     experts = tl.arange(0, BLOCK_E)
     expert_mask = experts < num_experts
     padded = tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE
     starts = tl.cumsum(padded, axis=0) - padded
     tl.store(expert_start_ptr + experts, starts, mask=expert_mask)
     total_padded = tl.sum(padded, axis=0)
-    tl.store(num_post_padded_ptr, total_padded)
+    tl.store(expert_start_ptr + num_experts, total_padded)  # the null run follows the experts' runs
+    null_padded = tl.cdiv(null_total, BLOCK_SIZE) * BLOCK_SIZE
+    tl.store(num_post_padded_ptr, total_padded + null_padded)
 
-    # Sentinel in the padding tail of every expert's run (fewer than BLOCK_SIZE slots each).
+    # Sentinel in the padding tail of every run (fewer than BLOCK_SIZE slots each).
     tail = tl.arange(0, BLOCK_SIZE)
     tail_mask = expert_mask[:, None] & (tail[None, :] < (padded - totals)[:, None])
     tail_ptrs = sorted_ids_ptr + (starts + totals)[:, None] + tail[None, :]
     tl.store(tail_ptrs, tl.zeros((BLOCK_E, BLOCK_SIZE), dtype=tl.int32) + numel, mask=tail_mask)
+    null_tail = sorted_ids_ptr + total_padded + null_total + tail
+    tl.store(null_tail, tl.zeros((BLOCK_SIZE,), dtype=tl.int32) + numel, mask=tail < null_padded - null_total)
 
-    # Block b belongs to the last expert whose first block is <= b; blocks past the end get -1.
+    # Block b belongs to the last expert whose first block is <= b; null blocks and blocks past the end
+    # get -1.
     first_block = tl.where(expert_mask & (padded > 0), starts // BLOCK_SIZE, max_blocks + 1)
     num_blocks_used = total_padded // BLOCK_SIZE
     for b0 in range(0, max_blocks, BLOCK_B):
@@ -97,14 +118,15 @@ def _expert_layout(
         owner = tl.max(tl.where(first_block[None, :] <= blocks[:, None], experts[None, :], -1), axis=1)
         owner = tl.where(blocks < num_blocks_used, owner, -1)
         tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
-    return starts
+    return starts, total_padded + null_padded
 
 
 @triton.jit
 def _offsets_kernel(
     # Pointers
     chunk_counts_ptr,  # (num_chunks, E) int32, in: counts; out: exclusive prefix over chunks
-    expert_start_ptr,  # (E,) int32, out: first sorted position of each expert
+    chunk_nulls_ptr,  # (num_chunks,) int32, in: null-run counts; out: exclusive prefix over chunks
+    expert_start_ptr,  # (E + 1,) int32, out: first sorted position of each expert, then of the null run
     expert_ids_ptr,  # (max_blocks,) int32, out: expert of each block, -1 past the end
     sorted_ids_ptr,  # (max_padded,) int32, out here: only the padding tail of each expert
     num_post_padded_ptr,  # (1,) int32, out
@@ -132,9 +154,17 @@ def _offsets_kernel(
         inclusive = tl.cumsum(counts, axis=0)
         tl.store(ptrs, inclusive - counts + totals[None, :], mask=mask)
         totals += tl.sum(counts, axis=0)
+    null_total = tl.full([], 0, dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        nulls = tl.load(chunk_nulls_ptr + chunks, mask=chunks < num_chunks, other=0)
+        tl.store(chunk_nulls_ptr + chunks, tl.cumsum(nulls, axis=0) - nulls + null_total,
+                 mask=chunks < num_chunks)
+        null_total += tl.sum(nulls, axis=0)
 
     _expert_layout(
         totals,
+        null_total,
         expert_start_ptr,
         expert_ids_ptr,
         sorted_ids_ptr,
@@ -154,7 +184,8 @@ def _scatter_kernel(
     topk_ids_ptr,  # (numel,) int32/int64
     pair_rank_ptr,  # (numel,) int32
     chunk_counts_ptr,  # (num_chunks, E) int32, exclusive prefix over chunks
-    expert_start_ptr,  # (E,) int32
+    chunk_nulls_ptr,  # (num_chunks,) int32, exclusive prefix over chunks
+    expert_start_ptr,  # (E + 1,) int32
     sorted_ids_ptr,  # (max_padded,) int32, out
     # Sizes
     numel,
@@ -165,10 +196,14 @@ def _scatter_kernel(
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < numel
-    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    ids = _load_expert_ids(topk_ids_ptr, offs, numel, num_experts)
+    is_null = ids == -2
+    run = tl.where(is_null, num_experts, tl.maximum(ids, 0))  # the null run's start is stored at index E
     rank = tl.load(pair_rank_ptr + offs, mask=valid, other=0)
-    chunk_offset = tl.load(chunk_counts_ptr + chunk.to(tl.int64) * num_experts + ids, mask=valid, other=0)
-    start = tl.load(expert_start_ptr + ids, mask=valid, other=0)
+    chunk_offset = tl.load(chunk_counts_ptr + chunk.to(tl.int64) * num_experts + run, mask=valid & ~is_null,
+                           other=0)
+    chunk_offset += tl.load(chunk_nulls_ptr + chunk + tl.zeros_like(offs), mask=valid & is_null, other=0)
+    start = tl.load(expert_start_ptr + run, mask=valid, other=0)
     tl.store(sorted_ids_ptr + start + chunk_offset + rank, offs.to(tl.int32), mask=valid)
 
 
@@ -192,14 +227,17 @@ def align_single_program(
     ``_align_single_kernel``, also run by program 0 of the LoRA decode shrink (``moe_lora.py``)."""
     offs = tl.arange(0, CHUNK)
     valid = offs < numel
-    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    ids = _load_expert_ids(topk_ids_ptr, offs, numel, num_experts)
+    is_null = ids == -2
     same_before = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
     rank = tl.sum(same_before.to(tl.int32), axis=1)
     experts = tl.arange(0, BLOCK_E)
     hits = ids[:, None] == experts[None, :]
     totals = tl.sum(hits.to(tl.int32), axis=0)
-    starts = _expert_layout(
+    null_total = tl.sum(is_null.to(tl.int32), axis=0)
+    starts, padded_end = _expert_layout(
         totals,
+        null_total,
         expert_start_ptr,
         expert_ids_ptr,
         sorted_ids_ptr,
@@ -211,21 +249,21 @@ def align_single_program(
         BLOCK_E=BLOCK_E,
         BLOCK_B=BLOCK_B,
     )
-    pair_start = tl.sum(tl.where(hits, starts[None, :], 0), axis=1)
+    null_start = tl.sum(tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE, axis=0)
+    pair_start = tl.where(is_null, null_start, tl.sum(tl.where(hits, starts[None, :], 0), axis=1))
     tl.store(sorted_ids_ptr + pair_start + rank, offs, mask=valid)
     # Past the padded end: sentinel (disjoint from every position written above).
-    total_padded = tl.sum(tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE, axis=0)
     for p0 in range(0, max_padded, CHUNK):
         pos = p0 + offs
         tl.store(sorted_ids_ptr + pos, tl.zeros((CHUNK,), dtype=tl.int32) + numel,
-                 mask=(pos >= total_padded) & (pos < max_padded))
+                 mask=(pos >= padded_end) & (pos < max_padded))
 
 
 @triton.jit
 def _align_single_kernel(
     # Pointers
     topk_ids_ptr,  # (numel,) int32/int64, numel <= CHUNK
-    expert_start_ptr,  # (E,) int32, scratch
+    expert_start_ptr,  # (E + 1,) int32, scratch
     expert_ids_ptr,  # (max_blocks,) int32, out
     sorted_ids_ptr,  # (max_padded,) int32, out
     num_post_padded_ptr,  # (1,) int32, out
@@ -251,10 +289,11 @@ def _align_single_kernel(
 
 
 def max_padded_size(numel: int, num_experts: int, block_size: int) -> int:
-    """Upper bound on ``num_post_padded``: every expert that gets a pair (at most min(E, numel) of them)
-    wastes at most block_size - 1 slots. Keeping it tight matters at decode: the GEMM grids are sized
-    from it, and every block past the real end is a program that starts only to exit."""
-    return numel + min(num_experts, numel) * (block_size - 1)
+    """Upper bound on ``num_post_padded``: every run that gets a pair (the E experts' and the null run,
+    at most min(E + 1, numel) of them) wastes at most block_size - 1 slots. Keeping it tight matters at
+    decode: the GEMM grids are sized from it, and every block past the real end is a program that starts
+    only to exit."""
+    return numel + min(num_experts + 1, numel) * (block_size - 1)
 
 
 SINGLE_PROGRAM_MAX_PAIRS = _CHUNK
@@ -294,7 +333,7 @@ def single_program_align_args(
     )
     kwargs = dict(
         topk_ids_ptr=flat_ids,
-        expert_start_ptr=torch.empty((num_experts,), dtype=torch.int32, device=device),
+        expert_start_ptr=torch.empty((num_experts + 1,), dtype=torch.int32, device=device),
         sorted_ids_ptr=outputs[0],
         expert_ids_ptr=outputs[1],
         num_post_padded_ptr=outputs[2],
@@ -316,8 +355,8 @@ def moe_align_block_size(
     """Group routed pairs by expert, padded per expert to ``block_size`` (see the module docstring).
 
     Args:
-        topk_ids: (M, top_k) int32 or int64, values in [0, num_experts). Values are not checked on
-            the device (that would sync); out-of-range ids give undefined results.
+        topk_ids: (M, top_k) int32 or int64. A pair whose id is outside [0, num_experts) goes to the
+            null run (blocks of expert id -1), whatever the id: nothing is indexed by it.
         block_size: the GEMM's BLOCK_SIZE_M, a power of two.
         num_experts: E.
 
@@ -340,17 +379,19 @@ def moe_align_block_size(
 
     expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
     num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
-    expert_start = torch.empty((num_experts,), dtype=torch.int32, device=device)
+    expert_start = torch.empty((num_experts + 1,), dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
     block_b = max(16, min(256, 8192 // block_e))
 
     # Positions past num_post_padded must hold the sentinel too, so start from it.
     sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+    chunk_nulls = torch.empty((num_chunks,), dtype=torch.int32, device=device)
     pair_rank = torch.empty((numel,), dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](
         topk_ids_ptr=flat_ids,
         chunk_counts_ptr=chunk_counts,
+        chunk_nulls_ptr=chunk_nulls,
         pair_rank_ptr=pair_rank,
         numel=numel,
         num_experts=num_experts,
@@ -360,6 +401,7 @@ def moe_align_block_size(
     )
     _offsets_kernel[(1,)](
         chunk_counts_ptr=chunk_counts,
+        chunk_nulls_ptr=chunk_nulls,
         expert_start_ptr=expert_start,
         expert_ids_ptr=expert_ids,
         sorted_ids_ptr=sorted_ids,
@@ -378,6 +420,7 @@ def moe_align_block_size(
         topk_ids_ptr=flat_ids,
         pair_rank_ptr=pair_rank,
         chunk_counts_ptr=chunk_counts,
+        chunk_nulls_ptr=chunk_nulls,
         expert_start_ptr=expert_start,
         sorted_ids_ptr=sorted_ids,
         numel=numel,

@@ -78,6 +78,8 @@ def _moe_lora_shrink_kernel(
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // ALIGN_M).to(tl.int64)
+    if expert < 0:  # a null block: its pairs contribute nothing (the GEMM writes zero rows)
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     row_valid = pair < numel
@@ -175,6 +177,8 @@ def _moe_lora_gate_up_b_kernel(
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a null block: GEMM2 writes its rows as zeros without reading them
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     row_valid = pair < numel
@@ -224,6 +228,7 @@ def _moe_lora_down_combine_kernel(
     # Sizes
     M,
     H,
+    num_experts,
     top_k,
     scale,
     num_splits,
@@ -256,11 +261,14 @@ def _moe_lora_down_combine_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for j in range(0, top_k):
         pair = offs_t.to(tl.int64) * top_k + j
-        expert = tl.load(topk_ids_ptr + pair, mask=has_slot, other=0).to(tl.int64)
+        expert = tl.load(topk_ids_ptr + pair, mask=has_slot, other=-1).to(tl.int64)
+        # A pair whose id is outside [0, E) contributes nothing.
+        pair_has = has_slot & (expert >= 0) & (expert < num_experts)
+        expert = tl.where(pair_has, expert, 0)
         shrunk_ptrs = shrunk_ptr + pair[:, None] * stride_sm + offs_r[None, :]
         shrunk = tl.zeros((BLOCK_T, LORA_R), dtype=tl.float32)
         for split in range(0, num_splits):
-            shrunk += tl.load(shrunk_ptrs + split * stride_ss, mask=has_slot[:, None], other=0.0)
+            shrunk += tl.load(shrunk_ptrs + split * stride_ss, mask=pair_has[:, None], other=0.0)
         b_ptrs = (
             lora_b_ptr
             + (safe_slot.to(tl.int64) * stride_lb_l + expert * stride_lb_e)[:, None, None]
@@ -268,14 +276,14 @@ def _moe_lora_down_combine_kernel(
             + offs_r[None, None, :] * stride_lb_r
         )
         rank_valid = offs_r[None, None, :] < rank[:, None, None]
-        b_mask = has_slot[:, None, None] & col_valid[None, :, None] & rank_valid
+        b_mask = pair_has[:, None, None] & col_valid[None, :, None] & rank_valid
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         # Rounded to the weights' dtype before the expand, as PEFT's lora_B(lora_A(h)) does.
         shrunk = shrunk.to(b.dtype).to(tl.float32)
         delta = tl.sum(shrunk[:, None, :] * b.to(tl.float32), axis=2)
         row_scale = scaling
         if MUL_ROUTED_WEIGHT:
-            row_scale = row_scale * tl.load(topk_weights_ptr + pair, mask=has_slot, other=0.0)
+            row_scale = row_scale * tl.load(topk_weights_ptr + pair, mask=pair_has, other=0.0)
         acc += delta * row_scale[:, None]
     out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     mask = has_slot[:, None] & col_valid[None, :]
@@ -526,6 +534,7 @@ def moe_lora_down_combine(
         out_ptr=out,
         M=tokens,
         H=hidden,
+        num_experts=down_b.shape[1],
         top_k=top_k,
         scale=float(routed_scaling_factor),
         num_splits=shrunk.shape[1],
