@@ -56,7 +56,8 @@ effective rank.
 Keys of non-expert modules (attention, shared experts, dense MLPs, routers, embeddings) and
 ``modules_to_save`` copies are listed in :attr:`AdapterLoadReport.ignored_keys`, never merged into the
 experts. Anything that cannot be served exactly raises :class:`AdapterLoadError` naming the file, the
-key (where there is one) and the reason.
+key (where there is one) and the reason. The safetensors header (names, dtypes, shapes, data offsets) is
+read and checked first; tensor data is read only once every shape and dtype of the adapter has passed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +86,7 @@ __all__ = [
     "FORMAT_F2_SWAPPED",
     "WEIGHTS_NAME",
     "AdapterLoadReport",
+    "check_adapter_path",
     "load_into_pool",
     "read_peft_adapter",
 ]
@@ -236,7 +239,108 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # a JSON integer beyond the float range
+        return False
+
+
+# Deeper than any LoraConfig (its deepest fields are lists of lists / small dicts). Refusing deeper values
+# up front keeps every later repr()/str() of a config value (in messages) clear of RecursionError.
+_MAX_CONFIG_DEPTH = 64
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _nesting_depth(value: Any, limit: int) -> int:
+    """Depth of nested lists/dicts in a parsed JSON value, counted without recursion; stops past ``limit``."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if not isinstance(v, (list, dict)):
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            break
+        stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _load_json(file: Path, text: str, what: str) -> Any:
+    """``json.loads`` whose every failure (syntax, nesting, integer size) is an AdapterLoadError."""
+    try:
+        return json.loads(text)
+    except RecursionError as e:  # json's parser recurses once per nesting level
+        raise _fail(
+            file, f"invalid {what}: nested too deeply to parse (deeper than Python's recursion limit)"
+        ) from e
+    except ValueError as e:  # JSONDecodeError, and integers beyond Python's int_max_str_digits
+        raise _fail(file, f"invalid JSON in the {what}: {e}") from e
+
+
+def _check_scalings(
+    file: Path,
+    r: int,
+    alpha: float,
+    use_rslora: bool,
+    rank_pattern: Mapping[str, int],
+    alpha_pattern: Mapping[str, float],
+) -> None:
+    """Refuses any alpha whose scaling cannot be stored: the pool keeps scalings in float32.
+
+    Which rank a module gets with which alpha is only known per module, so each alpha is checked with
+    the smallest rank the config can give (the largest scaling it can produce); no other pairing overflows.
+    """
+    r_min, r_field = r, "r"
+    for k, v in rank_pattern.items():
+        if v < r_min:
+            r_min, r_field = v, f"rank_pattern[{k!r}]"
+    # JSON ranks may be integers beyond the float range: capped, the divisor only gets smaller, so the
+    # bound stays an upper bound (and such a rank can match no tensor anyway)
+    denom = float(min(r_min, 2**64))
+    if use_rslora:
+        denom, formula = math.sqrt(denom), "alpha / sqrt(r)"
+    else:
+        formula = "alpha / r"
+    for field_name, key, a in (
+        ("lora_alpha", "lora_alpha", alpha),
+        *((f"alpha_pattern[{k!r}]", "alpha_pattern", v) for k, v in alpha_pattern.items()),
+    ):
+        s = abs(float(a)) / denom
+        if not s <= _F32_MAX:
+            raise _fail(
+                file,
+                f"{field_name} = {a!r} gives a LoRA scaling of {s:.4g} ({formula} with {r_field} = {r_min}, "
+                f"the smallest rank the config gives), which does not fit float32 (|scaling| <= "
+                f"{_F32_MAX:.4g}): the pool stores scalings in float32",
+                key,
+            )
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlevel = 2
+
+
+def _brief(v: Any) -> str:
+    """A short repr of an untrusted JSON value for a message: bounded length, and bounded depth (a plain
+    repr of a deeply nested value could itself raise RecursionError)."""
+    return _BRIEF.repr(v)
+
+
+def _json_type(v: Any) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return f"number ({_brief(v)})"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else type(v).__name__
 
 
 def _parse_config(file: Path) -> _LoraSettings:
@@ -244,12 +348,20 @@ def _parse_config(file: Path) -> _LoraSettings:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise _fail(file, f"cannot read the adapter config: {type(e).__name__}: {e}") from e
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _fail(file, f"invalid JSON: {e}") from e
+    cfg = _load_json(file, text, "adapter config")
     if not isinstance(cfg, dict):
-        raise _fail(file, f"the adapter config must be a JSON object, got {type(cfg).__name__}")
+        raise _fail(
+            file,
+            f"the adapter config must be a JSON object ({{...}} of LoraConfig fields), got a JSON "
+            f"{_json_type(cfg)}",
+        )
+    depth = _nesting_depth(cfg, _MAX_CONFIG_DEPTH)
+    if depth > _MAX_CONFIG_DEPTH:
+        raise _fail(
+            file,
+            f"invalid adapter config: nested too deeply (more than {_MAX_CONFIG_DEPTH} levels of "
+            "objects/arrays; a LoraConfig has a few)",
+        )
 
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -308,6 +420,7 @@ def _parse_config(file: Path) -> _LoraSettings:
             if not check(v):
                 raise _fail(file, f"{pname}[{k!r}] must be {what}, got {v!r}", pname)
         patterns[pname] = dict(pat)
+    _check_scalings(file, r, float(alpha), use_rslora, patterns["rank_pattern"], patterns["alpha_pattern"])
 
     target_parameters = cfg.get("target_parameters") or []
     if isinstance(target_parameters, str) or not isinstance(target_parameters, list):
@@ -426,8 +539,8 @@ def _first_key(pairs: Mapping[Any, _Pair]) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-# safetensors dtype names -> torch dtypes (a dtype missing here, e.g. on an older torch, sends the file
-# through safetensors' own reader)
+# safetensors dtype names -> torch dtypes the one-read path builds views of (a tensor whose dtype is missing
+# here, e.g. on an older torch, is read through safetensors' own reader)
 _ST_DTYPES: dict[str, torch.dtype] = {
     name: dt
     for name, dt in (
@@ -449,7 +562,158 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     )
     if dt is not None
 }
+# Every dtype the safetensors format defines (safetensors 0.8) -> bits per element. The header of every
+# tensor, used or ignored, is checked with it (byte sizes, offsets) before any tensor data is read.
+_ST_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+# The dtypes a LoRA factor may have: real floating-point types that become float32 by a plain cast. Packed
+# microscaling formats (F4, F6_*) and the scale-only F8_E8M0 are no LoRA weights torch can cast.
+_LORA_DTYPES: tuple[str, ...] = tuple(
+    d for d in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2") if d in _ST_DTYPES
+)
 _ST_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+_ST_MAX_DIM = 2**63 - 1  # torch sizes are int64
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    """One tensor as the safetensors header describes it (none of its data read)."""
+
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int  # data_offsets, relative to the end of the header
+    end: int
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def describe_dtype(self) -> str:
+        dt = _ST_DTYPES.get(self.dtype)
+        return self.dtype if dt is None else f"{str(dt).removeprefix('torch.')} ({self.dtype})"
+
+
+@dataclass(frozen=True)
+class _Header:
+    """The checked header of a safetensors file and what it was checked against."""
+
+    size: int  # the file size the data_offsets were checked against
+    raw: bytes  # the first 8 + header-length bytes, exactly as read
+    tensors: dict[str, _TensorMeta]
+
+
+def _bad_file(file: Path, reason: str, key: str | None = None) -> AdapterLoadError:
+    return _fail(file, f"cannot read the safetensors file (truncated, corrupt or unreadable): {reason}", key)
+
+
+def _header_length(file: Path, first8: bytes, size: int) -> int:
+    """The header length the first 8 bytes give (little-endian u64), refused unless the file holds it."""
+    if len(first8) < 8:
+        raise _bad_file(file, f"{size} bytes: shorter than the 8-byte header length")
+    hlen = int.from_bytes(first8[:8], "little")
+    if hlen > _ST_MAX_HEADER:
+        raise _bad_file(file, f"header length {hlen} exceeds safetensors' limit of {_ST_MAX_HEADER} bytes")
+    if 8 + hlen > size:
+        raise _bad_file(file, f"header length {hlen} does not fit the file of {size} bytes")
+    return hlen
+
+
+def _parse_header(file: Path, text: bytes, data_len: int) -> dict[str, _TensorMeta]:
+    """The tensors of a safetensors JSON header, checked as safetensors checks them: a dtype of the format,
+    a shape, data_offsets within the ``data_len`` data bytes holding exactly shape x dtype bytes, and the
+    tensors tiling the data (no gap, no overlap)."""
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except RecursionError as e:  # json's parser recurses once per nesting level
+        raise _bad_file(file, "the JSON header is nested too deeply to parse") from e
+    except ValueError as e:  # not UTF-8, JSONDecodeError, integers beyond int_max_str_digits
+        raise _bad_file(file, f"the header is not valid UTF-8 JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise _bad_file(file, f"the header is not a JSON object (got a JSON {_json_type(header)})")
+    out: dict[str, _TensorMeta] = {}
+    spans: list[tuple[int, int, str]] = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise _bad_file(file, f"__metadata__ must be an object of strings, got {_brief(info)}")
+            continue
+        if not isinstance(info, dict):
+            raise _bad_file(file, f"header entry {_brief(info)} is not an object", key)
+        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dt, str) or dt not in _ST_BITS:
+            raise _fail(
+                file,
+                f"unknown dtype {_brief(dt)} in the safetensors header: LoRA weights must have one of the "
+                f"dtypes {', '.join(_LORA_DTYPES)} (the safetensors format defines {', '.join(_ST_BITS)})",
+                key,
+            )
+        if type(shape) is not list or not all(type(d) is int and 0 <= d <= _ST_MAX_DIM for d in shape):
+            raise _bad_file(file, f"invalid shape {_brief(shape)}: expected a list of non-negative ints", key)
+        if type(offs) is not list or len(offs) != 2 or not all(type(o) is int for o in offs):
+            raise _bad_file(
+                file, f"invalid data_offsets {_brief(offs)}: expected [begin, end] byte offsets", key
+            )
+        bits = math.prod(shape) * _ST_BITS[dt]
+        if bits % 8:
+            raise _bad_file(file, f"a {dt} tensor of shape {shape} is not a whole number of bytes", key)
+        begin, end = offs
+        if not 0 <= begin <= end <= data_len or end - begin != bits // 8:
+            raise _bad_file(
+                file,
+                f"data_offsets {_brief(offs)} do not hold the {bits // 8} bytes of a {dt} tensor of shape "
+                f"{_brief(shape)} within the {data_len} data bytes of the file",
+                key,
+            )
+        spans.append((begin, end, key))
+        out[key] = _TensorMeta(dt, tuple(shape), begin, end)
+    spans.sort()
+    pos = 0
+    for begin, end, key in spans:
+        if begin != pos:
+            raise _bad_file(file, f"data_offsets overlap or leave a gap at byte {pos}", key)
+        pos = end
+    if pos != data_len:
+        raise _bad_file(file, f"the tensors cover {pos} of the {data_len} data bytes")
+    return out
+
+
+def _read_safetensors_header(file: Path) -> _Header:
+    """Reads and checks the header of a safetensors file: its first 8 + header-length bytes, no tensor data,
+    so that names, dtypes and shapes are validated before a (possibly large) file is read."""
+    try:
+        with open(file, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size == 0:
+                raise _fail(file, "the file is empty (0 bytes)")
+            first = fh.read(8)
+            hlen = _header_length(file, first, size)
+            text = fh.read(hlen)
+    except OSError as e:
+        raise _fail(file, f"cannot read the safetensors file: {type(e).__name__}: {e}") from e
+    if len(text) != hlen:
+        raise _bad_file(file, f"the file shrank while its header was read ({len(text)} of {hlen} bytes)")
+    return _Header(size, first + text, _parse_header(file, text, size - 8 - hlen))
 
 
 class _UseSafetensorsReader(Exception):
@@ -477,14 +741,24 @@ def _owned_buffer(n: int) -> tuple[Any, torch.Tensor]:
     return raw, torch.frombuffer(raw, dtype=torch.uint8)
 
 
-def _read_safetensors_once(file: Path) -> dict[str, torch.Tensor]:
-    """Reads the whole file with one ``read`` into private memory and returns views of it.
+def _read_safetensors_once(
+    file: Path, header: _Header | None = None, keys: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Reads the whole file with one ``read`` into private memory and returns views of it: tensors ``keys``
+    (default: all).
 
     The tensors own their memory (not a map of the file, which could change or shrink under them after
-    they were validated). The header is checked as safetensors does: offsets in bounds, contiguous,
-    covering the data exactly, each tensor's byte size matching its dtype and shape.
+    they were validated). ``header`` is the one :func:`_read_safetensors_header` checked; the bytes read
+    must begin with exactly it, as the file may have changed in between. Without it the header is parsed
+    and checked (:func:`_parse_header`) from the bytes read.
     """
     size = file.stat().st_size
+    if header is not None and size != header.size:
+        raise _bad_file(
+            file, f"the file changed while it was read ({size} bytes, {header.size} when its header was read)"
+        )
+    if size < 8:
+        raise _bad_file(file, f"{size} bytes: shorter than the 8-byte header length")
     raw, buf = _owned_buffer(size)
     view = memoryview(raw)
     got = 0
@@ -495,75 +769,55 @@ def _read_safetensors_once(file: Path) -> dict[str, torch.Tensor]:
                 break
             got += k
     if got != size:
-        raise ValueError(f"the file shrank while it was read ({got} of {size} bytes)")
-    if size < 8:
-        raise ValueError(f"{size} bytes: shorter than the 8-byte header length")
-    hlen = int.from_bytes(view[:8], "little")
-    if hlen > _ST_MAX_HEADER or 8 + hlen > size:
-        raise ValueError(f"header length {hlen} does not fit the file of {size} bytes")
-    header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    base, data_len = 8 + hlen, size - 8 - hlen
-    spans: list[tuple[int, int, str]] = []
+        raise _bad_file(file, f"the file shrank while it was read ({got} of {size} bytes)")
+    if header is None:
+        hlen = _header_length(file, bytes(view[:8]), size)
+        metas = _parse_header(file, bytes(view[8 : 8 + hlen]), size - 8 - hlen)
+        base = 8 + hlen
+    else:
+        if view[: len(header.raw)] != header.raw:
+            raise _bad_file(file, "the file changed while it was read (its header is not the one checked)")
+        metas, base = header.tensors, len(header.raw)
     out: dict[str, torch.Tensor] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            raise ValueError(f"header entry {key!r} is not an object")
-        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dt not in _ST_DTYPES:
-            raise _UseSafetensorsReader(dt)
-        if type(shape) is not list or not {*map(type, shape)} <= {int} or min(shape, default=0) < 0:
-            raise ValueError(f"tensor {key!r}: invalid shape {shape!r}")
-        if type(offs) is not list or len(offs) != 2 or {*map(type, offs)} != {int}:
-            raise ValueError(f"tensor {key!r}: invalid data_offsets {offs!r}")
-        begin, end = offs
-        dtype = _ST_DTYPES[dt]
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not 0 <= begin <= end <= data_len or end - begin != nbytes:
-            raise ValueError(
-                f"tensor {key!r}: data_offsets {offs} do not hold {nbytes} bytes within {data_len}"
-            )
-        spans.append((begin, end, key))
-        chunk = buf[base + begin : base + end]
+    for key in metas if keys is None else keys:
+        m = metas[key]
+        dtype = _ST_DTYPES.get(m.dtype)
+        if dtype is None:
+            raise _UseSafetensorsReader(m.dtype)
+        chunk = buf[base + m.begin : base + m.end]
         if chunk.data_ptr() % dtype.itemsize:
             chunk = chunk.clone()  # not aligned for its dtype: an aligned copy
-        out[key] = chunk.view(dtype).view(shape)
-    spans.sort()
-    pos = 0
-    for begin, end, key in spans:
-        if begin != pos:
-            raise ValueError(f"tensor {key!r}: data_offsets overlap or leave a gap at byte {pos}")
-        pos = end
-    if pos != data_len:
-        raise ValueError(f"the tensors cover {pos} of the {data_len} data bytes")
+        out[key] = chunk.view(dtype).view(m.shape)
     return out
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file, in memory the returned tensors own."""
+def _read_safetensors(file: Path, header: _Header, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Tensors ``keys`` of a safetensors file whose ``header`` was checked, in memory the tensors own."""
     try:
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover - safetensors is a dependency
         raise _fail(file, "the safetensors package is needed to read adapters") from e
     try:
-        if file.stat().st_size == 0:
-            raise _fail(file, "the file is empty (0 bytes)")
-        # safetensors validates the file (whatever it refuses is refused here too) ...
+        # safetensors validates the file too (whatever it refuses is refused here too) ...
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            keys = list(f.keys())  # noqa: SIM118 - safe_open handles are not iterable
+            if sorted(f.keys()) != sorted(header.tensors):
+                raise _bad_file(
+                    file, "the file changed while it was read (its tensors are not the ones checked)"
+                )
             if sys.byteorder == "little":
                 try:
                     # ... and the data is read once, into private memory (views, no per-tensor copy)
-                    out = _read_safetensors_once(file)
-                    if sorted(out) == sorted(keys):
-                        return out
+                    return _read_safetensors_once(file, header, keys)
                 except _UseSafetensorsReader:
                     pass
             # per tensor, through safetensors (its tensors map the file: copy them into owned memory)
-            return {k: f.get_tensor(k).clone() for k in keys}
+            out: dict[str, torch.Tensor] = {}
+            for k in keys:
+                m, sl = header.tensors[k], f.get_slice(k)
+                if sl.get_dtype() != m.dtype or tuple(sl.get_shape()) != m.shape:
+                    raise _bad_file(file, "the file changed while it was read (another dtype or shape)", k)
+                out[k] = f.get_tensor(k).clone()
+            return out
     except AdapterLoadError:
         raise
     except Exception as e:  # SafetensorError, OSError, ...: truncated, unreadable, not a safetensors file
@@ -692,13 +946,28 @@ def _as_float32(ts: Sequence[torch.Tensor], kinds: Sequence[Any]) -> list[torch.
     return out
 
 
-def _check_tensor(file: Path, key: str, t: torch.Tensor, value_range: tuple[float, float] | None) -> None:
-    """dtype, 2-D and finiteness of one file tensor; ``value_range`` from :func:`_value_bounds`."""
-    if not t.is_floating_point():
-        raise _fail(file, f"LoRA weights must be a floating-point tensor, got dtype {t.dtype}", key)
-    if t.dim() != 2:
-        raise _fail(file, f"LoRA weights must be 2-D, got shape {tuple(t.shape)}", key)
-    if value_range is None:  # empty
+def _check_factor_meta(file: Path, key: str, m: _TensorMeta) -> None:
+    """dtype and 2-D of one LoRA factor, from the header (before any tensor data is read)."""
+    if m.dtype not in _LORA_DTYPES:
+        if m.dtype.startswith(("I", "U", "BOOL")):
+            why = "not a floating-point type"
+        elif m.dtype.startswith("C"):
+            why = "a complex type"
+        else:
+            why = "a packed or scale-only format that does not become float32 by a plain cast"
+        raise _fail(
+            file,
+            f"LoRA weights must be a floating-point tensor of one of the dtypes {', '.join(_LORA_DTYPES)}; "
+            f"got dtype {m.describe_dtype()}: {why}",
+            key,
+        )
+    if m.dim() != 2:
+        raise _fail(file, f"LoRA weights must be 2-D, got shape {m.shape}", key)
+
+
+def _check_finite(file: Path, key: str, value_range: tuple[float, float] | None) -> None:
+    """Finiteness of one file tensor; ``value_range`` from :func:`_value_bounds` (None: empty)."""
+    if value_range is None:
         return
     lo, hi = value_range
     if math.isnan(lo) or math.isnan(hi):
@@ -766,6 +1035,61 @@ def _check_positive_int(name: str, v: Any) -> int:
     return int(v)
 
 
+def check_adapter_path(path: Any) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, refusing what cannot name an adapter directory.
+
+    Call it before resolving a path: ``Path("")`` is the current directory, so an empty (or
+    whitespace-only) path would silently load whatever adapter lies there.
+
+    Raises:
+        TypeError: ``path`` is not a ``str`` or an ``os.PathLike`` of one (``None``, bytes, a number, ...).
+        AdapterLoadError: ``path`` is empty, only whitespace, or holds a NUL character.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            "adapter path must be a str or os.PathLike (a directory), got "
+            f"{type(path).__name__} {_brief(path)}"
+        )
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"adapter path must be a str or os.PathLike of a str, got {type(text).__name__}")
+    if not text.strip():
+        raise AdapterLoadError(
+            f"adapter path is empty ({text!r}): an empty path would read the current directory; "
+            f"pass the adapter directory (holding {CONFIG_NAME} and {WEIGHTS_NAME})"
+        )
+    if "\0" in text:
+        raise AdapterLoadError(f"adapter path {text!r} holds a NUL character")
+    return Path(text)
+
+
+def _check_files(adir: Path, cfg_file: Path, w_file: Path) -> None:
+    """The adapter directory holds a regular config and safetensors file (a clear message for each miss)."""
+    if not adir.exists():
+        raise _fail(adir, "adapter directory does not exist")
+    if not adir.is_dir():
+        raise _fail(
+            adir, f"not a directory: an adapter is a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
+    if not cfg_file.exists():
+        raise _fail(cfg_file, "missing: a PEFT adapter directory must hold adapter_config.json")
+    if not w_file.exists():
+        if (adir / BIN_NAME).exists():
+            raise _fail(
+                adir / BIN_NAME,
+                f"only a pickled PyTorch {BIN_NAME} was found; it is not read (loading a pickle can run "
+                "code). "
+                'Convert it to safetensors, e.g. python -c "import torch; from safetensors.torch import '
+                f"save_file; save_file(torch.load('{BIN_NAME}', weights_only=True), '{WEIGHTS_NAME}')\", or "
+                "re-save it with PEFT's save_pretrained(..., safe_serialization=True)",
+            )
+        raise _fail(w_file, "missing: a PEFT adapter directory must hold adapter_model.safetensors")
+    if not cfg_file.is_file():
+        raise _fail(cfg_file, "not a regular file")
+    if not w_file.is_file():
+        raise _fail(w_file, "not a regular file")
+
+
 def read_peft_adapter(
     path: str | os.PathLike[str],
     *,
@@ -802,6 +1126,7 @@ def read_peft_adapter(
         AdapterLoadError: for anything that cannot be served exactly; the message names the file, the key
             (where there is one) and the reason. See the module docstring for the formats.
         ValueError: for invalid arguments (not adapter problems).
+        TypeError: ``path`` is not a ``str`` / ``os.PathLike`` (see :func:`check_adapter_path`).
     """
     return _read(
         path,
@@ -842,36 +1167,19 @@ def _read(
     valid_layers = set(lids)
 
     # ---- files -------------------------------------------------------------------------------------
-    adir = Path(os.fspath(path))
-    if not adir.exists():
-        raise _fail(adir, "adapter directory does not exist")
-    if not adir.is_dir():
-        raise _fail(
-            adir, f"not a directory: an adapter is a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}"
-        )
+    adir = check_adapter_path(path)
     cfg_file = adir / CONFIG_NAME
     w_file = adir / WEIGHTS_NAME
-    if not cfg_file.exists():
-        raise _fail(cfg_file, "missing: a PEFT adapter directory must hold adapter_config.json")
-    if not w_file.exists():
-        if (adir / BIN_NAME).exists():
-            raise _fail(
-                adir / BIN_NAME,
-                f"only a pickled PyTorch {BIN_NAME} was found; it is not read (loading a pickle can run "
-                "code). "
-                'Convert it to safetensors, e.g. python -c "import torch; from safetensors.torch import '
-                f"save_file; save_file(torch.load('{BIN_NAME}', weights_only=True), '{WEIGHTS_NAME}')\", or "
-                "re-save it with PEFT's save_pretrained(..., safe_serialization=True)",
-            )
-        raise _fail(w_file, "missing: a PEFT adapter directory must hold adapter_model.safetensors")
-    if not cfg_file.is_file():
-        raise _fail(cfg_file, "not a regular file")
-    if not w_file.is_file():
-        raise _fail(w_file, "not a regular file")
+    try:
+        _check_files(adir, cfg_file, w_file)
+    except OSError as e:  # e.g. a name too long, a directory without search permission
+        raise _fail(adir, f"cannot access the adapter directory: {type(e).__name__}: {e}") from e
 
     settings = _parse_config(cfg_file)
-    tensors = _read_safetensors(w_file)
-    if not tensors:
+    # Only the header is read here: every name, dtype and shape is checked before any tensor data is.
+    header = _read_safetensors_header(w_file)
+    metas = header.tensors
+    if not metas:
         raise _fail(w_file, "the file holds no tensors: no expert LoRA weights at all")
 
     # ---- classify keys -----------------------------------------------------------------------------
@@ -881,7 +1189,7 @@ def _read(
     f2: dict[tuple[str, int], _Pair] = {}
     f2_layer: dict[str, int] = {}
 
-    for key in tensors:
+    for key in metas:
         name = key.removeprefix(_PEFT_PREFIX)
         if "lora_magnitude_vector" in name:
             raise _fail(w_file, "DoRA magnitude vector: DoRA adapters are not supported (not W + s*B*A)", key)
@@ -975,7 +1283,7 @@ def _read(
     if not f1 and not f2:
         raise _fail(
             w_file,
-            f"no expert LoRA weights at all ({len(tensors)} tensors, none on a routed MoE expert: "
+            f"no expert LoRA weights at all ({len(metas)} tensors, none on a routed MoE expert: "
             f"{sorted(set(ignored.values()))})",
         )
 
@@ -999,51 +1307,47 @@ def _read(
                 w_file, f"layer {lid} is not an MoE layer of this model (layer_ids {sorted(lids)})", p.a
             )
     factor_keys = [k for p in pairs for k in (p.a, p.b) if k is not None]
-    bounds = _value_bounds({k: tensors[k] for k in factor_keys})  # one reduction per region
     for k in factor_keys:
-        _check_tensor(w_file, k, tensors[k], bounds.get(k))
-    # file tensors that may overflow the checked dtype (their modules are cast to find out exactly; a
-    # module is a part of its file tensor, so no other module can)
-    abs_max = {k: max(-lo, hi) for k, (lo, hi) in bounds.items()}
-    over_keys = dict(zip(abs_max, _overflows(list(abs_max.values()), dtype), strict=True))
+        _check_factor_meta(w_file, k, metas[k])
 
-    # ---- per-module (a, b, scaling) in float32 ---------------------------------------------------------
-    # (layer, expert, proj) -> (a, b, scaling, module name, file key of this A, file key of this B)
-    modules: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor, float, str, str, str]] = {}
+    # ---- shapes, ranks and scalings, from the header alone ------------------------------------------
     ranks: dict[str, int] = {}
     scalings: dict[str, float] = {}
     notes: list[str] = []
     dims = {"gate": (hid, inter), "up": (hid, inter), "down": (inter, hid)}  # (in, out)
     dim_names = {"gate": ("H", "I"), "up": ("H", "I"), "down": ("I", "H")}
+    # F1: (layer, expert, proj) -> (scaling, module name); F2: (container, depth) -> (param, swapped, r, s)
+    f1_plan: dict[tuple[int, int, str], tuple[float, str]] = {}
+    f2_plan: dict[tuple[str, int], tuple[str, bool, int, float]] = {}
 
     if f1:
         fmt = FORMAT_F1
         for (lid, e, proj), p in f1.items():
             assert p.a is not None and p.b is not None
             mod = f1_module[(lid, e, proj)]
-            a, b = tensors[p.a], tensors[p.b]
+            a_shape, b_shape = metas[p.a].shape, metas[p.b].shape
             in_f, out_f = dims[proj]
             in_n, out_n = dim_names[proj]
-            r = a.shape[0]
-            if a.shape[1] != in_f:
+            r = a_shape[0]
+            if a_shape[1] != in_f:
                 raise _fail(
                     w_file,
-                    f"lora_A of {proj} has shape {tuple(a.shape)}, expected (r, {in_n}={in_f}): "
+                    f"lora_A of {proj} has shape {a_shape}, expected (r, {in_n}={in_f}): "
                     "hidden/intermediate size mismatch with the model",
                     p.a,
                 )
-            if b.shape[0] != out_f:
+            if b_shape[0] != out_f:
                 raise _fail(
                     w_file,
-                    f"lora_B of {proj} has shape {tuple(b.shape)}, expected ({out_n}={out_f}, r): "
+                    f"lora_B of {proj} has shape {b_shape}, expected ({out_n}={out_f}, r): "
                     "hidden/intermediate size mismatch with the model",
                     p.b,
                 )
-            if b.shape[1] != r:
+            if b_shape[1] != r:
                 raise _fail(
                     w_file,
-                    f"rank mismatch: lora_A {tuple(a.shape)} has rank {r} but lora_B "
-                    f"{tuple(b.shape)} has rank {b.shape[1]}",
+                    f"rank mismatch: lora_A {a_shape} has rank {r} but lora_B {b_shape} has rank "
+                    f"{b_shape[1]}",
                     p.b,
                 )
             cfg_r, alpha = settings.rank_alpha(mod)
@@ -1056,33 +1360,58 @@ def _read(
                 )
             s = settings.scaling(r, alpha)
             ranks[mod], scalings[mod] = r, s
-            modules[(lid, e, proj)] = (a, b, s, mod, p.a, p.b)
-        # to float32 (``.float()``), whole batches of file tensors at a time: one layer's experts' lora_A
-        # (lora_B) of one projection lie at a constant stride in the file
-        kind_of = {k: (lid, proj, k == p.b) for (lid, _, proj), p in f1.items() for k in (p.a, p.b)}
-        f1_keys = [k for m in modules.values() for k in m[4:]]
-        f32 = _as_float32([tensors[k] for k in f1_keys], [kind_of[k] for k in f1_keys])
-        as_f32 = dict(zip(f1_keys, f32, strict=True))
-        modules = {slot: (as_f32[m[4]], as_f32[m[5]], *m[2:]) for slot, m in modules.items()}
+            f1_plan[(lid, e, proj)] = (s, mod)
     else:
-        fmt, f2_params = _resolve_f2(f2, f2_layer, tensors, settings, w_file, n_exp, hid, inter, notes)
+        fmt, f2_params = _resolve_f2(f2, f2_layer, metas, settings, w_file, n_exp, hid, inter, notes)
         for (container, depth), (param, swapped) in f2_params.items():
             p = f2[(container, depth)]
             assert p.a is not None and p.b is not None
-            lid = f2_layer[container]
-            a, b = tensors[p.a].float(), tensors[p.b].float()
-            r = a.shape[0] // n_exp
+            rows = metas[p.a].shape[0]
+            r = rows // n_exp
             pname = f"{container}.{param}"
             cfg_r, alpha = settings.rank_alpha(pname)
             if r != cfg_r:
                 raise _fail(
                     w_file,
-                    f"lora_A has {a.shape[0]} rows = num_experts ({n_exp}) x rank {r}, but the config gives "
+                    f"lora_A has {rows} rows = num_experts ({n_exp}) x rank {r}, but the config gives "
                     f"{pname!r} rank {cfg_r} (r / rank_pattern): rank or num_experts mismatch with the model",
                     p.a,
                 )
             s = settings.scaling(r, alpha)
             ranks[pname], scalings[pname] = r, s
+            f2_plan[(container, depth)] = (param, swapped, r, s)
+
+    # ---- tensor data: read only now, for a file whose header and shapes all passed -------------------
+    tensors = _read_safetensors(w_file, header, factor_keys)
+    bounds = _value_bounds({k: tensors[k] for k in factor_keys})  # one reduction per region
+    for k in factor_keys:
+        _check_finite(w_file, k, bounds.get(k))
+    # file tensors that may overflow the checked dtype (their modules are cast to find out exactly; a
+    # module is a part of its file tensor, so no other module can)
+    abs_max = {k: max(-lo, hi) for k, (lo, hi) in bounds.items()}
+    over_keys = dict(zip(abs_max, _overflows(list(abs_max.values()), dtype), strict=True))
+
+    # ---- per-module (a, b, scaling) in float32 ---------------------------------------------------------
+    # (layer, expert, proj) -> (a, b, scaling, module name, file key of this A, file key of this B)
+    modules: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor, float, str, str, str]] = {}
+    if f1:
+        # to float32 (``.float()``), whole batches of file tensors at a time: one layer's experts' lora_A
+        # (lora_B) of one projection lie at a constant stride in the file
+        kind_of = {k: (lid, proj, k == p.b) for (lid, _, proj), p in f1.items() for k in (p.a, p.b)}
+        f1_keys = [k for slot in f1_plan for k in (f1[slot].a, f1[slot].b)]
+        f32 = _as_float32([tensors[k] for k in f1_keys], [kind_of[k] for k in f1_keys])
+        as_f32 = dict(zip(f1_keys, f32, strict=True))
+        for slot, (s, mod) in f1_plan.items():
+            ka, kb = f1[slot].a, f1[slot].b
+            assert ka is not None and kb is not None
+            modules[slot] = (as_f32[ka], as_f32[kb], s, mod, ka, kb)
+    else:
+        for (container, depth), (param, swapped, r, s) in f2_plan.items():
+            p = f2[(container, depth)]
+            assert p.a is not None and p.b is not None
+            lid = f2_layer[container]
+            pname = f"{container}.{param}"
+            a, b = tensors[p.a].float(), tensors[p.b].float()
             # expert-major A: (E, r, A cols); rank-major B: (B rows, r, E). Current PEFT: A cols = in,
             # B rows = out. PEFT 0.17-0.19.0 (swapped): A cols = out, B rows = in, delta transposed.
             a3 = a.reshape(n_exp, r, a.shape[1])
@@ -1161,7 +1490,7 @@ def _read(
 def _resolve_f2(
     f2: dict[tuple[str, int], _Pair],
     f2_layer: dict[str, int],
-    tensors: dict[str, torch.Tensor],
+    metas: Mapping[str, _TensorMeta],
     settings: _LoraSettings,
     w_file: Path,
     n_exp: int,
@@ -1171,7 +1500,8 @@ def _resolve_f2(
 ) -> tuple[str, dict[tuple[str, int], tuple[str, bool]]]:
     """Which fused parameter each F2 wrapper adapts, and whether the file uses the old swapped layout.
 
-    Returns the format string and ``(container, depth) -> (parameter name, swapped)``.
+    Works on the header's shapes alone (no tensor data). Returns the format string and
+    ``(container, depth) -> (parameter name, swapped)``.
     """
     if not settings.target_parameters:
         first = _first_key(f2)
@@ -1184,6 +1514,16 @@ def _resolve_f2(
     # in/out features of each fused parameter (E, out, in)
     io = {"gate_up_proj": (hid, 2 * inter), "down_proj": (inter, hid)}
     io_names = {"gate_up_proj": ("H", "2I"), "down_proj": ("I", "H")}
+
+    def orientations(param: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> set[bool]:
+        """The layouts (swapped or not) in which lora_A / lora_B of these shapes adapt ``param``."""
+        in_f, out_f = io[param]
+        cand = set()
+        if a_shape[1] == in_f and b_shape[0] == out_f:
+            cand.add(False)
+        if a_shape[1] == out_f and b_shape[0] == in_f:
+            cand.add(True)
+        return cand
 
     assignment: dict[tuple[str, int], str] = {}
     candidates: dict[tuple[str, int], set[bool]] = {}
@@ -1207,41 +1547,66 @@ def _resolve_f2(
         if depth >= len(targeted):
             raise _fail(
                 w_file,
-                f"unknown expert layout: {depth} nested base_layer wrappers on {container!r} but "
-                f"target_parameters adapts only {targeted} there",
+                f"unknown expert layout: {depth} nested base_layer wrappers on {container!r} (a LoRA for "
+                f"{depth + 1} fused parameters) but target_parameters {settings.target_parameters} in "
+                f"{CONFIG_NAME} adapts only {targeted} there",
                 p.a,
             )
         # PEFT nests in registration order, first registered (gate_up_proj) innermost = deepest.
         param = targeted[len(targeted) - 1 - depth]
         assignment[(container, depth)] = param
-        a, b = tensors[p.a], tensors[p.b]
+        a_shape, b_shape = metas[p.a].shape, metas[p.b].shape
         in_f, out_f = io[param]
         in_n, out_n = io_names[param]
-        if a.shape[0] != b.shape[1]:
+        if a_shape[0] != b_shape[1]:
             raise _fail(
                 w_file,
-                f"rank mismatch: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {param} "
+                f"rank mismatch: lora_A {a_shape} and lora_B {b_shape} of {param} "
                 "must share the num_experts x rank axis",
                 p.b,
             )
-        if a.shape[0] % n_exp:
+        if a_shape[0] % n_exp:
             raise _fail(
                 w_file,
-                f"lora_A of {param} has {a.shape[0]} rows, not a multiple of num_experts={n_exp}: "
+                f"lora_A of {param} has {a_shape[0]} rows, not a multiple of num_experts={n_exp}: "
                 "the adapter was made for a model with another number of experts",
                 p.a,
             )
-        cand = set()
-        if a.shape[1] == in_f and b.shape[0] == out_f:
-            cand.add(False)
-        if a.shape[1] == out_f and b.shape[0] == in_f:
-            cand.add(True)
+        cand = orientations(param, a_shape, b_shape)
+        other = next(prm for prm in _F2_PARAMS if prm != param)
+        if not cand and orientations(other, a_shape, b_shape):
+            # The shapes of gate_up_proj ({H, 2I}) and down_proj ({I, H}) never coincide, so tensors that
+            # fit the other parameter mean the config's target_parameters, not the model sizes, is wrong.
+            o_in, o_out = io[other]
+            o_in_n, o_out_n = io_names[other]
+            if len(targeted) == 1:
+                why = f"it targets only {param} on this experts module"
+            else:
+                place = "outer" if depth == 0 else "inner"
+                why = (
+                    f"it targets {targeted} here, and PEFT nests the {param} LoRA as the {place} wrapper "
+                    f"(...experts{'.base_layer' * depth}.lora_A/B)"
+                )
+            present = sum(1 for c, _ in f2 if c == container)
+            absent = (
+                f"; the file holds a LoRA for {other} only on {container!r}, none for {param}"
+                if present < len(targeted)
+                else ""
+            )
+            raise _fail(
+                w_file,
+                f"target_parameters in {CONFIG_NAME} ({settings.target_parameters}) disagrees with the "
+                f"tensors: {why}, so these should be the {param} LoRA (E, {out_n}={out_f}, {in_n}={in_f}), "
+                f"but lora_A {a_shape} and lora_B {b_shape} are shaped for {other} "
+                f"(E, {o_out_n}={o_out}, {o_in_n}={o_in}){absent}",
+                p.a,
+            )
         if not cand:
             raise _fail(
                 w_file,
-                f"wrong shapes for {param} (E, {out_n}={out_f}, {in_n}={in_f}): lora_A {tuple(a.shape)}, "
+                f"wrong shapes for {param} (E, {out_n}={out_f}, {in_n}={in_f}): lora_A {a_shape}, "
                 "lora_B "
-                f"{tuple(b.shape)}; expected lora_A (E*r, {in_n}={in_f}) and lora_B ({out_n}={out_f}, E*r) "
+                f"{b_shape}; expected lora_A (E*r, {in_n}={in_f}) and lora_B ({out_n}={out_f}, E*r) "
                 "(hidden/intermediate size mismatch with the model?)",
                 p.a,
             )

@@ -394,13 +394,16 @@ class MoELoRAMemoryPool:
         """Host-tier copy of the same adapter if there is one, else read + validate the files."""
         if not isinstance(name, str) or not name:
             raise AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
-        source = str(Path(path).resolve())
+        from moelora.peft_loader import check_adapter_path, read_peft_adapter
+
+        # Before resolving: Path("") is the current directory (and would match a host-tier copy read from it).
+        path = check_adapter_path(path)
+        source = str(path.resolve())
         with self._lock:
             cached = self._host_tier.get(name)
             if cached is not None and cached.source == source:
                 self._host_tier.move_to_end(name)
                 return cached
-        from moelora.peft_loader import read_peft_adapter
 
         layers, report = read_peft_adapter(
             path, num_experts=self.num_experts, hidden_size=self.hidden_size,

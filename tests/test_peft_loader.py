@@ -1227,3 +1227,508 @@ def test_stacked_staging_matches_the_module_path(f1_adapters, tmp_path, monkeypa
                     t.view(torch.int16 if t.element_size() == 2 else torch.int32),
                     fast.layers[lid][k].view(torch.int16 if t.element_size() == 2 else torch.int32),
                 ), (which, dtype, lid, k)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hardening: malformed adapters through pool.load_adapter (an AdapterLoadError, never a raw Python
+# error, and the pool unchanged)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def loaded_pool(tmp_path):
+    """A small CPU pool already holding one good adapter, so "unchanged" covers written slots too."""
+    pool = MoELoRAMemoryPool(E, H, I, MOE_LAYERS, max_loras=3, max_rank=8, dtype=torch.float32, device="cpu")
+    pool.load_adapter("good", write_adapter(tmp_path / "good", *good_f1()))
+    return pool
+
+
+def assert_refused(pool, path, *patterns, error=AdapterLoadError) -> str:
+    """``pool.load_adapter("bad", path)`` raises ``error`` whose message matches every pattern, and the
+    pool (adapter names, slot buffers, rank/scaling tables) is exactly as before. Returns the message."""
+    names, before = pool.adapters(), pool_state(pool)
+    with pytest.raises(error) as info:
+        pool.load_adapter("bad", path)
+    msg = str(info.value)
+    for pattern in patterns:
+        assert re.search(pattern, msg), (pattern, msg)
+    assert pool.adapters() == names and "bad" not in pool
+    assert_same_state(pool_state(pool), before)
+    return msg
+
+
+def read_raw(file: Path) -> tuple[dict, bytes]:
+    """(JSON header, data bytes) of a safetensors file."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def write_raw(file: Path, header: dict | bytes, data: bytes, *, hlen: int | None = None) -> None:
+    """A safetensors file exactly as given: nothing checked, and ``hlen`` may lie about the header length."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    file.write_bytes((len(text) if hlen is None else hlen).to_bytes(8, "little") + text + data)
+
+
+def retype_tensor(file: Path, key: str, dtype: str, nbytes: int) -> None:
+    """Rewrites ``file`` with tensor ``key`` stored as ``dtype`` in ``nbytes`` zero bytes (same shape),
+    every other tensor's bytes kept and all data_offsets recomputed: a valid file safetensors accepts."""
+    header, data = read_raw(file)
+    entries = sorted(
+        ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]
+    )
+    out, blob = {}, b""
+    for k, v in entries:
+        begin, end = v["data_offsets"]
+        chunk = bytes(nbytes) if k == key else data[begin:end]
+        out[k] = {
+            **v,
+            "dtype": dtype if k == key else v["dtype"],
+            "data_offsets": [len(blob), len(blob) + len(chunk)],
+        }
+        blob += chunk
+    write_raw(file, out, blob)
+
+
+@pytest.mark.parametrize(
+    "dtype, nbytes",
+    # KA is (2, H=16): 32 elements. F4 / F6 are packed sub-byte formats, F8_E8M0 a scale-only format
+    # (torch has a dtype for it, safetensors reads it), C64 complex, XYZ no safetensors dtype at all.
+    [("F4", 16), ("F6_E2M3", 24), ("F8_E8M0", 32), ("C64", 256), ("XYZ", 32)],
+)
+def test_unconvertible_lora_dtype_is_refused(loaded_pool, tmp_path, dtype, nbytes):
+    """A LoRA factor in a dtype the loader cannot turn into float32 used to escape as NotImplementedError
+    (F4: torch has no copy kernel for it) or load as garbage (F8_E8M0); it is refused naming the key, the
+    dtype and the accepted dtypes."""
+    path = write_adapter(tmp_path / dtype, *good_f1())
+    retype_tensor(path / WEIGHTS, KA, dtype, nbytes)
+    msg = assert_refused(
+        loaded_pool, path, re.escape(f"key {KA!r}"), rf"\b{dtype}\b", r"F64, F32, F16, BF16, F8_E4M3, F8_E5M2"
+    )
+    assert msg.startswith(f"{path / WEIGHTS}: "), msg
+
+
+def test_unconvertible_dtype_of_an_ignored_tensor_is_not_refused(loaded_pool, tmp_path):
+    """Only LoRA factors need a convertible dtype: the dtype check must not refuse an adapter over an
+    attention LoRA stored as F4, which is only listed as ignored (and never converted)."""
+    cfg, sd = good_f1()
+    attn = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+    path = write_adapter(tmp_path / "a", cfg, {**sd, attn: torch.zeros(2, H)})
+    retype_tensor(path / WEIGHTS, attn, "F4", 16)
+    report = loaded_pool.load_adapter("f4-attn", path)
+    assert "attention" in report.ignored_keys[attn]
+    assert loaded_pool.adapters() == ["good", "f4-attn"]
+
+
+BAD_ALPHAS = [
+    # (id, config fields to set ("@...@": a raw JSON literal), config field named, message pattern)
+    ("alpha-1e40", {"lora_alpha": 1e40}, "lora_alpha", r"lora_alpha = 1e\+40 gives a LoRA scaling of 5e\+39"),
+    ("alpha-minus-1e40", {"lora_alpha": -1e40}, "lora_alpha", r"lora_alpha = -1e\+40 .*does not fit float32"),
+    (
+        "alpha-pattern-1e40",
+        {"alpha_pattern": {"gate_proj": 1e40}},
+        "alpha_pattern",
+        r"alpha_pattern\['gate_proj'\] = 1e\+40 .*does not fit float32",
+    ),
+    # rsLoRA divides by sqrt(r) only: 1e39 / sqrt(2) is still beyond float32
+    ("rslora", {"lora_alpha": 1e39, "use_rslora": True}, "lora_alpha", r"alpha / sqrt\(r\) with r = 2"),
+    # the smallest rank the config can give decides (here one from rank_pattern)
+    (
+        "rank-pattern",
+        {"lora_alpha": 5e38, "rank_pattern": {"down_proj": 1}},
+        "lora_alpha",
+        r"rank_pattern\['down_proj'\] = 1, the smallest rank",
+    ),
+    # Python's json reads (and PEFT's json.dump writes) these non-standard literals
+    ("alpha-nan", {"lora_alpha": "@NaN@"}, "lora_alpha", r"lora_alpha must be a finite number, got nan"),
+    (
+        "alpha-infinity",
+        {"lora_alpha": "@Infinity@"},
+        "lora_alpha",
+        r"lora_alpha must be a finite number, got inf",
+    ),
+    (
+        "alpha-pattern-minus-infinity",
+        {"alpha_pattern": {"gate_proj": "@-Infinity@"}},
+        "alpha_pattern",
+        r"alpha_pattern\['gate_proj'\] must be a finite number, got -inf",
+    ),
+    # a JSON integer beyond the float range (math.isfinite used to raise OverflowError on it)
+    (
+        "alpha-huge-int",
+        {"lora_alpha": "@1" + "0" * 400 + "@"},
+        "lora_alpha",
+        r"lora_alpha must be a finite number, got 10{400}$",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BAD_ALPHAS, ids=[c[0] for c in BAD_ALPHAS])
+def test_alpha_whose_scaling_does_not_fit_float32_is_refused_at_config_parse(
+    loaded_pool, tmp_path, monkeypatch, case
+):
+    """The pool stores each scaling in float32: an alpha giving an infinite (or unstorable) scaling used to
+    fail late, when the scaling was written. It is refused while the config is parsed, naming the field
+    (lora_alpha / alpha_pattern[...]), before the weights file is even opened."""
+    import moelora.peft_loader as loader
+
+    _, fields, field_name, reason = case
+    cfg, sd = good_f1()
+    path = write_adapter(tmp_path / "a", cfg, sd)
+    (path / CONFIG).write_text(re.sub(r'"@(.*?)@"', r"\1", json.dumps({**cfg, **fields})))
+
+    def no_weights(*_args, **_kw):
+        raise AssertionError("the weights file was opened although the config is invalid")
+
+    monkeypatch.setattr(loader, "_read_safetensors_header", no_weights)
+    msg = assert_refused(loaded_pool, path, re.escape(f"key {field_name!r}"), reason)
+    assert msg.startswith(f"{path / CONFIG}: "), msg
+
+
+def test_large_alpha_whose_scaling_fits_float32_still_loads(loaded_pool, tmp_path):
+    """The limit is on the scaling, not on alpha: alpha 1e39 at rank 8 gives 1.25e38, which float32 holds."""
+    cfg, sd = good_f1(r=8)
+    report = loaded_pool.load_adapter(
+        "big-alpha", write_adapter(tmp_path / "a", {**cfg, "lora_alpha": 1e39}, sd)
+    )
+    assert all(s == pytest.approx(1.25e38) for s in report.scalings.values())
+    assert loaded_pool.slot_scaling_host[loaded_pool.slot_of("big-alpha")] == pytest.approx(1.25e38)
+
+
+def _nested_value(depth: int) -> list:
+    v: list = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        # beyond Python's recursion limit: json used to raise RecursionError
+        ("[" * 100_000 + "]" * 100_000, r"nested too deeply to parse"),
+        ('{"a":' * 100_000 + "1" + "}" * 100_000, r"nested too deeply to parse"),
+        # parseable, but deeper than any LoraConfig (later reprs of such a value could recurse too deep)
+        (json.dumps({**good_f1()[0], "r": _nested_value(200)}), r"nested too deeply \(more than 64 levels"),
+    ],
+    ids=["array-100000", "object-100000", "field-200"],
+)
+def test_config_nested_too_deeply_is_refused(loaded_pool, tmp_path, text, reason):
+    """A hostile adapter_config.json must give an AdapterLoadError naming the file, not a RecursionError."""
+    path = write_adapter(tmp_path / "a", *good_f1())
+    (path / CONFIG).write_text(text)
+    msg = assert_refused(loaded_pool, path, reason)
+    assert msg.startswith(f"{path / CONFIG}: "), msg
+
+
+@pytest.mark.parametrize(
+    "text, got",
+    [('"x"', "string"), ("null", "null"), ("42", r"number \(42\)"), ("[]", "array"), ("true", "boolean")],
+)
+def test_config_that_is_valid_json_but_not_an_object_is_refused(loaded_pool, tmp_path, text, got):
+    """Valid JSON of the wrong type: the message says an object of LoraConfig fields was expected and what
+    the file holds instead."""
+    path = write_adapter(tmp_path / "a", *good_f1())
+    (path / CONFIG).write_text(text)
+    msg = assert_refused(loaded_pool, path, rf"must be a JSON object .*got a JSON {got}")
+    assert msg.startswith(f"{path / CONFIG}: "), msg
+
+
+@pytest.mark.parametrize("empty", ["", " ", "\t\n"], ids=["empty", "space", "whitespace"])
+def test_empty_adapter_path_is_refused(loaded_pool, tmp_path, monkeypatch, empty):
+    """Path("") is the current directory: with a valid adapter there, load_adapter(name, "") used to load
+    it. An empty or whitespace-only path is refused instead."""
+    monkeypatch.chdir(write_adapter(tmp_path / "cwd-adapter", *good_f1()))
+    assert_refused(loaded_pool, empty, r"adapter path is empty .*current directory")
+    with pytest.raises(AdapterLoadError, match=r"adapter path is empty"):
+        read(empty)
+
+
+def test_empty_path_is_refused_before_the_host_tier_lookup(tmp_path, monkeypatch):
+    """The pool looks a re-load up in its host tier by resolved path: "" resolved to the current
+    directory and served the copy read from there. The path is checked before that lookup."""
+    pool = MoELoRAMemoryPool(E, H, I, MOE_LAYERS, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu",
+                             max_cpu_loras=2)
+    pool.load_adapter("x", write_adapter(tmp_path / "x", *good_f1()))
+    pool.unload_adapter("x")  # its host copy stays, keyed by the resolved path
+    monkeypatch.chdir(tmp_path / "x")
+    with pytest.raises(AdapterLoadError, match="adapter path is empty"):
+        pool.load_adapter("x", "")
+    assert pool.adapters() == [] and pool.host_adapters() == ["x"]
+
+
+@pytest.mark.parametrize("bad", [None, 42, b"/tmp/adapter", ["a"]], ids=["None", "int", "bytes", "list"])
+def test_non_path_adapter_path_is_a_type_error(loaded_pool, bad):
+    """A path of the wrong type is a programming error: a TypeError saying what a path must be, and the
+    pool unchanged."""
+    assert_refused(loaded_pool, bad, r"adapter path must be a str or os\.PathLike", error=TypeError)
+    with pytest.raises(TypeError, match=r"adapter path must be a str or os\.PathLike"):
+        read(bad)
+
+
+def f2_factors(param: str, r: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lora_A, lora_B) of one fused parameter in the current PEFT layout: A (E*r, in), B (out, E*r)."""
+    gen = torch.Generator().manual_seed(seed)
+    in_f, out_f = (H, 2 * I) if param == "gate_up_proj" else (I, H)
+    return torch.randn(E * r, in_f, generator=gen), torch.randn(out_f, E * r, generator=gen)
+
+
+F2_OUTER = "base_model.model.model.layers.{lid}.mlp.experts"
+
+
+def f2_file(wrappers: dict[int, str]) -> dict[str, torch.Tensor]:
+    """F2 tensors on both MoE layers: nesting depth (0 = outer ``experts.lora_*``) -> parameter shaped for."""
+    sd = {}
+    for lid in MOE_LAYERS:
+        for depth, param in wrappers.items():
+            pre = F2_OUTER.format(lid=lid) + ".base_layer" * depth
+            sd[f"{pre}.lora_A.weight"], sd[f"{pre}.lora_B.weight"] = f2_factors(param, seed=lid + depth)
+    return sd
+
+
+TARGET_MISMATCHES = [
+    # (id, target_parameters, depth -> tensors' real parameter, message pattern)
+    # both listed, but the file holds only a gate_up LoRA: PEFT would nest down_proj outermost, so the lone
+    # outer wrapper is read as down_proj (this used to say "hidden/intermediate size mismatch")
+    (
+        "both-listed-gate-up-only-in-file",
+        ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        {0: "gate_up_proj"},
+        r"outer wrapper.*shaped for gate_up_proj.*holds a LoRA for gate_up_proj only .* none for down_proj",
+    ),
+    (
+        "down-listed-gate-up-in-file",
+        ["mlp.experts.down_proj"],
+        {0: "gate_up_proj"},
+        r"targets only down_proj",
+    ),
+    (
+        "gate-up-listed-down-in-file",
+        ["gate_up_proj"],
+        {0: "down_proj"},
+        r"targets only gate_up_proj.*shaped for down_proj",
+    ),
+    (
+        "nesting-inverted",
+        ["gate_up_proj", "down_proj"],
+        {0: "gate_up_proj", 1: "down_proj"},
+        r"should be the down_proj LoRA.*shaped for gate_up_proj",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", TARGET_MISMATCHES, ids=[c[0] for c in TARGET_MISMATCHES])
+def test_target_parameters_disagreeing_with_the_tensors_names_target_parameters(loaded_pool, tmp_path, case):
+    """When the tensors fit the *other* fused parameter, the model sizes are fine and the config's
+    target_parameters is what is wrong: the message says so (what it lists, which parameter that makes this
+    wrapper, and which one the shapes fit) instead of blaming a hidden/intermediate size mismatch."""
+    _, targets, wrappers, reason = case
+    cfg = {
+        "peft_type": "LORA",
+        "peft_version": "0.21.2",
+        "r": 2,
+        "lora_alpha": 4,
+        "target_parameters": targets,
+    }
+    path = write_adapter(tmp_path / "a", cfg, f2_file(wrappers))
+    msg = assert_refused(
+        loaded_pool,
+        path,
+        r"target_parameters in adapter_config\.json \(" + re.escape(str(targets)) + r"\) disagrees",
+        reason,
+    )
+    assert "hidden/intermediate" not in msg, msg
+    assert msg.startswith(f"{path / WEIGHTS}: key '{F2_OUTER.format(lid=1)}"), msg
+
+
+def test_target_parameters_agreeing_with_the_tensors_loads(loaded_pool, tmp_path):
+    """Control for the mismatch cases: the same files with a matching target_parameters load."""
+    cfg = {"peft_type": "LORA", "peft_version": "0.21.2", "r": 2, "lora_alpha": 4}
+    for i, (targets, wrappers) in enumerate(
+        [
+            (["down_proj"], {0: "down_proj"}),
+            (["gate_up_proj"], {0: "gate_up_proj"}),
+            (["down_proj", "gate_up_proj"], {0: "down_proj", 1: "gate_up_proj"}),
+        ]
+    ):
+        path = write_adapter(tmp_path / str(i), {**cfg, "target_parameters": targets}, f2_file(wrappers))
+        loaded_pool.load_adapter(f"ok{i}", path)
+        loaded_pool.unload_adapter(f"ok{i}")
+
+
+@pytest.fixture
+def data_reads(monkeypatch):
+    """Counts calls of the loader's tensor-data reader (everything before it works on the header only)."""
+    import moelora.peft_loader as loader
+
+    calls: list[Path] = []
+    real = loader._read_safetensors
+
+    def counting(file, *args, **kw):
+        calls.append(file)
+        return real(file, *args, **kw)
+
+    monkeypatch.setattr(loader, "_read_safetensors", counting)
+    return calls
+
+
+HEADER_PHASE_REFUSALS = [
+    # (id, mutation of good_f1, key, message pattern): all decided from the safetensors header
+    ("shape", sd_set(KA, torch.randn(2, H + 1)), KA, r"expected \(r, H=16\).*hidden"),
+    ("rank-vs-config", cfg_set(r=4), KA, r"config gives module .* rank 4"),
+    ("int-dtype", sd_set(KA, torch.ones(2, H, dtype=torch.int32)), KA, r"floating-point.*int32"),
+    ("3-d", sd_set(KA, torch.ones(1, 2, H)), KA, r"must be 2-D"),
+    ("rank-mismatch-ab", sd_set(KB, torch.randn(I, 3)), KB, r"rank mismatch"),
+]
+
+
+@pytest.mark.parametrize("case", HEADER_PHASE_REFUSALS, ids=[c[0] for c in HEADER_PHASE_REFUSALS])
+def test_misshaped_tensor_is_refused_before_any_tensor_data_is_read(loaded_pool, tmp_path, data_reads, case):
+    """A large file with one mis-shaped tensor used to be read whole before its shapes were checked; the
+    shapes and dtypes now come from the JSON header and the data reader is never called."""
+    _, mutate, key, reason = case
+    cfg, sd = mutate(*good_f1())
+    big = "base_model.model.lm_head.lora_A.weight"  # ignored, 4 MiB: what a real file's bulk would be
+    path = write_adapter(tmp_path / "a", cfg, {**sd, big: torch.zeros(1024, 1024)})
+    assert_refused(loaded_pool, path, re.escape(f"key {key!r}"), reason)
+    assert data_reads == []
+    # control: the same file with the mutation undone is read (once) and loads
+    loaded_pool.load_adapter(
+        "ok", write_adapter(tmp_path / "ok", good_f1()[0], {**good_f1()[1], big: torch.zeros(4, 4)})
+    )
+    assert len(data_reads) == 1
+
+
+def _lying_headers(file: Path) -> dict[str, tuple[bytes, tuple[str, ...]]]:
+    """name -> (file bytes, message patterns) for broken variants of the good safetensors ``file``."""
+    raw = file.read_bytes()
+    header, data = read_raw(file)
+    text = raw[8 : 8 + int.from_bytes(raw[:8], "little")]
+    first = next(k for k in header if k != "__metadata__")
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+
+    def with_entry(key, **kv):
+        h = {**header, key: {**header[key], **kv}}
+        t = json.dumps(h).encode()
+        return len(t).to_bytes(8, "little") + t + data
+
+    def with_text(t: bytes, hlen: int | None = None):
+        return (len(t) if hlen is None else hlen).to_bytes(8, "little") + t + data
+
+    b0, e0 = header[first]["data_offsets"]
+    return {
+        "truncated-data": (
+            raw[:-100],
+            (
+                r"truncated, corrupt or unreadable",
+                rf"data_offsets .* do not hold .* the {len(data) - 100} data bytes",
+            ),
+        ),
+        "truncated-header": (raw[: 8 + len(text) // 2], (r"header length \d+ does not fit the file",)),
+        "shorter-than-8-bytes": (raw[:5], (r"5 bytes: shorter than the 8-byte header length",)),
+        "header-length-huge": (with_text(text, hlen=2**63), (r"header length \d+ exceeds",)),
+        "header-length-past-end": (with_text(text, hlen=len(raw)), (r"does not fit the file",)),
+        "offsets-past-end": (
+            with_entry(last, data_offsets=[len(data) + 8, len(data) + 8 + e0 - b0]),
+            (re.escape(f"key {last!r}"), rf"within the {len(data)} data bytes"),
+        ),
+        "shape-vs-offsets": (
+            with_entry(first, shape=[2, 17]),
+            (re.escape(f"key {first!r}"), r"do not hold the 136 bytes of a F32 tensor of shape \[2, 17\]"),
+        ),
+        # two tensors claiming the same bytes: every span is in bounds and the right size, but they overlap
+        "overlap": (
+            with_entry(last, data_offsets=header[first]["data_offsets"]),
+            (r"data_offsets overlap or leave a gap",),
+        ),
+        "not-json": (with_text(b"not json at all"), (r"not valid UTF-8 JSON",)),
+        "not-utf8": (with_text(b'{"\xff\xfe": 1}'), (r"not valid UTF-8 JSON",)),
+        "nested": (with_text(b"[" * 100_000 + b"]" * 100_000), (r"nested too deeply",)),
+        # parseable, but a plain repr() of the shape in the message could recurse too deep
+        "deeply-nested-shape": (
+            with_text(
+                b'{"k": {"dtype": "F32", "shape": ' + b"[" * 500 + b"]" * 500 + b', "data_offsets": [0, 0]}}'
+            ),
+            (r"key 'k'", r"invalid shape \[+\.\.\.\]+: expected a list"),
+        ),
+        "not-object": (with_text(b"[1, 2]"), (r"not a JSON object \(got a JSON array\)",)),
+        "entry-not-object": (
+            with_text(b'{"k": 5}'),
+            (r"key 'k'", r"not an object"),
+        ),
+        "negative-dim": (with_entry(first, shape=[-2, 16]), (r"invalid shape \[-2, 16\]",)),
+        "float-offsets": (with_entry(first, data_offsets=[float(b0), float(e0)]), (r"invalid data_offsets",)),
+        "huge-int": (
+            with_text(b'{"k": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 0]}}'),
+            (r"not valid UTF-8 JSON",),
+        ),
+        "metadata": (
+            with_text(b'{"__metadata__": {"format": 1}}'),
+            (r"__metadata__ must be an object of strings",),
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "truncated-data",
+        "truncated-header",
+        "shorter-than-8-bytes",
+        "header-length-huge",
+        "header-length-past-end",
+        "offsets-past-end",
+        "shape-vs-offsets",
+        "overlap",
+        "not-json",
+        "not-utf8",
+        "nested",
+        "deeply-nested-shape",
+        "not-object",
+        "entry-not-object",
+        "negative-dim",
+        "float-offsets",
+        "huge-int",
+        "metadata",
+    ],
+)
+def test_lying_or_truncated_safetensors_header_is_refused(loaded_pool, tmp_path, data_reads, name):
+    """The header is checked on its own (length sane and within the file, valid JSON object, each entry's
+    dtype/shape/data_offsets consistent and inside the file, tiling the data) before any data is read: a
+    truncated or lying file gives an AdapterLoadError naming the file, never a crash or an out-of-bounds
+    read."""
+    path = write_adapter(tmp_path / "a", *good_f1())
+    content, patterns = _lying_headers(path / WEIGHTS)[name]
+    (path / WEIGHTS).write_bytes(content)
+    msg = assert_refused(loaded_pool, path, *patterns)
+    assert msg.startswith(f"{path / WEIGHTS}: "), msg
+    assert data_reads == []
+
+
+def test_file_changed_between_header_and_data_is_refused(loaded_pool, tmp_path, monkeypatch):
+    """The data must belong to the header that was checked: a file replaced after its header was read
+    (another size, or the same size with another header) is refused, not read with stale offsets."""
+    import moelora.peft_loader as loader
+
+    cfg, sd = good_f1()
+    path = write_adapter(tmp_path / "a", cfg, sd)
+    size = (path / WEIGHTS).stat().st_size
+    real = loader._read_safetensors_header
+    other_size = good_f1(r=3)[1]
+    # KA (2, 16) stored as (4, 8): the same bytes and (padded) header length, another header
+    same_size = {**sd, KA: sd[KA].reshape(4, 8)}
+    save_file(same_size, str(tmp_path / "probe.safetensors"))
+    assert (tmp_path / "probe.safetensors").stat().st_size == size
+    for replacement, why in (
+        (other_size, r"bytes, \d+ when its header was read"),
+        (same_size, r"header is not"),
+    ):
+
+        def swap_after_header(file, replacement=replacement):
+            header = real(file)
+            save_file(replacement, str(file))
+            return header
+
+        monkeypatch.setattr(loader, "_read_safetensors_header", swap_after_header)
+        assert_refused(loaded_pool, path, r"the file changed while it was read", why)
+        write_adapter(path, cfg, sd)
