@@ -282,3 +282,21 @@ def test_three_threads_load_unload_prepare_and_forward_for_20_seconds():
         t.join()
     assert not errors, errors[:3]
     assert counts["forwards"] >= 100 and counts["refused"] >= 10, counts
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("inplace", [False, True])
+def test_column_major_x_on_the_triton_path(inplace):
+    # A transposed view (column-major x) used to fail with a message about ``out``; it runs as a copy, and
+    # in place writes the result back into the caller's strided tensor.
+    from triton_ops import fused_experts
+
+    x, w13, w2 = make_base(7)
+    weights, ids = make_routing(7, top_k=2)
+    want = fused_experts(x.contiguous(), w13, w2, weights, ids)
+    strided = x.t().contiguous().t()
+    assert not strided.is_contiguous()
+    got = fused_experts(strided, w13, w2, weights, ids, inplace=inplace)
+    torch.testing.assert_close(got, want, **TOL)
+    if inplace:
+        assert got is strided and not strided.is_contiguous()
