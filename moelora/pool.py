@@ -807,6 +807,8 @@ class MoELoRAMemoryPool:
                     f"out= holds {out.token_slots.numel()} tokens but this batch has {sum(lens)}; "
                     "in-place update needs the same token count"
                 )
+            if out.token_slots.device != self.slot_ranks.device:
+                raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
 
         with self._lock:
             return self._prepare_batch_locked(names, lens, out)
@@ -878,8 +880,6 @@ class MoELoRAMemoryPool:
             self._hold(batch, used)
             return batch
 
-        if out.token_slots.device != self.slot_ranks.device:
-            raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
         out.token_slots.copy_(host, non_blocking=on_cuda)
         out.release()
         out.slot_ranks = self.slot_ranks
