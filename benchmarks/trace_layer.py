@@ -37,7 +37,7 @@ from moelora.bench import (  # noqa: E402
     token_slots_for,
     warm_up_on_side_stream,
 )
-from moelora.layer import choose_lora_path  # noqa: E402
+from moelora.layer import AUTO_LORA_PATH  # noqa: E402
 from triton_ops.fused_experts import fused_experts  # noqa: E402
 
 _FLUSH_KERNEL_HINTS = ("reduce_kernel", "amax")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", nargs="+", type=int, default=[16])
     parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--paths", nargs="+", default=["auto"], choices=["auto", "fused", "split", "staged"],
-                        help="LoRA paths to trace (auto: the one moelora.layer.choose_lora_path picks)")
+                        help="LoRA paths to trace (auto: the one moelora.layer.AUTO_LORA_PATH names)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write the traces as JSON")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             points: list[tuple[str, Any, str]] = [("base", None, "fused")]
             for rank in args.ranks:
                 buf = make_lora_buffers(shape, rank, 8, dtype, device, args.seed + rank)
-                auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H, shape.I)
+                auto = AUTO_LORA_PATH
                 for n_adapters in args.adapters:
                     slots = token_slots_for(m, n_adapters, "uniform", args.seed + 13 * m + n_adapters)
                     lora = lora_inputs(buf, slots, 8, n_adapters, rank, device)

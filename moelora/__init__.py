@@ -4,14 +4,17 @@ Importing the package does not compile or load any Triton kernel: the kernel mod
 when a layer first runs on the Triton path, so ``TRITON_INTERPRET`` can still be set after import.
 """
 
+from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.layer import FusedMoEWithLoRA
-from moelora.pool import AdapterLoadError, LoRALayerBuffers, MoELoRAMemoryPool
+from moelora.pool import LoRALayerBuffers, MoELoRAMemoryPool
 
 __all__ = [
     "AdapterLoadError",
     "FusedMoEWithLoRA",
     "LoRALayerBuffers",
+    "LoRAProjection",
     "MoELoRABatchInfo",
     "MoELoRAMemoryPool",
+    "ReferenceLoRA",
 ]

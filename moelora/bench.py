@@ -5,8 +5,8 @@ adapter popularity this times
 
 * ``base``: ``fused_experts`` without adapters (every record's ``base_us``),
 * ``fused`` / ``split`` / ``staged``: the same call with every token on one of ``n_adapters`` adapters
-  through that LoRA path, and ``auto``: the path ``choose_lora_path`` picks (its time is reused when
-  that path was timed already),
+  through that LoRA path, and ``auto``: the path ``moelora.layer.AUTO_LORA_PATH`` names (its time is
+  reused when that path was timed already),
 * ``naive``: a PyTorch loop over the routed experts with the LoRA applied per (expert, adapter) token
   group; it syncs, so it runs eagerly, and it is skipped when one call is estimated too slow.
 
@@ -608,7 +608,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                   buffers: dict[int, LoRABuffers], n_slots: int, adapters: list[int], popularities: list[str],
                   cfg: Settings, progress: Progress) -> list[dict[str, Any]]:
     """Every record of one (model, M): the base once, then each rank x adapters x popularity x path."""
-    from moelora.layer import choose_lora_path
+    from moelora.layer import AUTO_LORA_PATH
     from triton_ops.fused_experts import fused_experts
 
     device, dtype = cfg.device, DTYPES[cfg.dtype_name]
@@ -658,7 +658,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                 slots_host = token_slots_for(m, n_adapters, popularity, cfg.seed + 13 * m + n_adapters)
                 lora_pairs = int(torch.unique(slots_host.long()[:, None] * shape.E + ids_host).numel())
                 lora = lora_inputs(buf, slots_host, n_slots, n_adapters, rank, device)
-                auto = choose_lora_path(m, shape.top_k, shape.E, rank, shape.H, shape.I)
+                auto = AUTO_LORA_PATH
                 point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs,
                              pool_rank=max(rank, cfg.pool_rank))
                 label = f"{shape.name} M={m} r={rank} n={n_adapters} {popularity}"

@@ -9,8 +9,8 @@ Paths (``path=``):
             the down shrink in GEMM1's epilogue: the base path's launches.
   "staged"  separate shrink, gate_up-expand+activation and down+combine kernels around the base GEMMs.
   "torch"   the vectorised PyTorch path (what CPU tensors use when Triton is not interpreting).
-  "auto"    torch for CPU tensors outside the Triton interpreter, else by shape (``choose_lora_path``):
-            split (the fastest at every measured shape since the decode launch went in).
+  "auto"    torch for CPU tensors outside the Triton interpreter, else ``AUTO_LORA_PATH`` (split, the
+            fastest at every measured shape).
 A batch in which no token has an adapter (known on the host from ``prepare_batch``) runs the base path.
 Nothing in ``forward`` reads a device value on the host, so it can be captured in a CUDA graph for a
 fixed token count (replay with a new token->adapter mapping via ``pool.prepare_batch(..., out=batch)``).
@@ -30,15 +30,9 @@ from moelora.torch_path import moe_lora_forward_torch
 PATHS = ("auto", "fused", "split", "staged", "torch")
 
 
-def choose_lora_path(num_tokens: int, top_k: int, num_experts: int, max_rank: int, hidden: int,
-                     intermediate: int | None = None) -> str:
-    """Triton path by shape. "split" (shrink once per pair, expands in the GEMM epilogues; at decode the
-    gate/up shrink rides in the alignment's launch) is the fastest at every measured point since that
-    decode launch went in: e.g. Qwen3-30B-A3B M=1 rank 16 +15.0 % vs the inline "fused" shrink's +33.3 %,
-    DeepSeek-V3 M=16 +2.7 % vs +53.0 % (H200, moelora bench). The arguments stay so the rule can follow
-    a device's table again."""
-    del num_tokens, top_k, num_experts, max_rank, hidden, intermediate
-    return "split"
+# What path="auto" runs on the Triton side: "split" is the fastest at every measured shape
+# (docs/performance.md), so there is no per-shape rule to apply.
+AUTO_LORA_PATH = "split"
 
 
 def _triton_can_run(x: torch.Tensor) -> bool:
@@ -110,15 +104,15 @@ class FusedMoEWithLoRA(nn.Module):
             "expert tensors to wrap"
         )
 
-    def resolve_path(self, x: torch.Tensor, topk_ids: torch.Tensor, batch: MoELoRABatchInfo) -> str:
+    def resolve_path(self, x: torch.Tensor) -> str:
+        """The LoRA path a forward on ``x`` runs (``self.path`` with "auto" resolved)."""
         if self.path == "torch" or not _triton_can_run(x):
             if self.path in ("fused", "split", "staged"):
                 raise ValueError(f"path={self.path!r} needs CUDA tensors or TRITON_INTERPRET=1")
             return "torch"
         if self.path != "auto":
             return self.path
-        return choose_lora_path(x.shape[0], topk_ids.shape[1], self.w13.shape[0], batch.max_rank, x.shape[1],
-                                self.w2.shape[2])
+        return AUTO_LORA_PATH
 
     def forward(
         self,
@@ -153,7 +147,7 @@ class FusedMoEWithLoRA(nn.Module):
                 "prepare_batch must see the same sequence lengths as the forward"
             )
         has_lora = batch is not None and batch.has_lora
-        path = self.resolve_path(x, topk_ids, batch) if has_lora else None
+        path = self.resolve_path(x) if has_lora else None
         if path == "torch" or (not has_lora and (self.path == "torch" or not _triton_can_run(x))):
             return moe_lora_forward_torch(
                 x, self.w13, self.w2, topk_weights, topk_ids,

@@ -3,8 +3,8 @@
 :func:`read_peft_adapter` reads a PEFT adapter directory (``adapter_config.json`` +
 ``adapter_model.safetensors``) on the host, validates all of it and returns, per MoE layer, the
 gate/up/down LoRA of every expert in the form :meth:`MoELoRAMemoryPool.add_adapter_weights` takes. It
-never touches a pool; :func:`load_into_pool` is the convenience that reads with a pool's sizes and then
-hands the result to the pool (which validates again and is left unchanged on any failure).
+never touches a pool: :meth:`MoELoRAMemoryPool.load_adapter` reads with the pool's sizes through it and
+places the result (validating again, and leaving the pool unchanged on any failure).
 
 Layouts understood (facts checked against PEFT 0.21.2 with transformers 5.23, and the PEFT 0.17.1,
 0.18.1, 0.19.0 and 0.19.1 sources):
@@ -75,8 +75,7 @@ from typing import Any
 
 import torch
 
-from moelora.pool import AdapterLoadError
-from moelora.reference import LoRAProjection, ReferenceLoRA
+from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
 
 __all__ = [
     "BIN_NAME",
@@ -87,7 +86,6 @@ __all__ = [
     "WEIGHTS_NAME",
     "AdapterLoadReport",
     "check_adapter_path",
-    "load_into_pool",
     "read_peft_adapter",
 ]
 
@@ -162,7 +160,7 @@ class AdapterLoadReport:
         max_rank: the adapter's largest effective rank over all expert modules (exactly-zero rank
             components dropped), i.e. the rank its pool slot gets.
         pool_max_rank: the ``max_rank`` the adapter was checked against.
-        dtype: the dtype of the returned tensors (after :func:`load_into_pool`: the pool's dtype).
+        dtype: the dtype of the returned tensors (after ``pool.load_adapter``: the pool's dtype).
         peft_version: ``peft_version`` from the config (``None`` when absent).
         notes: remarks worth a log line (dropped zero rank components, how the F2 orientation was decided).
     """
@@ -1640,16 +1638,3 @@ def _resolve_f2(
         )
     fmt = FORMAT_F2_SWAPPED if swapped else FORMAT_F2
     return fmt, {k: (prm, swapped) for k, prm in assignment.items()}
-
-
-def load_into_pool(pool: Any, name: str, path: str | os.PathLike[str]) -> AdapterLoadReport:
-    """Reads adapter ``path`` with ``pool``'s sizes, layer ids, max_rank and dtype, then adds it as ``name``.
-
-    The same as ``pool.load_adapter(name, path)``, which this calls: the adapter is read and validated on
-    the host (:func:`read_peft_adapter`; overflow is checked in the pool dtype) and staged in float32, so
-    the pool rounds each weight to its dtype exactly once (after its own per-module rescaling). Any
-    problem raises :class:`AdapterLoadError` and leaves the pool unchanged.
-
-    Returns the :class:`AdapterLoadReport`.
-    """
-    return pool.load_adapter(name, path)

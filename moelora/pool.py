@@ -37,18 +37,15 @@ from pathlib import Path
 
 import torch
 
+from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
 from moelora.batch_info import MoELoRABatchInfo
-from moelora.reference import LoRAProjection, ReferenceLoRA
+from moelora.peft_loader import check_adapter_path, read_peft_adapter
 
 __all__ = ["AdapterLoadError", "LoRALayerBuffers", "MoELoRAMemoryPool"]
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PROJECTIONS = ("gate", "up", "down")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-class AdapterLoadError(ValueError):
-    """An adapter that cannot be served exactly. The pool is left unchanged when this is raised."""
 
 
 @dataclass
@@ -394,8 +391,6 @@ class MoELoRAMemoryPool:
         """Host-tier copy of the same adapter if there is one, else read + validate the files."""
         if not isinstance(name, str) or not name:
             raise AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
-        from moelora.peft_loader import check_adapter_path, read_peft_adapter
-
         # Before resolving: Path("") is the current directory (and would match a host-tier copy read from it).
         path = check_adapter_path(path)
         source = str(path.resolve())

@@ -23,10 +23,11 @@ DeepSeek-V3 routing so tests and benchmarks can build realistic ``topk_weights``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from moelora.adapter_weights import LoRAProjection, ReferenceLoRA
 
 __all__ = [
     "LoRAProjection",
@@ -39,42 +40,6 @@ __all__ = [
 ]
 
 _ACTIVATIONS = ("silu", "gelu")
-
-
-@dataclass
-class LoRAProjection:
-    """LoRA of one linear projection ``W (out, in)``: ``W' = W + scaling · b @ a``.
-
-    Attributes:
-        a: ``(r, in_features)``, LoRA A.
-        b: ``(out_features, r)``, LoRA B.
-        scaling: ``lora_alpha / r`` (or ``lora_alpha / sqrt(r)`` with rsLoRA), for this module.
-    """
-
-    a: torch.Tensor
-    b: torch.Tensor
-    scaling: float
-
-    @property
-    def rank(self) -> int:
-        return int(self.a.shape[0])
-
-
-@dataclass
-class ReferenceLoRA:
-    """One adapter's weights on one MoE layer, keyed by expert index.
-
-    A missing expert, or a missing projection of an expert, means no delta there.
-
-    Attributes:
-        gate: expert -> gate_proj LoRA (in = H, out = I).
-        up: expert -> up_proj LoRA (in = H, out = I).
-        down: expert -> down_proj LoRA (in = I, out = H).
-    """
-
-    gate: dict[int, LoRAProjection] = field(default_factory=dict)
-    up: dict[int, LoRAProjection] = field(default_factory=dict)
-    down: dict[int, LoRAProjection] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 PEFT is the oracle: adapters are made with ``get_peft_model`` + ``save_pretrained`` (LoRA weights set to
 seeded random values, since PEFT initialises B to zero), read back with :func:`read_peft_adapter`, and the
 output of PEFT's own wrapped modules is compared with :func:`moelora.reference.reference_moe` on the base
-weights and the loaded :class:`ReferenceLoRA` (and, for :func:`load_into_pool`, with the pool's torch path).
+weights and the loaded :class:`ReferenceLoRA` (and, for ``pool.load_adapter``, with the pool's torch path).
 
 F2 (fused expert parameters) runs on a tiny transformers-5 ``Qwen3MoeForCausalLM``: the PEFT-wrapped
 ``mlp.experts`` module is called directly with hidden states, top-k indices and weights, as
@@ -33,7 +33,6 @@ from moelora.peft_loader import (
     FORMAT_F2,
     FORMAT_F2_SWAPPED,
     AdapterLoadReport,
-    load_into_pool,
     read_peft_adapter,
 )
 from moelora.pool import AdapterLoadError, MoELoRAMemoryPool
@@ -973,7 +972,7 @@ def test_bad_arguments_are_value_errors(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# load_into_pool
+# pool.load_adapter
 # --------------------------------------------------------------------------------------------------
 
 
@@ -1009,7 +1008,7 @@ def pool_outputs(pool, data):
 
 
 @pytest.mark.parametrize("which", ["f2", "f1"])
-def test_load_into_pool_matches_peft_and_failures_leave_pool_unchanged(
+def test_pool_load_adapter_matches_peft_and_failures_leave_pool_unchanged(
     f2_adapters, f1_adapters, tmp_path, which
 ):
     if which == "f2":
@@ -1024,7 +1023,7 @@ def test_load_into_pool_matches_peft_and_failures_leave_pool_unchanged(
     base = {lid: reference_moe(x, w13, w2, w, ids) for lid, (x, w, ids, w13, w2) in data.items()}
 
     pool = MoELoRAMemoryPool(E, H, I, MOE_LAYERS, max_loras=3, max_rank=4, dtype=torch.float32, device="cpu")
-    report = load_into_pool(pool, "a", path)
+    report = pool.load_adapter("a", path)
     assert isinstance(report, AdapterLoadReport) and "a" in pool
     assert report.pool_bytes == pool.nbytes // pool.max_loras
     assert pool.slot_rank_host[pool.slot_of("a")] == report.max_rank
@@ -1051,28 +1050,28 @@ def test_load_into_pool_matches_peft_and_failures_leave_pool_unchanged(
     shutil.copytree(path, tmp_path / "good-copy")
     for name, p in bad.items():
         with pytest.raises(AdapterLoadError):
-            load_into_pool(pool, "b", p)
+            pool.load_adapter("b", p)
         assert "b" not in pool, name
         assert_same_state(pool_state(pool), snapshot)
     with pytest.raises(AdapterLoadError, match="already loaded"):  # the pool's own refusal
-        load_into_pool(pool, "a", tmp_path / "good-copy")
+        pool.load_adapter("a", tmp_path / "good-copy")
     assert_same_state(pool_state(pool), snapshot)
     after = pool_outputs(pool, data)
     for lid in before:
         assert torch.equal(after[lid], before[lid])
 
     # and a good second adapter still loads afterwards, into the next slot, without disturbing "a"
-    load_into_pool(pool, "b", tmp_path / "good-copy")
+    pool.load_adapter("b", tmp_path / "good-copy")
     assert pool.slot_of("b") == 1
     for lid, y in pool_outputs(pool, data).items():
         assert torch.equal(y, before[lid])
 
 
-def test_load_into_pool_bf16_rounds_once(f1_adapters):
+def test_pool_load_adapter_bf16_rounds_once(f1_adapters):
     """Float32 goes to the pool, which rescales per-module B's and rounds to bf16 exactly once."""
     path, _ = f1_adapters["qwen-patterns"]
     pool = MoELoRAMemoryPool(E, H, I, MOE_LAYERS, max_loras=2, max_rank=4, dtype=torch.bfloat16, device="cpu")
-    report = load_into_pool(pool, "a", path)
+    report = pool.load_adapter("a", path)
     assert report.dtype == "bfloat16"
     layers, _ = read(path)
     slot, s = pool.slot_of("a"), pool.slot_scaling_host[0]

@@ -155,7 +155,7 @@ def test_storm_of_loads_and_evictions_while_forwarding():
 
 def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
     """The async API on a CPU pool (the CUDA side-stream copy is covered by the GPU test)."""
-    import moelora.peft_loader as peft_loader
+    import moelora.pool as pool_module
 
     pool = make_pool(max_loras=2)
     pool.max_cpu_loras = 2
@@ -166,7 +166,7 @@ def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
         calls.append(path)
         return adapter, types.SimpleNamespace(path=str(path), dtype="float32")
 
-    monkeypatch.setattr(peft_loader, "read_peft_adapter", fake_read)
+    monkeypatch.setattr(pool_module, "read_peft_adapter", fake_read)
     future = pool.load_adapter_async("a", tmp_path)
     report = future.result(timeout=30)
     assert report.path == str(tmp_path) and report.dtype == "float32"  # the pool's dtype (fp32 here)
