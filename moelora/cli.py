@@ -89,22 +89,97 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     new_tokens=args.new_tokens, check=not args.no_check)
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    """Reads and validates a PEFT adapter against a model's MoE shape and prints what it holds."""
-    from moelora.model_config import MoEShape, moe_shape_from_dir
-    from moelora.peft_loader import read_peft_adapter
-    from moelora.pool import AdapterLoadError
+def _local_model_dir(name: str, adapter_dir: Path) -> Path | None:
+    """The local folder ``base_model_name_or_path`` names, if it holds a ``config.json``: tried as given
+    (relative to the working directory, as PEFT and transformers read it), then relative to the adapter
+    directory. ``None`` for a hub id or a folder that is not here."""
+    tries = [Path(name)] + ([] if Path(name).is_absolute() else [adapter_dir / name])
+    for folder in tries:
+        try:
+            if (folder / "config.json").is_file():
+                return folder.resolve()
+        except (OSError, ValueError):  # a name too long, a NUL byte, ...
+            continue
+    return None
 
-    if args.model:
-        shape = moe_shape_from_dir(args.model)
-    elif None not in (args.experts, args.hidden, args.intermediate, args.layers):
-        layer_ids = tuple(int(n) for n in args.layers.split(","))
-        shape = MoEShape(args.experts, args.hidden, args.intermediate, layer_ids, 0, "given")
+
+def _fmt_num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _print_summary(s, show_ignored: int) -> None:
+    """The adapter on its own (:class:`moelora.peft_loader.AdapterSummary`)."""
+    from collections import Counter
+
+    def line(label: str, text: str) -> None:
+        print(f"{label:<12} {text}")
+
+    line("adapter", s.path)
+    line("format", s.format + (f" (PEFT {s.peft_version})" if s.peft_version else ""))
+    line("layout", s.layout)
+    for name in s.module_names:
+        line("modules", name)
+    line("MoE layers", f"{s.layers} ({len(s.layers)} layer{'s' if len(s.layers) != 1 else ''} with expert "
+         "LoRA weights)")
+    covered = {lid: len(es) for lid, es in s.experts_per_layer.items()}
+    if s.num_experts is not None:
+        line("experts", f"{s.num_experts} (fused: lora_A holds num_experts x r rows), all in every layer")
     else:
-        print("moelora inspect: give --model DIR (a Hugging Face model directory) or all of --experts, "
-              "--hidden, --intermediate and --layers", file=sys.stderr)
-        return 2
+        every = len(set(covered.values())) == 1 and next(iter(covered.values())) == s.min_experts
+        line("experts", f"at least {s.min_experts} (per-expert modules cannot tell the model's count): "
+             + (f"ids 0-{s.min_experts - 1} in every layer" if every else f"covered per layer {covered}"))
+    projs = {tuple(p) for p in s.projections.values()}
+    line("projections", ", ".join(next(iter(projs))) if len(projs) == 1 else str(s.projections))
+    if s.hidden_size is not None:
+        line("sizes", f"H={s.hidden_size} I={s.intermediate_size} (from the tensor shapes; I: expert FFN "
+             "width)")
+    else:
+        options = " or ".join(f"H={h} I={i} ({fmt})" for h, i, fmt in s.size_candidates)
+        line("sizes", f"undecided from the adapter alone: {options}")
+    by_rank = Counter(s.ranks.values())
+    dist = ", ".join(f"r={r}: {n} module{'s' if n != 1 else ''}" for r, n in sorted(by_rank.items(),
+                                                                                   reverse=True))
+    line("ranks", f"max {s.max_rank}; {dist}")
+    if s.rank_pattern or s.alpha_pattern:
+        line("patterns", f"rank_pattern {s.rank_pattern}, alpha_pattern {s.alpha_pattern}; "
+             f"{len(s.pattern_modules)} module{'s' if len(s.pattern_modules) != 1 else ''} matched"
+             + (f", e.g. {s.pattern_modules[0]}" if s.pattern_modules else ""))
+    formula = "alpha / sqrt(r) (rsLoRA)" if s.use_rslora else "alpha / r"
+    groups = Counter((s.ranks[n], s.alphas[n], s.scalings[n]) for n in s.ranks)
+    parts = [
+        f"{_fmt_num(a)}/{'sqrt(' + str(r) + ')' if s.use_rslora else r} = {_fmt_num(round(sc, 6))}"
+        + (f" ({n} module{'s' if n != 1 else ''})" if len(groups) > 1 else "")
+        for (r, a, sc), n in sorted(groups.items(), reverse=True)
+    ]
+    line("scaling", f"{formula}: {', '.join(parts)} (config: r={s.r}, lora_alpha={_fmt_num(s.lora_alpha)}, "
+         f"use_rslora={str(s.use_rslora).lower()})")
+    reasons = Counter(why for why in s.ignored_keys.values())
+    line("ignored", f"{len(s.ignored_keys)} key{'s' if len(s.ignored_keys) != 1 else ''} outside the routed "
+         "experts" + (" (not served)" if s.ignored_keys else ""))
+    budget = show_ignored
+    for why, n in reasons.most_common():
+        print(f"  {n} x {why}")
+        keys = [k for k, w in s.ignored_keys.items() if w == why]
+        for key in keys[:budget]:
+            print(f"    {key}")
+        if len(keys) > budget:
+            print(f"    ... {len(keys) - budget} more")
+        budget = max(0, budget - len(keys))
+    line("bytes", f"{s.file_bytes:,} (adapter_model.safetensors; expert LoRA factors {s.lora_bytes:,} in "
+         f"{'/'.join(s.dtypes)}, ignored tensors {s.ignored_bytes:,})")
+    for note in s.notes:
+        line("note", note)
+
+
+def _print_check(args: argparse.Namespace, shape, source: str) -> int:
+    """The full check: :func:`read_peft_adapter` with the model's sizes, as ``--model`` always did."""
+    from moelora.adapter_weights import AdapterLoadError
+    from moelora.peft_loader import read_peft_adapter
+
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    print(f"compatibility check against {source}")
+    print(f"model        {shape.model_type}: E={shape.num_experts} H={shape.hidden_size} "
+          f"I={shape.intermediate_size}, MoE layers {list(shape.layer_ids)}")
     try:
         _, report = read_peft_adapter(
             args.path, num_experts=shape.num_experts, hidden_size=shape.hidden_size,
@@ -112,27 +187,91 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             dtype=torch.float32, pool_dtype=dtype,
         )
     except AdapterLoadError as err:
-        print(f"moelora inspect: cannot serve this adapter: {err}", file=sys.stderr)
+        print("result       FAILED (reason on stderr)")
+        print(f"moelora inspect: cannot serve this adapter on {source}: {err}", file=sys.stderr)
         return 1
+    except ValueError as err:  # invalid sizes or --max-rank (not an adapter problem)
+        print(f"moelora inspect: {err}", file=sys.stderr)
+        return 2
     ranks = sorted(set(report.ranks.values()))
     scalings = sorted({round(s, 6) for s in report.scalings.values()})
     experts = {lid: len(e) for lid, e in report.experts_per_layer.items()}
-    print(f"adapter      {report.path}")
-    print(f"model        {shape.model_type}: E={shape.num_experts} H={shape.hidden_size} "
-          f"I={shape.intermediate_size}, MoE layers {list(shape.layer_ids)}")
     print(f"format       {report.format}" + (f" (PEFT {report.peft_version})" if report.peft_version else ""))
     print(f"ranks        {ranks} (slot rank {report.max_rank}; {len(report.ranks)} expert modules)")
     print(f"scalings     {scalings}")
     print(f"layers       {report.layers} (experts covered per layer: {experts})")
     print(f"pool bytes   {report.pool_bytes:,} per slot at max_rank={args.max_rank}, {args.dtype}")
     print(f"ignored keys {len(report.ignored_keys)}")
-    for key, why in list(report.ignored_keys.items())[: args.show_ignored]:
-        print(f"  {key}: {why}")
-    if len(report.ignored_keys) > args.show_ignored:
-        print(f"  ... {len(report.ignored_keys) - args.show_ignored} more")
     for note in report.notes:
         print(f"note         {note}")
+    print("result       OK: the adapter loads into this model")
     return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Shows what a PEFT adapter holds (from the adapter alone) and checks it against a model's MoE shape
+    when one is known: --model, the shape flags, or a local base_model_name_or_path folder."""
+    from moelora.adapter_weights import AdapterLoadError
+    from moelora.model_config import MoEShape, moe_shape_from_dir
+    from moelora.peft_loader import AdapterInputError, describe_peft_adapter
+
+    # usage errors first (exit code 2), before anything is read
+    shape, source = None, ""
+    flags = (args.experts, args.hidden, args.intermediate, args.layers)
+    if args.model:
+        try:
+            shape = moe_shape_from_dir(args.model)
+        except ValueError as err:
+            print(f"moelora inspect: --model: {err}", file=sys.stderr)
+            return 2
+        source = f"--model {args.model}"
+    elif any(f is not None for f in flags):
+        if None in flags:
+            print("moelora inspect: give all of --experts, --hidden, --intermediate and --layers (or "
+                  "--model DIR, a Hugging Face model directory)", file=sys.stderr)
+            return 2
+        try:
+            layer_ids = tuple(int(n) for n in args.layers.split(","))
+        except ValueError:
+            print(f"moelora inspect: --layers expects comma-separated layer ids, e.g. 1,2,3; got "
+                  f"{args.layers!r}", file=sys.stderr)
+            return 2
+        shape = MoEShape(args.experts, args.hidden, args.intermediate, layer_ids, 0, "given")
+        source = "the given shape (--experts/--hidden/--intermediate/--layers)"
+
+    try:
+        summary = describe_peft_adapter(args.path)
+    except AdapterInputError as err:
+        print(f"moelora inspect: not a readable PEFT adapter: {err}", file=sys.stderr)
+        return 2
+    except AdapterLoadError as err:
+        print(f"moelora inspect: cannot serve this adapter: {err}", file=sys.stderr)
+        return 1
+    _print_summary(summary, args.show_ignored)
+
+    base = summary.base_model
+    if shape is None:
+        label = "base model"
+        if base is None:
+            print(f"{label:<12} not named (no base_model_name_or_path in the config): the compatibility "
+                  "check needs --model DIR")
+            return 0
+        folder = _local_model_dir(base, Path(summary.path))
+        if folder is None:
+            print(f"{label:<12} {base} (base_model_name_or_path; no local folder with a config.json: a hub "
+                  "id?): the compatibility check needs --model DIR, the model's local folder")
+            return 0
+        try:
+            shape = moe_shape_from_dir(folder)
+        except ValueError as err:
+            print(f"{label:<12} {base} -> {folder}: cannot read its MoE shape ({err}); compatibility check "
+                  "not run (give --model DIR)")
+            return 0
+        print(f"{label:<12} {base} (base_model_name_or_path) -> local folder {folder}")
+        source = f"{folder} (base_model_name_or_path)"
+    elif base is not None:
+        print(f"{'base model':<12} {base} (base_model_name_or_path; {source.split(' (')[0]} is used instead)")
+    return _print_check(args, shape, source)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -227,15 +366,44 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--seed", type=int, default=0)
     smoke.set_defaults(func=cmd_smoke)
 
-    inspect = sub.add_parser("inspect", help="validate a PEFT MoE adapter and show what it holds")
+    inspect = sub.add_parser(
+        "inspect", help="show what a PEFT MoE adapter holds; check it against its model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Shows what a PEFT LoRA adapter of an MoE model holds, from the adapter alone
+(adapter_config.json and the safetensors header): its format (per-expert modules,
+Mixtral w1/w2/w3, fused target_parameters), the MoE layers it touches, the experts
+it covers, the hidden size H and expert FFN width I its tensor shapes imply, ranks,
+lora_alpha / scaling (rsLoRA), the keys it would ignore (attention, shared experts,
+dense MLPs) and its size in bytes.
+
+Then the full compatibility check (the adapter read as a pool reads it, with the
+model's sizes), against the first of:
+  --model DIR
+  --experts, --hidden, --intermediate and --layers (all four)
+  base_model_name_or_path of the adapter's config, when it is a local folder
+  holding a config.json (as given, else relative to the adapter directory)
+A hub id or a missing name is only reported: give --model DIR to check.""",
+        epilog="""\
+exit status:
+  0  the adapter was read (and, when checked, fits the model)
+  1  the adapter cannot be served: by any model, or by the one checked against
+     (the reason on stderr)
+  2  usage error: no such adapter directory, no adapter files in it, a config
+     that is not a JSON object, or bad options""",
+    )
     inspect.add_argument("path", help="PEFT adapter dir (adapter_config.json + adapter_model.safetensors)")
-    inspect.add_argument("--model", help="Hugging Face model directory whose config.json gives the MoE shape")
-    inspect.add_argument("--experts", type=int)
-    inspect.add_argument("--hidden", type=int)
-    inspect.add_argument("--intermediate", type=int)
+    inspect.add_argument("--model", help="Hugging Face model directory whose config.json gives the MoE shape "
+                         "to check against (default: base_model_name_or_path, if a local folder)")
+    inspect.add_argument("--experts", type=_positive_int,
+                         help="routed experts per MoE layer E (with the next three: a shape to check)")
+    inspect.add_argument("--hidden", type=_positive_int, help="hidden size H")
+    inspect.add_argument("--intermediate", type=_positive_int, help="per-expert FFN width I")
     inspect.add_argument("--layers", help="comma-separated MoE layer ids, e.g. 1,2,3")
-    inspect.add_argument("--max-rank", type=int, default=64, help="pool max_rank to check against")
-    inspect.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
+    inspect.add_argument("--max-rank", type=_positive_int, default=64,
+                         help="pool max_rank to check against (default 64)")
+    inspect.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16",
+                         help="pool dtype to check against (default bf16)")
     inspect.add_argument("--show-ignored", type=int, default=10, help="ignored keys to list (default 10)")
     inspect.set_defaults(func=cmd_inspect)
 

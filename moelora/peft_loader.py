@@ -84,8 +84,11 @@ __all__ = [
     "FORMAT_F2",
     "FORMAT_F2_SWAPPED",
     "WEIGHTS_NAME",
+    "AdapterInputError",
     "AdapterLoadReport",
+    "AdapterSummary",
     "check_adapter_path",
+    "describe_peft_adapter",
     "read_peft_adapter",
 ]
 
@@ -1180,117 +1183,12 @@ def _read(
     if not metas:
         raise _fail(w_file, "the file holds no tensors: no expert LoRA weights at all")
 
-    # ---- classify keys -----------------------------------------------------------------------------
-    ignored: dict[str, str] = {}
-    f1: dict[tuple[int, int, str], _Pair] = {}
-    f1_module: dict[tuple[int, int, str], str] = {}
-    f2: dict[tuple[str, int], _Pair] = {}
-    f2_layer: dict[str, int] = {}
+    # ---- classify keys (refusing mixed layouts, no expert weights, lone factors, bad factor dtypes) ----
+    classified = _classify_keys(metas, settings, w_file)
+    ignored, f1, f1_module = classified.ignored, classified.f1, classified.f1_module
+    f2, f2_layer = classified.f2, classified.f2_layer
 
-    for key in metas:
-        name = key.removeprefix(_PEFT_PREFIX)
-        if "lora_magnitude_vector" in name:
-            raise _fail(w_file, "DoRA magnitude vector: DoRA adapters are not supported (not W + s*B*A)", key)
-        if _LORA_BIAS.search(name):
-            raise _fail(
-                w_file, "LoRA bias (lora_bias): a trained bias on the LoRA factors is not supported", key
-            )
-        m = _LORA_KEY.match(name)
-        if m is None:
-            module = name.rpartition(".")[0]
-            if settings.modules_to_save and _matches_module(module, settings.modules_to_save):
-                if _is_expertish(module) and not _is_shared(module):
-                    raise _fail(
-                        w_file,
-                        "modules_to_save replaces routed-expert weights wholesale; only LoRA "
-                        "deltas can be served",
-                        key,
-                    )
-                ignored[key] = "modules_to_save (a full copy of a non-expert module): not merged"
-                continue
-            if "lora_embedding_" in name:
-                ignored[key] = "embedding LoRA: not an MoE expert, not merged"
-                continue
-            if "lora_velora_" in name:
-                ignored[key] = "VeLoRA training buffer (unused at inference)"
-                continue
-            if _is_expertish(module) and not _is_shared(module):
-                raise _fail(
-                    w_file,
-                    "unknown expert layout: an expert tensor that is neither a per-expert "
-                    "(F1) nor a fused-parameter (F2) LoRA A/B weight",
-                    key,
-                )
-            ignored[key] = "not a LoRA A/B weight: " + _non_expert_reason(module)
-            continue
-
-        module, ab = m.group("module"), m.group("ab")
-        if _is_shared(module):
-            ignored[key] = _non_expert_reason(module)
-            continue
-        m1 = _F1_MODULE.match(module)
-        if m1 is not None and m1.group("proj") in _F1_PROJ:
-            lid, e, proj = int(m1.group("layer")), int(m1.group("expert")), _F1_PROJ[m1.group("proj")]
-            slot = (lid, e, proj)
-            pair = f1.setdefault(slot, _Pair())
-            prev = f1_module.setdefault(slot, module)
-            if prev != module or (pair.a if ab == "lora_A" else pair.b) is not None:
-                raise _fail(
-                    w_file,
-                    f"duplicate LoRA weights for layer {lid} expert {e} {proj} (also in module {prev!r})",
-                    key,
-                )
-            if ab == "lora_A":
-                pair.a = key
-            else:
-                pair.b = key
-            continue
-        m2 = _F2_MODULE.match(module)
-        if m2 is not None:
-            container = m2.group("container")
-            depth = m2.group("wrap").count(".base_layer")
-            pair = f2.setdefault((container, depth), _Pair())
-            f2_layer[container] = int(m2.group("layer"))
-            if (pair.a if ab == "lora_A" else pair.b) is not None:
-                raise _fail(w_file, f"duplicate fused-parameter LoRA weights for {container!r}", key)
-            if ab == "lora_A":
-                pair.a = key
-            else:
-                pair.b = key
-            continue
-        if _is_expertish(module):
-            raise _fail(
-                w_file,
-                "unknown expert layout: expert LoRA weights that match neither per-expert modules "
-                "(...experts.{e}.{gate_proj|up_proj|down_proj|w1|w3|w2}) nor fused expert parameters "
-                "(...experts[.base_layer].lora_A/B)",
-                key,
-            )
-        ignored[key] = _non_expert_reason(module)
-
-    # deterministic order (layer, expert, gate/up/down; F2 inner wrapper first) for checks and messages
-    f1 = dict(sorted(f1.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2]))))
-    f2 = dict(sorted(f2.items(), key=lambda kv: (f2_layer[kv[0][0]], -kv[0][1])))
-    if f1 and f2:
-        raise _fail(
-            w_file,
-            "the file mixes per-expert (F1) and fused-parameter (F2) expert LoRA weights "
-            f"(e.g. {_first_key(f2)!r}); unknown expert layout",
-            _first_key(f1),
-        )
-    if not f1 and not f2:
-        raise _fail(
-            w_file,
-            f"no expert LoRA weights at all ({len(metas)} tensors, none on a routed MoE expert: "
-            f"{sorted(set(ignored.values()))})",
-        )
-
-    # ---- lone factors, layers, experts --------------------------------------------------------------
-    pairs: list[_Pair] = [*f1.values(), *f2.values()]
-    for p in pairs:
-        if p.a is None or p.b is None:
-            have, missing = (p.a, "lora_B") if p.b is None else (p.b, "lora_A")
-            raise _fail(w_file, f"lone LoRA factor: its {missing} counterpart is missing", have)
+    # ---- layers, experts ----------------------------------------------------------------------------
     for (lid, e, _), p in f1.items():
         if lid not in valid_layers:
             raise _fail(
@@ -1304,9 +1202,7 @@ def _read(
             raise _fail(
                 w_file, f"layer {lid} is not an MoE layer of this model (layer_ids {sorted(lids)})", p.a
             )
-    factor_keys = [k for p in pairs for k in (p.a, p.b) if k is not None]
-    for k in factor_keys:
-        _check_factor_meta(w_file, k, metas[k])
+    factor_keys = classified.factor_keys
 
     # ---- shapes, ranks and scalings, from the header alone ------------------------------------------
     ranks: dict[str, int] = {}
@@ -1341,21 +1237,7 @@ def _read(
                     "hidden/intermediate size mismatch with the model",
                     p.b,
                 )
-            if b_shape[1] != r:
-                raise _fail(
-                    w_file,
-                    f"rank mismatch: lora_A {a_shape} has rank {r} but lora_B {b_shape} has rank "
-                    f"{b_shape[1]}",
-                    p.b,
-                )
-            cfg_r, alpha = settings.rank_alpha(mod)
-            if r != cfg_r:
-                raise _fail(
-                    w_file,
-                    f"rank {r} in the file but the config gives module {mod!r} rank {cfg_r} "
-                    "(r / rank_pattern)",
-                    p.a,
-                )
+            alpha = _f1_module_alpha(w_file, p, a_shape, b_shape, settings, mod)
             s = settings.scaling(r, alpha)
             ranks[mod], scalings[mod] = r, s
             f1_plan[(lid, e, proj)] = (s, mod)
@@ -1638,3 +1520,524 @@ def _resolve_f2(
         )
     fmt = FORMAT_F2_SWAPPED if swapped else FORMAT_F2
     return fmt, {k: (prm, swapped) for k, prm in assignment.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Describing an adapter on its own (no model sizes)
+# --------------------------------------------------------------------------------------------------
+
+
+class AdapterInputError(AdapterLoadError):
+    """The path names no readable PEFT adapter: no such directory, no ``adapter_config.json`` /
+    ``adapter_model.safetensors`` in it, or a config that is not a JSON object. There is nothing to
+    describe (``moelora inspect`` reports it as a usage error, exit code 2)."""
+
+
+@dataclass
+class AdapterSummary:
+    """What :func:`describe_peft_adapter` reads from an adapter directory alone, sizes inferred.
+
+    Attributes:
+        path: the adapter directory.
+        format: :data:`FORMAT_F1`, :data:`FORMAT_F2` or :data:`FORMAT_F2_SWAPPED`; ``"<F2> or <F2 swapped>"``
+            when only the model could tell (see ``size_candidates``).
+        layout: in words, e.g. ``per-expert modules (target_modules), Mixtral naming: w1 = gate, ...``.
+        module_names: the expert LoRA modules with layer / expert ids folded, e.g.
+            ``model.layers.{L}.mlp.experts.{e}.{down_proj,gate_proj,up_proj}``.
+        layers: layer ids holding expert LoRA weights (the MoE layers the adapter touches).
+        experts_per_layer: layer id -> expert ids with LoRA weights (F2: all ``num_experts``).
+        projections: layer id -> the projections (``gate``, ``up``, ``down``) adapted there.
+        num_experts: the expert count the tensors imply (F2: lora_A rows / r); ``None`` for per-expert
+            (F1) adapters, whose files cannot say how many experts the model has.
+        min_experts: the model has at least this many experts (F1: largest expert id + 1).
+        hidden_size: ``H`` as the tensor shapes imply it; ``None`` when ambiguous (``size_candidates``).
+        intermediate_size: ``I`` (the per-expert FFN width), likewise.
+        size_candidates: ``(H, I, format)`` each consistent with the file when the shapes and
+            ``peft_version`` cannot decide between the current and the PEFT 0.17-0.19.0 F2 layout.
+        ranks: module name (F1) / parameter path (F2), named as in :class:`AdapterLoadReport` -> rank in the
+            file (equal to the config's, ``rank_pattern`` applied).
+        alphas: the same names -> alpha (``alpha_pattern`` applied).
+        scalings: the same names -> ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+        pattern_modules: the names whose rank or alpha comes from ``rank_pattern`` / ``alpha_pattern``.
+        max_rank: the largest rank in the file (exactly-zero components are only found when the data is
+            read: :func:`read_peft_adapter` reports the effective rank).
+        r, lora_alpha, use_rslora, rank_pattern, alpha_pattern, peft_version: from the config.
+        base_model: ``base_model_name_or_path`` (``None`` when absent or empty).
+        base_model_class: ``auto_mapping.base_model_class`` (``None`` when absent).
+        ignored_keys: safetensors key -> why it is not served (attention, shared experts, dense MLPs, ...).
+        file_bytes: size of ``adapter_model.safetensors``.
+        lora_bytes: bytes of the expert LoRA factors in it.
+        ignored_bytes: bytes of the ignored tensors.
+        dtypes: safetensors dtypes of the expert LoRA factors.
+        notes: how a size or the layout was decided, and what the adapter alone cannot tell.
+    """
+
+    path: str
+    format: str
+    layout: str
+    module_names: list[str]
+    layers: list[int]
+    experts_per_layer: dict[int, list[int]]
+    projections: dict[int, list[str]]
+    num_experts: int | None
+    min_experts: int
+    hidden_size: int | None
+    intermediate_size: int | None
+    size_candidates: list[tuple[int, int, str]]
+    ranks: dict[str, int]
+    alphas: dict[str, float]
+    scalings: dict[str, float]
+    pattern_modules: list[str]
+    max_rank: int
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    peft_version: str | None
+    base_model: str | None
+    base_model_class: str | None
+    ignored_keys: dict[str, str]
+    file_bytes: int
+    lora_bytes: int
+    ignored_bytes: int
+    dtypes: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Classified:
+    """The expert LoRA keys of a file, sorted as :func:`_read` sorts them, and the keys it ignores."""
+
+    ignored: dict[str, str]
+    f1: dict[tuple[int, int, str], _Pair]
+    f1_module: dict[tuple[int, int, str], str]
+    f2: dict[tuple[str, int], _Pair]
+    f2_layer: dict[str, int]
+    factor_keys: list[str]
+
+
+def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_file: Path) -> _Classified:
+    """Sorts a file's keys into per-expert (F1) and fused-parameter (F2) LoRA pairs and ignored keys, and
+    refuses what no model could serve (DoRA, LoRA bias, unknown expert layouts, mixed layouts, no expert
+    weights, lone factors, factor dtypes): the checks that need no model sizes, shared by :func:`_read`
+    and :func:`describe_peft_adapter`."""
+    ignored: dict[str, str] = {}
+    f1: dict[tuple[int, int, str], _Pair] = {}
+    f1_module: dict[tuple[int, int, str], str] = {}
+    f2: dict[tuple[str, int], _Pair] = {}
+    f2_layer: dict[str, int] = {}
+    for key in metas:
+        name = key.removeprefix(_PEFT_PREFIX)
+        if "lora_magnitude_vector" in name:
+            raise _fail(w_file, "DoRA magnitude vector: DoRA adapters are not supported (not W + s*B*A)", key)
+        if _LORA_BIAS.search(name):
+            raise _fail(
+                w_file, "LoRA bias (lora_bias): a trained bias on the LoRA factors is not supported", key
+            )
+        m = _LORA_KEY.match(name)
+        if m is None:
+            module = name.rpartition(".")[0]
+            if settings.modules_to_save and _matches_module(module, settings.modules_to_save):
+                if _is_expertish(module) and not _is_shared(module):
+                    raise _fail(
+                        w_file,
+                        "modules_to_save replaces routed-expert weights wholesale; only LoRA "
+                        "deltas can be served",
+                        key,
+                    )
+                ignored[key] = "modules_to_save (a full copy of a non-expert module): not merged"
+            elif "lora_embedding_" in name:
+                ignored[key] = "embedding LoRA: not an MoE expert, not merged"
+            elif "lora_velora_" in name:
+                ignored[key] = "VeLoRA training buffer (unused at inference)"
+            elif _is_expertish(module) and not _is_shared(module):
+                raise _fail(
+                    w_file,
+                    "unknown expert layout: an expert tensor that is neither a per-expert "
+                    "(F1) nor a fused-parameter (F2) LoRA A/B weight",
+                    key,
+                )
+            else:
+                ignored[key] = "not a LoRA A/B weight: " + _non_expert_reason(module)
+            continue
+        module, ab = m.group("module"), m.group("ab")
+        if _is_shared(module):
+            ignored[key] = _non_expert_reason(module)
+            continue
+        m1 = _F1_MODULE.match(module)
+        if m1 is not None and m1.group("proj") in _F1_PROJ:
+            slot = (int(m1.group("layer")), int(m1.group("expert")), _F1_PROJ[m1.group("proj")])
+            pair = f1.setdefault(slot, _Pair())
+            prev = f1_module.setdefault(slot, module)
+            if prev != module or (pair.a if ab == "lora_A" else pair.b) is not None:
+                raise _fail(
+                    w_file,
+                    f"duplicate LoRA weights for layer {slot[0]} expert {slot[1]} {slot[2]} (also in module "
+                    f"{prev!r})",
+                    key,
+                )
+        else:
+            m2 = _F2_MODULE.match(module)
+            if m2 is None:
+                if _is_expertish(module):
+                    raise _fail(
+                        w_file,
+                        "unknown expert layout: expert LoRA weights that match neither per-expert modules "
+                        "(...experts.{e}.{gate_proj|up_proj|down_proj|w1|w3|w2}) nor fused expert "
+                        "parameters (...experts[.base_layer].lora_A/B)",
+                        key,
+                    )
+                ignored[key] = _non_expert_reason(module)
+                continue
+            container = m2.group("container")
+            pair = f2.setdefault((container, m2.group("wrap").count(".base_layer")), _Pair())
+            f2_layer[container] = int(m2.group("layer"))
+            if (pair.a if ab == "lora_A" else pair.b) is not None:
+                raise _fail(w_file, f"duplicate fused-parameter LoRA weights for {container!r}", key)
+        if ab == "lora_A":
+            pair.a = key
+        else:
+            pair.b = key
+
+    f1 = dict(sorted(f1.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2]))))
+    f2 = dict(sorted(f2.items(), key=lambda kv: (f2_layer[kv[0][0]], -kv[0][1])))
+    if f1 and f2:
+        raise _fail(
+            w_file,
+            "the file mixes per-expert (F1) and fused-parameter (F2) expert LoRA weights "
+            f"(e.g. {_first_key(f2)!r}); unknown expert layout",
+            _first_key(f1),
+        )
+    if not f1 and not f2:
+        raise _fail(
+            w_file,
+            f"no expert LoRA weights at all ({len(metas)} tensors, none on a routed MoE expert: "
+            f"{sorted(set(ignored.values()))})",
+        )
+    pairs: list[_Pair] = [*f1.values(), *f2.values()]
+    for p in pairs:
+        if p.a is None or p.b is None:
+            have, missing = (p.a, "lora_B") if p.b is None else (p.b, "lora_A")
+            raise _fail(w_file, f"lone LoRA factor: its {missing} counterpart is missing", have)
+    factor_keys = [k for p in pairs for k in (p.a, p.b) if k is not None]
+    for k in factor_keys:
+        _check_factor_meta(w_file, k, metas[k])
+    return _Classified(ignored, f1, f1_module, f2, f2_layer, factor_keys)
+
+
+def _fold_ids(name: str, match: re.Match, groups: Sequence[str], folded: Sequence[str]) -> str:
+    """``name`` with the spans of the regex ``groups`` replaced by ``folded`` (e.g. a layer id by ``{L}``)."""
+    out, pos = [], 0
+    for g, text in sorted(zip(groups, folded, strict=True), key=lambda gt: match.start(gt[0])):
+        out += [name[pos : match.start(g)], text]
+        pos = match.end(g)
+    return "".join([*out, name[pos:]])
+
+
+def _join_templates(templates: Mapping[str, set[str]]) -> list[str]:
+    """``{"a.{e}": {"w1", "w2"}}`` -> ``["a.{e}.{w1,w2}"]``."""
+    return [
+        f"{t}.{next(iter(leaves))}" if len(leaves) == 1 else f"{t}.{{{','.join(sorted(leaves))}}}"
+        for t, leaves in sorted(templates.items())
+    ]
+
+
+def _f1_module_alpha(w_file: Path, p: _Pair, a_shape: Sequence[int], b_shape: Sequence[int],
+                     settings: _LoraSettings, mod: str) -> float:
+    """A per-expert module's alpha, after checking that its A and B agree on the rank and that the config
+    (``r`` / ``rank_pattern``) gives the module that rank."""
+    r = a_shape[0]
+    if b_shape[1] != r:
+        raise _fail(
+            w_file,
+            f"rank mismatch: lora_A {a_shape} has rank {r} but lora_B {b_shape} has rank {b_shape[1]}",
+            p.b,
+        )
+    cfg_r, alpha = settings.rank_alpha(mod)
+    if r != cfg_r:
+        raise _fail(
+            w_file,
+            f"rank {r} in the file but the config gives module {mod!r} rank {cfg_r} (r / rank_pattern)",
+            p.a,
+        )
+    return alpha
+
+
+def _describe_f1(c: _Classified, metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_file: Path):
+    """Ranks, alphas, (H, I) and the naming of a per-expert adapter; refuses what no model could load."""
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    # size name -> {value: first key giving it}; gate/up: A (r, H), B (I, r); down: A (r, I), B (H, r)
+    seen: dict[str, dict[int, str]] = {"H": {}, "I": {}}
+    dim_names = {"gate": ("H", "I"), "up": ("H", "I"), "down": ("I", "H")}
+    templates: dict[str, set[str]] = {}
+    for slot, p in c.f1.items():
+        assert p.a is not None and p.b is not None
+        mod = c.f1_module[slot]
+        a_shape, b_shape = metas[p.a].shape, metas[p.b].shape
+        r = a_shape[0]
+        ranks[mod], alphas[mod] = r, _f1_module_alpha(w_file, p, a_shape, b_shape, settings, mod)
+        in_n, out_n = dim_names[slot[2]]
+        seen[in_n].setdefault(a_shape[1], p.a)
+        seen[out_n].setdefault(b_shape[0], p.b)
+        m = _F1_MODULE.match(mod)
+        assert m is not None
+        head = _fold_ids(mod, m, ("layer", "expert", "proj"), ("{L}", "{e}", "")).removesuffix(".")
+        templates.setdefault(head, set()).add(m.group("proj"))
+    for size, values in seen.items():
+        if len(values) > 1:
+            found = ", ".join(f"{v} (from {k!r})" for v, k in list(values.items())[:3])
+            raise _fail(
+                w_file,
+                f"the per-expert LoRA tensors disagree on {size}: {found}; no model fits them all",
+                next(iter(values.values())),
+            )
+    leaves = {leaf for ls in templates.values() for leaf in ls}
+    if leaves & {"w1", "w2", "w3"}:
+        layout = "per-expert modules (target_modules), Mixtral naming: w1 = gate, w3 = up, w2 = down"
+    else:
+        layout = "per-expert modules (target_modules): " + ", ".join(sorted(leaves))
+    hid = next(iter(seen["H"]))
+    inter = next(iter(seen["I"]))
+    return ranks, alphas, hid, inter, layout, _join_templates(templates)
+
+
+def _describe_f2(
+    c: _Classified, metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_file: Path, notes: list[str]
+):
+    """Format, (H, I) candidates, E, ranks and alphas of a fused-parameter adapter.
+
+    Each (H, I) the first wrapper's shapes allow (it adapts gate_up_proj or down_proj, in the current or
+    the PEFT 0.17-0.19.0 orientation) is put to the loader's own :func:`_resolve_f2`; those it accepts
+    for every wrapper remain. The model's true sizes are always among them, so this refuses only what no
+    model could load.
+    """
+    first = next(iter(c.f2.values()))
+    assert first.a is not None and first.b is not None
+    a_cols, b_rows = metas[first.a].shape[1], metas[first.b].shape[0]
+    hyps: list[tuple[int, int]] = []
+    for h, i2, div in ((a_cols, b_rows, 2), (b_rows, a_cols, 2), (b_rows, a_cols, 1), (a_cols, b_rows, 1)):
+        if h > 0 and i2 > 0 and i2 % div == 0 and (h, i2 // div) not in hyps:
+            hyps.append((h, i2 // div))
+    fits: list[tuple[int, int, str, dict[tuple[str, int], tuple[str, bool]], list[str]]] = []
+    errors: list[tuple[int, int, AdapterLoadError]] = []
+    for h, i in hyps:
+        found: list[str] = []
+        try:
+            fmt, assignment = _resolve_f2(c.f2, c.f2_layer, metas, settings, w_file, 1, h, i, found)
+        except AdapterLoadError as e:
+            errors.append((h, i, e))
+        else:
+            fits.append((h, i, fmt, assignment, found))
+    if not fits:
+        if not errors:
+            raise _fail(w_file, "fused-parameter LoRA tensors with a zero-sized dimension", first.a)
+        if len({str(e) for _, _, e in errors}) == 1:  # the refusal does not depend on the sizes tried
+            raise errors[0][2]
+        # the telling refusal: of a size the first wrapper fits, by a later wrapper (e.g. another layer)
+        later = [(h, i, e) for h, i, e in errors if first.a not in str(e) and first.b not in str(e)]
+        h, i, e = (later or errors)[0]
+        raise _fail(
+            w_file,
+            f"the fused-parameter (F2) LoRA tensors fit no single hidden/intermediate size: the first "
+            f"wrapper's lora_A {metas[first.a].shape} / lora_B {metas[first.b].shape} allow (H, I) in "
+            f"{hyps}, and each is refused; e.g. with H={h}, I={i}: {str(e).removeprefix(f'{w_file}: ')}",
+        )
+    by_version = False
+    if len(fits) > 1:
+        ver = _version_tuple(settings.peft_version)
+        if ver is not None:
+            swapped = (0, 17) <= ver[:2] and ver < (0, 19, 1)
+            chosen = [f for f in fits if (f[2] == FORMAT_F2_SWAPPED) == swapped]
+            if len(chosen) == 1:
+                others = ", ".join(f"H={h} I={i}" for h, i, *_ in fits if (h, i) != chosen[0][:2])
+                notes.append(
+                    f"H and I decided by peft_version {settings.peft_version!r}: the shapes alone also fit "
+                    f"{others} in the {'current' if swapped else 'PEFT 0.17-0.19.0'} orientation"
+                )
+                fits, by_version = chosen, True
+    h, i, fmt, assignment, found = fits[0]
+    candidates = [(fh, fi, ff) for fh, fi, ff, _, _ in fits] if len(fits) > 1 else []
+    if candidates:
+        fmt = f"{FORMAT_F2} or {FORMAT_F2_SWAPPED}"
+        notes.append(
+            "the shapes fit " + " or ".join(f"H={fh} I={fi} ({ff})" for fh, fi, ff in candidates)
+            + ", and the config has no peft_version that tells which: the model's sizes decide"
+        )
+    elif not by_version:
+        notes.extend(found)
+
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    n_exp: dict[int, str] = {}
+    templates: dict[str, set[str]] = {}
+    projections: dict[int, set[str]] = {}
+    for (container, depth), (param, _) in assignment.items():
+        p = c.f2[(container, depth)]
+        assert p.a is not None
+        rows = metas[p.a].shape[0]
+        pname = f"{container}.{param}"
+        cfg_r, alpha = settings.rank_alpha(pname)
+        if rows % cfg_r:
+            raise _fail(
+                w_file,
+                f"lora_A of {pname} has {rows} rows, not a multiple of its rank {cfg_r} (r / rank_pattern): "
+                "lora_A must hold num_experts x rank rows",
+                p.a,
+            )
+        n_exp.setdefault(rows // cfg_r, p.a)
+        ranks[pname], alphas[pname] = cfg_r, alpha
+        lid = c.f2_layer[container]
+        projections.setdefault(lid, set()).update(("gate", "up") if param == "gate_up_proj" else ("down",))
+        m = _F2_MODULE.match(container)
+        assert m is not None
+        templates.setdefault(_fold_ids(container, m, ("layer",), ("{L}",)), set()).add(param)
+    if len(n_exp) > 1:
+        found_e = ", ".join(f"{e} (from {k!r})" for e, k in n_exp.items())
+        first_key = next(iter(n_exp.values()))
+        raise _fail(w_file, f"the fused LoRA tensors imply different expert counts: {found_e}", first_key)
+    params = sorted({prm for prm, _ in assignment.values()}, key=_F2_PARAMS.index)
+    layout = f"fused expert parameters (target_parameters): {', '.join(params)}"
+    if len(params) == 2:
+        layout += " (gate_up_proj LoRA in the inner ...experts.base_layer wrapper)"
+    return (
+        fmt, layout, _join_templates(templates), next(iter(n_exp)), h, i, candidates, ranks, alphas,
+        {lid: [p for p in _PROJ_ORDER if p in ps] for lid, ps in sorted(projections.items())},
+    )
+
+
+def _nested_adapter_hint(adir: Path) -> str:
+    """`` (its subfolder 'adapter' holds one)`` when an adapter lies one level down (``adapters/f1-qwen``)."""
+    try:
+        inner = sorted(d.name for d in adir.iterdir() if (d / CONFIG_NAME).is_file())
+    except OSError:
+        return ""
+    if not inner:
+        return ""
+    if len(inner) == 1:
+        return f" (its subfolder {inner[0]!r} holds one)"
+    return f" (its subfolders {', '.join(map(repr, inner))} hold one each)"
+
+
+def describe_peft_adapter(path: str | os.PathLike[str]) -> AdapterSummary:
+    """What a PEFT adapter holds, from its config and safetensors header alone: no model sizes needed.
+
+    Classifies the keys as :func:`read_peft_adapter` does and infers the sizes a model must have from the
+    tensor shapes (``H``, ``I``; ``E`` for fused adapters, a lower bound for per-expert ones). No tensor
+    data is read. It refuses only what :func:`read_peft_adapter` would refuse for every model; whether
+    the adapter fits a given model (layer ids, expert count, sizes, ``max_rank``, finite values) is for
+    :func:`read_peft_adapter` with that model's sizes.
+
+    Raises:
+        AdapterInputError: the path names no readable adapter directory, or its config is not a JSON object.
+        AdapterLoadError: the adapter cannot be served by any model (unsupported feature, unknown layout,
+            corrupt safetensors file, inconsistent shapes, ...); the message names the file, key and reason.
+        TypeError: ``path`` is not a ``str`` / ``os.PathLike`` (see :func:`check_adapter_path`).
+    """
+    try:
+        adir = check_adapter_path(path)
+    except AdapterLoadError as e:
+        raise AdapterInputError(str(e)) from None
+    cfg_file, w_file = adir / CONFIG_NAME, adir / WEIGHTS_NAME
+    try:
+        _check_files(adir, cfg_file, w_file)
+    except AdapterLoadError as e:
+        hint = _nested_adapter_hint(adir) if adir.is_dir() and not cfg_file.exists() else ""
+        raise AdapterInputError(str(e) + hint) from None
+    except OSError as e:
+        raise AdapterInputError(
+            str(_fail(adir, f"cannot access the adapter directory: {type(e).__name__}: {e}"))
+        ) from e
+    raw: Any = None
+    try:
+        try:
+            text = cfg_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise _fail(cfg_file, f"cannot read the adapter config: {type(e).__name__}: {e}") from e
+        raw = _load_json(cfg_file, text, "adapter config")
+        if not isinstance(raw, dict) or _nesting_depth(raw, _MAX_CONFIG_DEPTH) > _MAX_CONFIG_DEPTH:
+            _parse_config(cfg_file)  # refuses it, worded as the loader words it
+    except AdapterLoadError as e:
+        raise AdapterInputError(str(e)) from None
+    settings = _parse_config(cfg_file)
+    raw = raw if isinstance(raw, dict) else {}
+    base = raw.get("base_model_name_or_path")
+    auto_mapping = raw.get("auto_mapping")
+    base_class = auto_mapping.get("base_model_class") if isinstance(auto_mapping, dict) else None
+
+    header = _read_safetensors_header(w_file)
+    metas = header.tensors
+    if not metas:
+        raise _fail(w_file, "the file holds no tensors: no expert LoRA weights at all")
+    c = _classify_keys(metas, settings, w_file)
+
+    notes: list[str] = []
+    experts: dict[int, set[int]] = {}
+    if c.f1:
+        fmt = FORMAT_F1
+        ranks, alphas, hid, inter, layout, templates = _describe_f1(c, metas, settings, w_file)
+        candidates: list[tuple[int, int, str]] = []
+        projs: dict[int, set[str]] = {}
+        for lid, e, proj in c.f1:
+            experts.setdefault(lid, set()).add(e)
+            projs.setdefault(lid, set()).add(proj)
+        projections = {lid: [p for p in _PROJ_ORDER if p in ps] for lid, ps in sorted(projs.items())}
+        num_experts = None
+        min_experts = max(max(es) for es in experts.values()) + 1
+        missing = {lid: sorted(set(range(min_experts)) - es) for lid, es in sorted(experts.items())}
+        if any(missing.values()):
+            gaps = "; ".join(f"layer {lid}: {_brief(ids)}" for lid, ids in missing.items() if ids)
+            notes.append(f"experts without LoRA weights (of ids 0-{min_experts - 1}): {gaps}")
+        partial = sum(
+            1 for lid, es in experts.items() for e in es
+            if sum((lid, e, p) in c.f1 for p in _PROJ_ORDER) != len(projections[lid])
+        )
+        if partial:
+            notes.append(f"{partial} experts lack some of their layer's adapted projections")
+    else:
+        (fmt, layout, templates, num_experts, hid, inter, candidates, ranks, alphas,
+         projections) = _describe_f2(c, metas, settings, w_file, notes)
+        for lid in projections:
+            experts[lid] = set(range(num_experts))
+        min_experts = num_experts
+        if candidates:
+            hid = inter = None
+    pattern_modules = [
+        n for n in ranks
+        if settings._pattern_key(settings.rank_pattern, n) is not None
+        or settings._pattern_key(settings.alpha_pattern, n) is not None
+    ]
+    return AdapterSummary(
+        path=str(adir),
+        format=fmt,
+        layout=layout,
+        module_names=templates,
+        layers=sorted(experts),
+        experts_per_layer={lid: sorted(es) for lid, es in sorted(experts.items())},
+        projections=projections,
+        num_experts=num_experts,
+        min_experts=min_experts,
+        hidden_size=hid,
+        intermediate_size=inter,
+        size_candidates=candidates,
+        ranks=ranks,
+        alphas=alphas,
+        scalings={n: settings.scaling(r, alphas[n]) for n, r in ranks.items()},
+        pattern_modules=pattern_modules,
+        max_rank=max(ranks.values()),
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        use_rslora=settings.use_rslora,
+        rank_pattern=dict(settings.rank_pattern),
+        alpha_pattern=dict(settings.alpha_pattern),
+        peft_version=settings.peft_version,
+        base_model=(base.strip() or None) if isinstance(base, str) else None,
+        base_model_class=base_class if isinstance(base_class, str) and base_class else None,
+        ignored_keys=c.ignored,
+        file_bytes=header.size,
+        lora_bytes=sum(metas[k].end - metas[k].begin for k in c.factor_keys),
+        ignored_bytes=sum(metas[k].end - metas[k].begin for k in c.ignored),
+        dtypes=sorted({metas[k].dtype for k in c.factor_keys}),
+        notes=notes,
+    )
