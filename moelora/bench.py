@@ -85,8 +85,9 @@ DEFAULT_PATHS = ["base", "fused", "split", "staged", "auto"]
 DEFAULT_M = [1, 16, 64, 256, 1024, 4096]
 DEFAULT_RANKS = [16, 64]
 DEFAULT_ADAPTERS = [1, 4]
+# ``--quick``: three models, three M, rank 16, short timing loops (its run time: docs/performance.md).
 QUICK = dict(models=["deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3"], M=[1, 64, 1024], ranks=[16],
-             adapters=[1, 4], paths=["base", "split", "auto"], warmup=10.0, rep=30.0)  # < 1 min on an H100
+             adapters=[1, 4], paths=["base", "split", "auto"], warmup=10.0, rep=30.0)
 DRY_RUN = dict(M=[1, 8, 80], ranks=[8], adapters=[1, 4], paths=list(PATHS))
 DECODE_MAX_TOKENS = 64  # up to here every token is its own sequence
 ZIPF_S = 1.1
@@ -351,19 +352,17 @@ def cold_l2_times_ms(fns: Sequence[Callable[[], Any]], warmup_ms: float, rep_ms:
     interleaved: round i calls each once (in reverse order on odd rounds), so all of them run under the
     same clocks. Each gets about as many samples as ``rep_ms`` of its own calls would give.
 
-    Why interleaved: a compute-bound call (Mixtral-8x7B, M=4096) keeps an H100 at its power limit, and
+    Why interleaved: a compute-bound call (Mixtral-8x7B, M=4096) keeps the GPU at its power limit, and
     its clocks keep sinking as it heats. Timed one after the other, base then LoRA, the later call paid
-    for the earlier one's heat: the LoRA layer read +18.6 % over its base on the timer while the kernels
-    of the same two graphs, traced a moment later, differed by +7.0 %.
+    for the earlier one's heat, and the overhead read well above what a kernel trace of the same two
+    graphs gave (docs/performance.md, 'Method').
 
     ``flush="read"`` (default) empties L2 by reading a 256 MB buffer, so the timed call finds its weights
     cold and L2 holding clean lines. ``"write"`` zeroes the buffer as ``triton.testing.do_bench`` does:
-    that leaves ~50 MB of dirty lines, whose write-back to HBM then lands inside the timed call. On an
-    H100 that added 9-10 us to a decode layer of any size (base layer M=1, GEMM1 -> GEMM2: Qwen3-30B-A3B
-    45.5 us with the write flush, 36.0 us with the read flush, 35.2 us with no flush at all; DeepSeek-V3
-    250.7 / 241.2 / 240.4 us): time the flush left behind, not the kernels'. A MoE layer in a model
-    follows kernels that write activations, not 50 MB, so the read flush is the one the tables use;
-    ``--l2-flush write`` brings the other back."""
+    that leaves ~50 MB of dirty lines, whose write-back to HBM then lands inside the timed call: time the
+    flush left behind, not the kernels', about the same on a decode layer of any size (docs/performance.md,
+    'Method'). A MoE layer in a model follows kernels that write activations, not 50 MB, so the read flush
+    is the one the tables use; ``--l2-flush write`` brings the other back."""
     if flush not in L2_FLUSHES:
         raise ValueError(f"flush must be one of {L2_FLUSHES}, got {flush!r}")
     if not fns:

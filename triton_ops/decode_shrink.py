@@ -127,10 +127,10 @@ def decode_shrink_splits(numel: int, k: int, block_k: int, target_programs: int 
 
 # Elements of A (rank rows x K columns) one program of the one-token down GEMV walks, at most, and the
 # split count that may take (GEMM2 sums the splits in its epilogue). GEMM2 overlaps the GEMV and takes its
-# programs' bandwidth, so a long serial walk ends after GEMM2's K-loop: H200, Mixtral-8x7B M=1 rank 64
-# (14336 columns), 8 -> 16 -> 32 splits 227.6 -> 207.3 -> 194.3 us (64: 194.1); at rank 16 (8 splits,
-# 28K elements a program) and for DeepSeek-V2-Lite rank 64 (1408 columns) more splits gained nothing or
-# lost (V2-Lite 44.8 -> 47.2 us at 16: more partials for GEMM2 to sum).
+# programs' bandwidth, so a long serial walk ends after GEMM2's K-loop: more splits pay on a long K at a
+# wide rank (Mixtral-8x7B's 14336 columns at rank 64), up to DOWN_GEMV_MAX_SPLITS (more gained nothing);
+# where a program's walk is already short (rank 16, or a short K) they gain nothing or lose, since GEMM2
+# has more partials to sum (docs/performance.md, 'Levers': down-GEMV splits).
 DOWN_GEMV_ELEMENTS_PER_PROGRAM = 32768
 DOWN_GEMV_MAX_SPLITS = 32
 

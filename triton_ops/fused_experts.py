@@ -46,7 +46,7 @@ from triton_ops.fused_moe import (
     lora_rank_block,
     sm_count,
 )
-from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, max_padded_size, moe_align_block_size
 from triton_ops.moe_inputs import check_moe_inputs
 from triton_ops.moe_lora import (
     moe_lora_a,
@@ -64,18 +64,16 @@ LORA_PATHS = ("fused", "split", "staged")
 
 # At decode on the split path GEMM1's epilogue writes GEMM2's LoRA shrink, one partial per GEMM1 N tile,
 # when there are at most this many at rank 16 (fewer for wider ranks; GEMM2 sums them): that saves the
-# shrink launch (~3 us in a graph) for about 1 us of GEMM1 epilogue. With more partials GEMM2's sums cost
-# more than the launch (DeepSeek-V3 M=16, 64 partials: GEMM2 710 -> 839 us), and at prefill GEMM1's
-# epilogue does (Qwen3-30B M=1024, 128-row tiles: GEMM1 272 -> 437 us); H200, benchmarks/micro_lora.py.
-# With at most 32 pairs (a few decode tokens) GEMM2 has few programs and 64 rank-16 partials are still
-# cheap (DeepSeek-V2-Lite M=1, 44 partials: +14.1 % vs +17.0 % with the launch, moelora bench).
+# shrink launch (a CUDA-graph node) for a little GEMM1 epilogue. GEMM2's sum grows with tiles x rank, so
+# with more partials it costs more than the launch, and at prefill the extra epilogue costs GEMM1 more
+# than the launch. With at most 32 pairs (a few decode tokens) GEMM2 has few programs and more partials
+# are still cheaper than the launch (docs/performance.md, 'Levers': decode shrink in the alignment's
+# launch).
 MAX_DOWN_PARTIALS = 16
 # Rank-16-equivalent partials GEMM2 sums when the batch has at most 32 pairs (see above). Past them one
 # token's down shrink is a GEMV launch on its routed pairs (``one_token_down_shrink``), which GEMM2
-# overlaps like GEMM1 the gate/up shrink. H100, M=1, one adapter, GEMM1 epilogue -> GEMV launch (graph
-# replays, median of 5 interleaved rounds): rank 64 DeepSeek-V2-Lite (88 partials) 57.0 -> 55.3 us,
-# DeepSeek-V3 (128) 260.3 -> 258.5, but Qwen3-30B (48) 44.0 -> 46.0; rank 16 Qwen3-30B (12) 42.9 -> 44.4,
-# DeepSeek-V2-Lite (22) 52.2 -> 54.0.
+# overlaps like GEMM1 the gate/up shrink: the launch pays only where GEMM2 would sum many partials; with
+# few, the epilogue is cheaper (docs/performance.md, 'Levers': one token's down shrink as a GEMV launch).
 MAX_DECODE_DOWN_PARTIALS = 64
 
 
@@ -94,14 +92,10 @@ PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK = 64
 
 def overlap_through_split_sum(pairs: int, rank_block: int) -> bool:
     """Whether a GEMM overlaps its shrink through the split-sum launch between them (the sum releases
-    the GEMM, then waits for the shrink), where there is one. H100, interleaved A/B (benchmarks/ab_env.py),
-    overlap off -> on through the sums, LoRA layer overhead over the base:
-    - rank 16, 4 adapters: M=256 DeepSeek-V2-Lite (1536 pairs) +13.9 -> +11.7 %, Qwen3-30B-A3B (2048)
-      +16.2 -> +14.9 %; but M=64 DeepSeek-V2-Lite (384 pairs) +11.7 -> +12.5 % in one run, +12.0 -> +12.0 %
-      in another, DeepSeek-V2 (384) +5.2 -> +5.5 %, Qwen3-30B-A3B (512) +13.5 -> +13.2 %: hence the pairs;
-    - rank 64 at M=64 it pays (the shrinks it hides are 4x longer), 1 / 4 adapters: DeepSeek-V2-Lite
-      +14.8 -> +13.0 % / +47.1 -> +42.2 %, Qwen3-30B-A3B +16.8 -> +14.8 % / +48.2 -> +46.0 %, DeepSeek-V2
-      +8.9 -> +8.0 % / +20.1 -> +19.1 %, DeepSeek-V3 unchanged (+5.1 % / +12.4 %): hence the rank tile."""
+    the GEMM, then waits for the shrink), where there is one. At rank tile 16 the shrinks are short, so
+    the overlap pays only from enough routed pairs (a few hundred pairs gained nothing); at rank tile 64
+    the shrinks it hides are 4x longer and it pays with fewer (docs/performance.md, 'Levers': overlap
+    through the split sum)."""
     return pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS or rank_block >= PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK
 
 
@@ -126,22 +120,11 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
     alignment gives at least ``ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS`` programs, and neither shrink's K
     (``longest_k``: hidden or intermediate size) reaches ``LONG_K_SLOT_GROUP_MIN_K``.
 
-    H100, interleaved A/B (``benchmarks/ab_env.py``), split -> one program over K, LoRA layer overhead over
-    the base, 1 / 4 adapters: rank 16 DeepSeek-V2-Lite M=256 (3 splits) +6.9 -> +3.9 % / +11.7 -> +9.6 %,
-    M=1024 (2) +8.6 -> +4.4 % / +18.2 -> +13.6 %, Qwen3-30B-A3B M=256 (2) +6.0 -> +6.0 % / +15.2 -> +14.1 %,
-    DeepSeek-V2 M=256 and 1024 with 4: +7.0 -> +6.4 % and +6.9 -> +6.3 %; rank 64 with one adapter
-    DeepSeek-V2-Lite M=256 +10.9 -> +8.5 %, M=1024 +30.4 -> +19.3 %, Qwen3-30B-A3B M=256 +13.9 -> +12.1 %.
-    Two passes: rank 64 with 2 adapters DeepSeek-V2-Lite M=1024 +40.2 -> +33.0 %, Qwen3-30B-A3B M=256
-    +25.2 -> +23.9 % (the other points within 0.6), rank 16 with 8 adapters within 0.5 points. Four passes
-    (rank 64 with 4 adapters) only from 4096 pairs: DeepSeek-V2-Lite M=1024 (6144 pairs) +66.3 -> +57.5 %,
-    M=4096 +44.8 -> +44.7 %, Qwen3-30B-A3B M=1024 +78.2 -> +78.5 %, M=4096 +74.3 -> +73.3 %, DeepSeek-V2
-    and DeepSeek-V3 M=1024/4096 within 0.2 % (median of three rounds); but M=256
-    DeepSeek-V2-Lite (1536 pairs) +35.0 -> +37.2 %, DeepSeek-V2 +24.5 -> +25.4 % (Qwen3-30B-A3B, 2048 pairs,
-    +49.0 -> +47.3 %). Left out: fewer pairs (M=64 with 4 adapters: the
-    GEMM, overlapping the long shrink programs, waited for them: DeepSeek-V2-Lite +11.0 -> +14.3 %,
-    Qwen3-30B-A3B +12.4 -> +14.9 %); Mixtral-8x7B (K 14336 down; M=4096, 144 programs, noisy: rank 64 one
-    adapter +12.1 -> +19.4 % in all three rounds, rank 16 one adapter +14.3 -> +8.9 % but four +7.3 ->
-    +10.8 %). DeepSeek-V3 (K 7168) splits no shrink at these M anyway.
+    Each pass walks all of K again, so a program's walk grows with the block's slots: the GEMM that
+    overlaps the shrink waits for its longest program, and only a long enough K-loop (enough routed
+    pairs) hides four passes. Left out for the same reason: fewer pairs, and a long K (one program walking
+    Mixtral-8x7B's 14336 alone lost); DeepSeek-V3 (K 7168) splits no shrink at these M anyway
+    (docs/performance.md, 'Levers': one pass over K per shrink program).
     ``MOELORA_ONE_SPLIT_SHRINK=0`` / ``=1`` forces either on every prefill shrink of the split path (to
     compare)."""
     passes = (ONE_SPLIT_SHRINK_MANY_PASSES if pairs >= ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS
@@ -171,23 +154,11 @@ def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass:
     ``LONG_K_SLOT_GROUP_MIN_K`` (Mixtral-8x7B's 14336 was not measured; one program walking it alone is
     what cost the one-pass rule there).
 
-    H100, interleaved A/B (``benchmarks/ab_env.py``, median of three rounds), split K -> a program per slot,
-    LoRA layer overhead over the base: M=64 rank 16, 4 / 8 adapters: DeepSeek-V2-Lite +10.9 -> +10.2 % /
-    +19.9 -> +16.7 %, Qwen3-30B-A3B +12.2 -> +10.7 % / +15.8 -> +14.1 %, DeepSeek-V3 +3.4 -> +2.8 % /
-    +4.3 -> +3.3 %, DeepSeek-V2 +4.5 -> +5.0 % / +5.9 -> +5.5 % (K 5120 walked by one program); rank 64 with
-    4 adapters M=64 DeepSeek-V2-Lite +43.2 -> +40.1 %, Qwen3-30B-A3B +46.0 -> +43.8 %, M=256
-    DeepSeek-V2-Lite +35.0 -> +33.1 %. Over the one pass, rank 16, 4 / 8 adapters: M=256 DeepSeek-V2-Lite
-    (1536 pairs) +9.8 -> +8.3 % / +20.2 -> +17.7 % (again: +9.7 -> +8.5 % / +20.2 -> +18.1 %), DeepSeek-V2
-    (1536) +6.4 -> +6.3 % / +10.2 -> +9.8 %, Qwen3-30B-A3B (2048) +14.2 -> +14.3 % / +24.9 -> +24.7 %; but
-    M=1024 DeepSeek-V2-Lite +13.5 -> +18.3 % / +28.8 -> +34.0 %, Qwen3-30B-A3B +17.4 ->
-    +22.3 % / +34.0 -> +43.1 %, and M=4096 lost 2-6 points too. At 9fc9df9 four adapters over the one pass
-    lost instead (what moved it since 69ffc4c was not found; 427ced8 touched the slot programs): M=256
-    DeepSeek-V2-Lite rank 16, one pass -> a program per slot, 4 / 5 / 6 / 8 adapters (5 rounds) +9.6 ->
-    +10.4 % / +16.6 -> +14.0 % / +17.9 -> +16.2 % / +20.1 -> +19.0 %; DeepSeek-V2 +6.4 -> +6.4 % / +7.8 ->
-    +7.5 % / +8.8 -> +8.5 % / +10.2 -> +10.1 %: so over the one pass from five adapters. (Rank 64 with four
-    adapters, four passes, has no one pass below 4096 pairs: split K -> a program per slot, DeepSeek-V2-Lite
-    +34.8 -> +34.5 %, DeepSeek-V2 +24.5 -> +23.9 %.) Fewer adapters were not measured (one
-    adapter would get a program per block walking all of K: the loss ``one_split_shrink`` records at M=64).
+    Over split K it pays from a few adapters; over the one pass only with more adapters (the one pass's
+    programs then walk many slots each) and fewer pairs (from more it lost), hence the two bounds
+    (docs/performance.md, 'Levers': a shrink program per slot). Fewer adapters were not measured (one
+    adapter would get a program per block walking all of K: the loss ``one_split_shrink`` records at few
+    pairs).
     ``MOELORA_SLOT_PROGRAM_SHRINK=0`` / ``=1`` forces it off or on (for any known adapter count; on, over the
     one pass too)."""
     over_one_pass = (pairs < SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS
@@ -207,11 +178,10 @@ def one_token_shrink_splits(pairs: int, usual: int, gemm1_programs: int, sm_coun
     where GEMM1 leaves SMs idle that hold at least ``ONE_TOKEN_SHRINK_MIN_SPLITS`` programs a pair but not
     ``usual``: then every shrink program gets an SM of its own instead of sharing one with a GEMM1 program
     (GEMM1 runs beside the shrink, ``decode_shrink_overlap``, and ends with its slowest program).
-    ``sm_count`` 0 (no GPU) keeps ``usual``. H100, M=1, one adapter, interleaved A/B, 8 -> 4 splits:
-    Qwen3-30B-A3B (96 GEMM1 programs, 8 pairs) rank 16 +13.5 -> +9.5 % (41.0 -> 39.6 µs), rank 64 +20.6 ->
-    +17.2 %; where GEMM1 takes every SM 4 splits were even (DeepSeek-V2-Lite, 132 programs: 1.005) or lost
-    (DeepSeek-V2, DeepSeek-V3, Mixtral-8x7B: 1.004-1.030), so they keep 8; on Qwen3-30B-A3B 2 splits lost
-    10 % at rank 16 and 16 lost 8 %. ``MOELORA_ONE_TOKEN_SHRINK_FIT=0`` keeps ``usual`` (to compare)."""
+    ``sm_count`` 0 (no GPU) keeps ``usual``. It pays where GEMM1 leaves SMs idle (Qwen3-30B-A3B's 96
+    GEMM1 programs); where GEMM1 takes every SM fewer splits only lengthen each program, so those keep
+    ``usual``; fewer than ``ONE_TOKEN_SHRINK_MIN_SPLITS`` outlast GEMM1 (docs/performance.md, 'Levers': one
+    token's shrink fits idle SMs). ``MOELORA_ONE_TOKEN_SHRINK_FIT=0`` keeps ``usual`` (to compare)."""
     fit = (sm_count - gemm1_programs) // max(pairs, 1)
     if not ONE_TOKEN_SHRINK_MIN_SPLITS <= fit < usual:
         return usual
@@ -221,19 +191,16 @@ def one_token_shrink_splits(pairs: int, usual: int, gemm1_programs: int, sm_coun
 def decode_direct_pairs(num_tokens: int) -> bool:
     """Whether the GEMMs take the routed pairs straight from topk_ids, without the alignment launch: for
     one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
-    its own. For more tokens, pairs that share an expert would each read its weights again. H100, base
-    layer M=1, with ``fused_topk_sum`` (both off -> on, ``benchmarks/ab_env.py --layer base``):
-    DeepSeek-V2-Lite 60.2 -> 54.9 us, Qwen3-30B-A3B 51.2 -> 45.3, DeepSeek-V2 120.5 -> 114.8, DeepSeek-V3
-    257.2 -> 251.1, Mixtral-8x7B 253.4 -> 248.4. ``MOELORA_DECODE_DIRECT=0`` turns it off (to compare)."""
+    its own. For more tokens, pairs that share an expert would each read its weights again. With
+    ``fused_topk_sum`` it saves a decode token two launches (docs/performance.md, 'Levers': two-launch
+    decode). ``MOELORA_DECODE_DIRECT=0`` turns it off (to compare)."""
     return num_tokens == 1 and env_switch("MOELORA_DECODE_DIRECT", default=True)
 
 
 def fused_topk_sum(num_tokens: int, top_k: int) -> bool:
     """Whether the last GEMM2 program of each N-tile column sums the top-k rows, instead of a launch of
-    its own: for one token. With more, that program sums every token of the column by itself, and it
-    lost to the separate launch: H100 base layer, off -> on, M=1 DeepSeek-V2-Lite 55.6 -> 54.7 us,
-    Qwen3-30B-A3B 46.4 -> 44.9, DeepSeek-V3 252.0 -> 250.5; M=2..16 up to 1.3 % slower (DeepSeek-V2-Lite
-    M=16 305.7 -> 309.8 us), and with 4 rank-16 adapters DeepSeek-V3 M=16 2931 -> 2973 us.
+    its own: for one token. With more, that program sums every token of the column by itself, serially,
+    and it lost to the separate launch (docs/performance.md, 'Levers': two-launch decode).
     ``MOELORA_FUSED_SUM=0`` turns it off (to compare)."""
     return top_k > 1 and num_tokens == 1 and env_switch("MOELORA_FUSED_SUM", default=True)
 
@@ -352,14 +319,9 @@ def fused_experts(
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         rows = end - start
-        if config is not None:
-            cfg = config.for_lora(rank_block, lora.num_adapters) if split else config
-        else:
-            cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, x.dtype, x.device,
-                                 lora=split, rank_block=rank_block if split else 0,
-                                 num_adapters=lora.num_adapters if split else 0)
-        if lora is not None and lora_path == "fused":
-            cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=x.element_size())
+        plan = plan_chunk(rows, top_k, num_experts, hidden, intermediate, x.dtype, x.device, lora=lora,
+                          lora_path=lora_path, config=config, combine=pair_out is not None)
+        cfg = plan.config
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
         if not chunk_weights.is_contiguous():
@@ -367,50 +329,21 @@ def fused_experts(
         pairs = rows * top_k
         if lora is not None:
             chunk_slots = lora.token_slots[start:end]
-        # Decode on the split path: GEMM1's shrink rides in the alignment's launch (or, for one token,
-        # whose GEMMs need no alignment, is that launch).
-        decode_shrink = split and pairs <= SINGLE_PROGRAM_MAX_PAIRS
-        # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch.
-        down_tiles = gemm1_n_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
-        # GEMM2 sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone
-        # (DeepSeek-V2-Lite M=1 rank 64, 44 partials: 48 -> 180 us, spilled).
-        partial_width = down_tiles * rank_block if lora is not None else 0
-        down_in_gemm1 = decode_shrink and (
-            partial_width <= MAX_DOWN_PARTIALS * 16
-            or (pairs <= 32 and partial_width <= decode_down_partials_limit() * 16))
-        # One token needs no alignment: its down shrink rides in GEMM1's epilogue or, past that many
-        # partials, is a GEMV launch on its routed pairs (one_token_down_shrink) between the GEMMs.
-        direct = not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and decode_direct_pairs(rows)
-        # GEMM1 streams its base weights while the gate/up shrink launch before it runs; GEMM2 likewise
-        # while the down shrink launch runs, when there is one.
-        overlap = decode_shrink and direct and decode_shrink_overlap(x.device)
-        down_launch_direct = split and direct and not down_in_gemm1
-        # Aligned batches: each GEMM streams its base weights while the moe_lora_a shrink launch before it
-        # (and the split-sum launch after that shrink, ``overlap_through_split_sum``) runs. At decode only
-        # GEMM2 has one (when the down shrink does not fit GEMM1's epilogue; no split sum there): the
-        # gate/up shrink rides in the alignment's launch.
-        shrink_launch_overlap = split and not direct and prefill_shrink_overlap(x.device)
-        if decode_shrink:
-            decode_splits = decode_shrink_splits(pairs, hidden, decode_shrink_block_k(x.dtype))
-            if rows == 1:  # the same splits with or without the alignment: the same bits
-                decode_splits = one_token_shrink_splits(pairs, decode_splits, pairs * gemm1_n_tiles,
-                                                         sm_count(x.device))
-            shrunk_gate_up = torch.empty((pairs, decode_splits, 2 * rank_block), dtype=torch.float32,
+        if plan.decode_shrink:
+            shrunk_gate_up = torch.empty((pairs, plan.gate_up_splits, 2 * rank_block), dtype=torch.float32,
                                          device=x.device)
             alignment = moe_align_with_gate_up_shrink(
                 chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a, chunk_slots,
-                lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not direct,
-                release_next=overlap)
-        elif not direct:
+                lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not plan.direct,
+                release_next=plan.decode_overlap)
+        elif not plan.direct:
             alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
-        if direct:
+        if plan.direct:
             align = dict(direct_ids=chunk_ids.reshape(-1))
-            max_padded = pairs * cfg.block_m
         else:
             align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), alignment, strict=True))
-            max_padded = alignment[0].shape[0]
         topk_sum = None
-        if pair_out is not None and not staged and fused_topk_sum(rows, top_k):
+        if plan.fused_sum:
             topk_sum = TopkSumOperands(
                 out=out[start:end],
                 counters=torch.empty((triton.cdiv(hidden, cfg.gemm2.block_n),), dtype=torch.int32,
@@ -418,7 +351,6 @@ def fused_experts(
                 top_k=top_k)
 
         chunk_activated = activated[: rows * top_k]
-        gemm2_late_wait = False
         gemm1_lora = gemm2_lora = None
         if lora is not None:
             common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
@@ -426,49 +358,23 @@ def fused_experts(
             gemm1_lora = LoRAOperands(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
             gemm2_lora = LoRAOperands(lora_a=lora.down_a, lora_b=lora.down_b, **common)
         gemm1_weights = chunk_weights if apply_router_weight_on_input else None
-        block_k = shrink_block_k(x.dtype)
-        # Past decode, how the split path's two shrinks cover K: split (summed later), one pass, or a
-        # program per slot.
-        prefill_split, longest_k = split and not decode_shrink, max(hidden, intermediate)
-        one_pass = prefill_split and one_split_shrink(
-            pairs, rank_block, lora.num_adapters, shrink_row_programs(max_padded, cfg.block_m), longest_k)
-        slot_programs = prefill_split and slot_program_shrink(lora.num_adapters, longest_k, pairs, one_pass)
-        gate_up_splits, down_shrink_splits = (
-            (1, 1) if one_pass or slot_programs  # one partial a pair either way
-            else (shrink_k_splits(max_padded, cfg.block_m, hidden, block_k),
-                  shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k)))
-        if (split or staged) and not decode_shrink:
-            shrunk_gate_up = torch.empty((pairs, gate_up_splits, 2 * rank_block),
+        if (split or staged) and not plan.decode_shrink:
+            shrunk_gate_up = torch.empty((pairs, plan.gate_up_splits, 2 * rank_block),
                                          dtype=torch.float32, device=x.device)
-        if down_in_gemm1:
-            shrunk_down = torch.empty((pairs, down_tiles, rank_block), dtype=torch.float32, device=x.device)
+        if split or staged:
+            shrunk_down = torch.empty((pairs, plan.down_splits, rank_block), dtype=torch.float32,
+                                      device=x.device)
+        if plan.down_in_gemm1:
             gemm1_lora = replace(gemm1_lora, down_a=lora.down_a, down_shrunk=shrunk_down)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
-        elif down_launch_direct:
-            down_splits = one_token_down_splits(pairs, intermediate, rank_block,
-                                                decode_shrink_block_k(x.dtype))
-            shrunk_down = torch.empty((pairs, down_splits, rank_block), dtype=torch.float32, device=x.device)
-        elif split or staged:
-            shrunk_down = torch.empty((pairs, down_shrink_splits, rank_block),
-                                      dtype=torch.float32, device=x.device)
-        # Where lora_ext_expand says so (GEMM2's two-block prefill tiles), a GEMM takes its shrink packed
-        # (summed, scaled, rounded) by a launch in the split sum's place and expands it in a K-loop of its
-        # own over the block's slot range.
-        ext_gate_up = split and not decode_shrink and lora_ext_expand(
-            cfg.gemm1, gated=True, num_adapters=lora.num_adapters, K=hidden, elem_bytes=x.element_size())
-        reduce_gate_up = (split and not decode_shrink and not ext_gate_up
-                          and reduce_splits_pays(shrunk_gate_up.shape[1], gemm1_n_tiles))
-        overlap_through_sum = lora is not None and overlap_through_split_sum(pairs, rank_block)
-        gate_up_overlap = (shrink_launch_overlap and not decode_shrink
-                           and (overlap_through_sum or not (reduce_gate_up or ext_gate_up)))
-        if (split or staged) and not decode_shrink:
+        if (split or staged) and not plan.decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
-                       x_row_div=top_k, rank_block=rank_block, gated=True, slot_programs=slot_programs,
-                       out=shrunk_gate_up, release_next=gate_up_overlap)
+                       x_row_div=top_k, rank_block=rank_block, gated=True, slot_programs=plan.slot_programs,
+                       out=shrunk_gate_up, release_next=plan.gate_up_overlap)
         if split:
-            gemm1_lora = _with_epilogue_shrink(gemm1_lora, shrunk_gate_up, pack=ext_gate_up,
-                                               reduce=reduce_gate_up, release_next=gate_up_overlap,
+            gemm1_lora = _with_epilogue_shrink(gemm1_lora, shrunk_gate_up, pack=plan.pack_gate_up,
+                                               reduce=plan.reduce_gate_up, release_next=plan.gate_up_overlap,
                                                dtype=x.dtype)
         if staged:
             invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
@@ -488,27 +394,22 @@ def fused_experts(
                 activation=activation,
                 lora=gemm1_lora,
                 zero_counters=topk_sum,
-                late_wait=overlap or gate_up_overlap,
+                late_wait=plan.gemm1_late_wait,
                 **align,
             )
 
-        if down_launch_direct:
+        if plan.down_gemv:
             one_token_down_shrink(chunk_activated, lora.down_a, chunk_ids, chunk_slots, lora.slot_ranks,
-                                  rank_block=rank_block, out=shrunk_down, release_next=overlap)
+                                  rank_block=rank_block, out=shrunk_down, release_next=plan.decode_overlap)
             gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
-        elif split and not down_in_gemm1:
-            ext_down = not decode_shrink and lora_ext_expand(
-                cfg.gemm2, gated=False, num_adapters=lora.num_adapters, K=intermediate,
-                elem_bytes=x.element_size())
-            reduce_down = not decode_shrink and not ext_down and reduce_splits_pays(
-                shrunk_down.shape[1], triton.cdiv(hidden, cfg.gemm2.block_n))
-            gemm2_late_wait = shrink_launch_overlap and (overlap_through_sum or not (reduce_down or ext_down))
+        elif split and not plan.down_in_gemm1:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
-                       x_row_div=1, rank_block=rank_block, gated=False, slot_programs=slot_programs,
-                       out=shrunk_down, release_next=gemm2_late_wait)
-            gemm2_lora = _with_epilogue_shrink(gemm2_lora, shrunk_down, pack=ext_down, reduce=reduce_down,
-                                               release_next=gemm2_late_wait, dtype=x.dtype)
+                       x_row_div=1, rank_block=rank_block, gated=False, slot_programs=plan.slot_programs,
+                       out=shrunk_down, release_next=plan.down_overlap)
+            gemm2_lora = _with_epilogue_shrink(gemm2_lora, shrunk_down, pack=plan.pack_down,
+                                               reduce=plan.reduce_down, release_next=plan.down_overlap,
+                                               dtype=x.dtype)
         if no_combine:
             target = out[start:end].view(rows * top_k, hidden)
         elif top_k == 1:
@@ -525,8 +426,8 @@ def fused_experts(
             scale=routed_scaling_factor,
             lora=None if staged else gemm2_lora,
             topk_sum=topk_sum,
-            late_wait=(down_launch_direct and overlap) or gemm2_late_wait,
-            dependent=split and direct and one_token_dependent_gemm2(x.device),
+            late_wait=plan.gemm2_late_wait,
+            dependent=plan.dependent_gemm2,
             **align,
         )
         if pair_out is not None and topk_sum is None:
@@ -543,6 +444,143 @@ def fused_experts(
     if strided_target is not None:
         return strided_target.copy_(out)
     return out
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Every launch decision of one chunk of ``fused_experts``: a function of host-known sizes only (token
+    count, top-k, shapes, dtype, device, LoRA path, rank tile, adapter count), never of device values.
+
+    Attributes:
+        config: the GEMM tiles (tuned lookup or ``config=``; with LoRA tiles for the split/fused paths).
+        direct: one decode token: each routed pair is a GEMM block of its own, no alignment.
+        decode_shrink: split path at decode: GEMM1's shrink rides in the alignment's launch (or, direct,
+            is that launch).
+        decode_overlap: GEMM1 (and a down GEMV's GEMM2) streams its base weights while the decode shrink
+            launch before it runs (``late_wait``).
+        down_in_gemm1: GEMM2's shrink is written by GEMM1's epilogue, one partial per GEMM1 N tile.
+        down_gemv: one token whose down shrink does not fit GEMM1's epilogue: a GEMV launch between the GEMMs.
+        fused_sum: GEMM2's last program per column sums the top-k (no top-k sum launch).
+        gate_up_splits, down_splits: K splits of the two shrinks' fp32 partials (their second dim).
+        slot_programs: the prefill shrink runs a program per slot group of each block.
+        pack_gate_up, pack_down: the GEMM takes its shrink packed and expands a slot range
+            (``lora_ext_expand``).
+        reduce_gate_up, reduce_down: the split-K partials are summed once before the GEMM.
+        gate_up_overlap, down_overlap: the shrink launch before a GEMM (and its split sum) releases it early.
+        gemm1_late_wait, gemm2_late_wait: the GEMM is launched dependently, waiting after its K-loop.
+        dependent_gemm2: one token's GEMM2 is launched dependently after GEMM1
+            (``one_token_dependent_gemm2``).
+    """
+
+    config: MoEConfig
+    direct: bool
+    decode_shrink: bool = False
+    decode_overlap: bool = False
+    down_in_gemm1: bool = False
+    down_gemv: bool = False
+    fused_sum: bool = False
+    gate_up_splits: int = 1
+    down_splits: int = 1
+    slot_programs: bool = False
+    pack_gate_up: bool = False
+    pack_down: bool = False
+    reduce_gate_up: bool = False
+    reduce_down: bool = False
+    gate_up_overlap: bool = False
+    down_overlap: bool = False
+    gemm1_late_wait: bool = False
+    gemm2_late_wait: bool = False
+    dependent_gemm2: bool = False
+
+
+def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+               device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str,
+               config: MoEConfig | None, combine: bool) -> ChunkPlan:
+    """The launch decisions of one ``fused_experts`` chunk of ``rows`` tokens (see :class:`ChunkPlan`).
+    ``combine``: the routed pairs' outputs are summed over the top-k (not ``no_combine``, top_k > 1)."""
+    split = lora is not None and lora_path == "split"
+    staged = lora is not None and lora_path == "staged"
+    rank_block = lora_rank_block(lora.max_rank) if lora is not None else 0
+    num_adapters = lora.num_adapters if lora is not None else 0
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    if config is not None:
+        cfg = config.for_lora(rank_block, num_adapters) if split else config
+    else:
+        cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, dtype, device, lora=split,
+                             rank_block=rank_block if split else 0, num_adapters=num_adapters if split else 0)
+    if lora is not None and lora_path == "fused":
+        cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=elem_bytes)
+    pairs = rows * top_k
+    direct = not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and decode_direct_pairs(rows)
+    fused_sum = combine and not staged and fused_topk_sum(rows, top_k)
+    dependent_gemm2 = split and direct and one_token_dependent_gemm2(device)
+    if lora is None or lora_path == "fused":
+        return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum)
+
+    # Decode on the split path: GEMM1's shrink rides in the alignment's launch (or, for one token, whose
+    # GEMMs need no alignment, is that launch).
+    decode_shrink = split and pairs <= SINGLE_PROGRAM_MAX_PAIRS
+    gemm1_n_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
+    # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch. GEMM2
+    # sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone.
+    partial_width = gemm1_n_tiles * rank_block
+    down_in_gemm1 = decode_shrink and (
+        partial_width <= MAX_DOWN_PARTIALS * 16
+        or (pairs <= 32 and partial_width <= decode_down_partials_limit() * 16))
+    decode_overlap = decode_shrink and direct and decode_shrink_overlap(device)
+    down_gemv = split and direct and not down_in_gemm1
+    # Aligned batches: each GEMM streams its base weights while the moe_lora_a shrink launch before it
+    # (and the split-sum launch after that shrink, ``overlap_through_split_sum``) runs. At decode only
+    # GEMM2 has one (when the down shrink does not fit GEMM1's epilogue): the gate/up shrink rides in the
+    # alignment's launch.
+    shrink_launch_overlap = split and not direct and prefill_shrink_overlap(device)
+
+    max_padded = pairs * cfg.block_m if direct else max_padded_size(pairs, num_experts, cfg.block_m)
+    # Past decode, how the shrinks cover K: split (summed later), one pass, or a program per slot.
+    prefill_split, longest_k = split and not decode_shrink, max(hidden, intermediate)
+    one_pass = prefill_split and one_split_shrink(
+        pairs, rank_block, num_adapters, shrink_row_programs(max_padded, cfg.block_m), longest_k)
+    slot_programs = prefill_split and slot_program_shrink(num_adapters, longest_k, pairs, one_pass)
+    block_k = shrink_block_k(dtype)
+    if one_pass or slot_programs:  # one partial a pair either way
+        gate_up_splits = down_shrink_splits = 1
+    else:
+        gate_up_splits = shrink_k_splits(max_padded, cfg.block_m, hidden, block_k)
+        down_shrink_splits = shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k)
+    if decode_shrink:
+        gate_up_splits = decode_shrink_splits(pairs, hidden, decode_shrink_block_k(dtype))
+        if rows == 1:  # the same splits with or without the alignment: the same bits
+            gate_up_splits = one_token_shrink_splits(pairs, gate_up_splits, pairs * gemm1_n_tiles,
+                                                     sm_count(device))
+    if down_in_gemm1:
+        down_splits = gemm1_n_tiles
+    elif down_gemv:
+        down_splits = one_token_down_splits(pairs, intermediate, rank_block, decode_shrink_block_k(dtype))
+    else:
+        down_splits = down_shrink_splits
+
+    overlap_through_sum = overlap_through_split_sum(pairs, rank_block)
+    pack_gate_up = split and not decode_shrink and lora_ext_expand(
+        cfg.gemm1, gated=True, num_adapters=num_adapters, K=hidden, elem_bytes=elem_bytes)
+    reduce_gate_up = (split and not decode_shrink and not pack_gate_up
+                      and reduce_splits_pays(gate_up_splits, gemm1_n_tiles))
+    gate_up_overlap = (shrink_launch_overlap and not decode_shrink
+                       and (overlap_through_sum or not (reduce_gate_up or pack_gate_up)))
+    pack_down = reduce_down = down_overlap = False
+    if split and not down_in_gemm1 and not down_gemv:
+        pack_down = not decode_shrink and lora_ext_expand(
+            cfg.gemm2, gated=False, num_adapters=num_adapters, K=intermediate, elem_bytes=elem_bytes)
+        reduce_down = not decode_shrink and not pack_down and reduce_splits_pays(
+            down_splits, triton.cdiv(hidden, cfg.gemm2.block_n))
+        down_overlap = shrink_launch_overlap and (overlap_through_sum or not (reduce_down or pack_down))
+    return ChunkPlan(
+        config=cfg, direct=direct, decode_shrink=decode_shrink, decode_overlap=decode_overlap,
+        down_in_gemm1=down_in_gemm1, down_gemv=down_gemv, fused_sum=fused_sum, gate_up_splits=gate_up_splits,
+        down_splits=down_splits, slot_programs=slot_programs, pack_gate_up=pack_gate_up, pack_down=pack_down,
+        reduce_gate_up=reduce_gate_up, reduce_down=reduce_down, gate_up_overlap=gate_up_overlap,
+        down_overlap=down_overlap, gemm1_late_wait=decode_overlap or gate_up_overlap,
+        gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap, dependent_gemm2=dependent_gemm2,
+    )
 
 
 def _with_epilogue_shrink(operands: LoRAOperands, partials: torch.Tensor, *, pack: bool, reduce: bool,

@@ -528,8 +528,8 @@ def _fused_moe_kernel(
                 )
         else:
             # Wide ranks on big tiles: partials and B a slot and a rank chunk at a time, after the K-loop
-            # (few registers beside the accumulators: the grouped form spilled at 128x64, Qwen3-30B
-            # M=1024 GEMM1 251 -> 337 us on an H200).
+            # (few registers beside the accumulators: the grouped form spilled at 128x64 and was slower;
+            # docs/performance.md, 'Levers': slot groups on big tiles).
             slot = first_slot(row_slot, has_slot)
             while slot < (1 << 30):
                 in_slot = has_slot & (row_slot == slot)
@@ -658,10 +658,9 @@ def lora_register_cap(
     config: GemmConfig, *, gated: bool, lora_cols: int = 0, elem_bytes: int = 2
 ) -> int | None:
     """Registers a thread of a LoRA GEMM may use so that it keeps the blocks per SM its shared memory
-    allows (None: no cap). The epilogue's LoRA operands otherwise push prefill tiles over the line: Qwen3-30B
-    M=1024 GEMM1 128x64x64 x 8 warps, 96 KiB, base 118 registers (2 blocks per SM), with 4 rank-16
-    adapters 139 (1 block); capped at 128 it spills 8 bytes (sm_90, benchmarks/resource_report.py), and
-    on an H100 DeepSeek-V2-Lite M=1024 with 4 adapters went +43 % -> +21 %. ``lora_cols``: LoRA A columns
+    allows (None: no cap). The epilogue's LoRA operands otherwise push prefill tiles over the line (a
+    tile whose shared memory holds two blocks an SM drops to one), and a few spilled bytes under the cap
+    cost less than the lost block (docs/performance.md, 'Levers': register cap). ``lora_cols``: LoRA A columns
     the inline shrink stages beside the tiles (fused path). No cap under MIN_REGISTER_CAP, nor for decode
     tiles (BLOCK_M < 64: less than a wave, where occupancy does not matter).
     ``MOELORA_LORA_REGISTER_CAP=0`` turns the cap off (to compare)."""
@@ -678,11 +677,9 @@ def lora_register_cap(
 def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
     """Rank columns the split epilogue expands per dot. Small tiles (up to 32x128) take the whole rank tile
     (up to 64). Big ones keep their registers for the accumulators: 32 at a time from rank tile 64 on, 16
-    below it. H100, rank 64, 4 adapters, benchmarks/ab_env.py, 16 -> 32 columns on the big tiles: Mixtral
-    M=256 (GEMM1 128x64) 1393 -> 1293 us, M=1024 2303 -> 2259 us; Qwen3-30B M=1024 1083 -> 951 us, M=4096
-    1727 -> 1474 us; DeepSeek-V2-Lite M=1024 873 -> 856 us, M=4096 1834 -> 1517 us (fewer, wider dots:
-    each has its own layout round trip). On the 32x64 / 32x128 tiles of M=256, 64 -> 32 lost (Qwen3-30B
-    687 -> 726 us, DeepSeek-V2-Lite 611 -> 669 us), so those keep the whole tile. Rank tile 32 on big
+    below it; 32 rather than 16 at rank tile 64 since fewer, wider dots pay (each dot has its own layout
+    round trip). Small tiles lost with 32-column chunks, so they keep the whole rank tile
+    (docs/performance.md, 'Levers': 32-column rank chunks). Rank tile 32 on big
     tiles (16 wide) is not measured either way. ``MOELORA_LORA_CHUNK_R=16/32/64`` forces the width on
     every tile, capped at the rank tile (to compare)."""
     forced = os.environ.get("MOELORA_LORA_CHUNK_R", "")
@@ -708,22 +705,14 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, 
     (<= 32 rows), and for tiles whose shared memory already holds the GEMM to one block per SM (the
     epilogue is exposed there: nothing else on the SM runs during it) while their accumulators leave room:
     at most 32 registers a thread per accumulator for the gated GEMM1 (two accumulators, and gate and up
-    operands to prefetch), 128 for GEMM2. Measured A/B, rank 16, 1 and 4 adapters (``moelora bench``):
-    Mixtral M=256 on the H100 (GEMM1 128x64, 32 each) 1101 -> 1069 and 1203 -> 1128 us; DeepSeek-V2-Lite
-    M=4096 (GEMM2 128x256, 128) 1166 -> 1135 and 1231 -> 1181 us on the H200; but Mixtral M=256 on the H200
-    (GEMM1 128x128, 64 each) 815 -> 868 us, so not there. Not for 128-row tiles that fit two blocks
-    either: they lose one (Qwen3-30B M=1024 GEMM1 256 -> 328 us on an H200).
+    operands to prefetch), 128 for GEMM2: past those the prefetched operands crowd the accumulators and
+    it lost (a gated 128x128 tile). Not for 128-row tiles that fit two blocks either: they lose one.
     Nor for 16-row tiles past decode (``numel`` routed pairs over ``SINGLE_PROGRAM_MAX_PAIRS``) of a batch
     with more than ``PREFETCH_MAX_ADAPTERS_PAST_DECODE`` adapters at rank tile 16: a block there holds rows of
     several adapters, the prefetch covers the first slot's operands only and holds them through the
-    K-loop, and the GEMM waits for its shrink after the loop anyway. H100, interleaved A/B
-    (``benchmarks/ab_env.py``, 3 rounds), M=64, rank 16, 4 adapters, prefetch on -> off: Qwen3-30B-A3B +10.7
-    -> +9.8 %, DeepSeek-V2-Lite +9.2 -> +8.6 %, DeepSeek-V2 +5.3 -> +4.8 %, DeepSeek-V3 +3.1 -> +2.9 %; but
-    one adapter lost (0.4-1.3 %), M=16 (decode, 4 adapters) lost 1.0-2.3 %, rank 64 went both ways
-    (DeepSeek-V2-Lite +28.9 -> +30.4 %, DeepSeek-V3 +10.9 -> +10.0 %) and Mixtral-8x7B's 32-row tiles at
-    M=64 lost (+4.1 -> +4.7 %). H200, the rule against the old (``=1``), 4 / 8 adapters: Qwen3-30B-A3B +13.7 /
-    +17.0 % vs +14.8 / +18.3 %, DeepSeek-V3 +3.1 / +3.7 % vs +4.7 / +5.4 %, DeepSeek-V2 0.2-0.3 points better,
-    but DeepSeek-V2-Lite +14.3 / +18.3 % vs +13.5 / +18.1 % (the one loss).
+    K-loop, and the GEMM waits for its shrink after the loop anyway. Dropping it lost with one adapter,
+    at decode and on 32-row tiles, and went both ways at rank 64, hence the bounds (docs/performance.md,
+    'Levers': epilogue prefetch, and no prefetch on 16-row tiles with several adapters).
     ``MOELORA_LORA_PREFETCH=0`` turns every prefetch off, ``MOELORA_LORA_PREFETCH=small`` keeps only the
     small tiles', ``MOELORA_LORA_PREFETCH=1`` keeps the 16-row tiles' for any adapter count (to compare on
     a GPU)."""
@@ -745,16 +734,15 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, 
 
 
 # Slot groups on 128x64 tiles and up, where stacked slots beside the accumulators spill: two for the
-# single-accumulator GEMM2 (Qwen3-30B M=1024 4 adapters 181 -> 175 us, Mixtral 718 -> 691 us), one for
-# the gated GEMM1 (Qwen3-30B 277 -> 366 us with two); H200, benchmarks/micro_lora.py.
+# single-accumulator GEMM2, one for the gated GEMM1, whose two accumulators leave no room for a second
+# (docs/performance.md, 'Levers': slot groups on big tiles).
 BIG_TILE = 128 * 64
 BIG_TILE_SLOT_GROUP = 2
 BIG_TILE_SLOT_GROUP_GATED = 1
 # ... and one for GEMM2 too once its K-loop is long: the prefetched group's operands stay live through
 # the loop (tile at 255 registers), so their cost grows with K while the epilogue latency they hide does
-# not. H100, 4 rank-16 adapters, layer times interleaved with the base: Mixtral-8x7B M=4096 (K 14336)
-# +15.3 -> +12.2 % with one; DeepSeek-V3 (K 2048) +10.3 -> +11.6 % and DeepSeek-V2 (K 1536) +17.9 ->
-# +20.9 % lost with one.
+# not: one pays on Mixtral-8x7B's K 14336 and loses on short K (docs/performance.md, 'Levers': one slot a
+# group on long K).
 LONG_K_SLOT_GROUP_MIN_K = 8192
 BIG_TILE_SLOT_GROUP_LONG_K = 1
 # Slots per round of lora_expand_unrolled (lora_unroll_slots).
@@ -795,11 +783,8 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, group: int, prefetch: 
     1), do not prefetch, and that shared memory holds to one block per SM: there nothing else on the SM
     hides the epilogue, so loading every row's partials once, before the first dot, pays. Rounds of one
     slot (``UNROLL_MAX_SLOTS``): more B tiles loaded together cost the K-loop more registers than the
-    latency they save. H100, 4 rank-16 adapters, layer times interleaved with the base (rounds of 4 ->
-    1): Mixtral-8x7B M=4096 (GEMM1 128x128) +11.7 -> +8.0 % (with GEMM2's one-slot groups,
-    ``LONG_K_SLOT_GROUP_MIN_K``), DeepSeek-V2 M=4096 +19.4 -> +17.6 %, DeepSeek-V3 M=4096 the same. Off
-    on two-block tiles, where they lost: DeepSeek-V2-Lite M=4096 (GEMM1 128x64, 4 warps) 1273 -> 1321
-    us, Mixtral M=1024 (GEMM1 128x64 capped at 128 registers: 8 -> 48 spilled bytes) 2199 -> 2449 us.
+    latency they save. Off on two-block tiles, where the other block hides the epilogue and the rounds'
+    registers (spills under the register cap) lost (docs/performance.md, 'Levers': one slot per round).
     ``MOELORA_LORA_UNROLL=0`` turns it off, ``=N`` forces N slots per round wherever ``group`` is 1
     outside the prefetch (to compare)."""
     if prefetch or group > 1:
@@ -819,13 +804,12 @@ def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, 
     load is used before the K-loop, so the weights stream at once (the prefetch, ``lora_prefetch_pays``,
     otherwise waits on the slot, then on its rank, before the loop). Where it prefetches, and:
     - with ``late_wait`` (the GEMM runs beside the shrink launch it waits for after its K-loop), only
-      while its grid is one program per SM: with more, their K-loops starting at once slowed that shrink
-      (DeepSeek-V3 GEMM1, 256 programs: shrink 22 -> 37 us, GEMM1 147 -> 164 us, layer +4.8 -> +14.8 %;
-      its rank-64 GEMM2, 448 programs beside the down GEMV, +7.3 -> +10.0 %);
+      while its grid is one program per SM: with more, their K-loops starting at once slowed that shrink,
+      and the GEMM waiting for it;
     - without, only if the partials are one chunk of splits (held raw through the loop, then summed):
-      DeepSeek-V3's 32 down partials, two chunks, lost 2 % in GEMM2.
-    H100, M=1, rank 16, interleaved A/B (benchmarks/ab_env.py), off -> on: DeepSeek-V2-Lite +14.4 ->
-    +12.7 %, Qwen3-30B-A3B +15.8 -> +12.8 %. ``MOELORA_ONE_ROW_LORA=0`` turns it off (to compare)."""
+      with two chunks it lost in GEMM2.
+    (docs/performance.md, 'Levers': one-row LoRA prologue.) ``MOELORA_ONE_ROW_LORA=0`` turns it off (to
+    compare)."""
     if not (direct and prefetch) or not env_switch("MOELORA_ONE_ROW_LORA", default=True):
         return False
     if late_wait:
@@ -839,13 +823,8 @@ def defer_lora_prologue(*, late_wait: bool, splits: int, split_chunk: int, rank_
     splits, are summed and scaled after it, and the B tiles load under the slots' presence and take the
     rank mask after it; the values are the same, so the bits are. Not with ``late_wait`` (the partials
     are read after the loop anyway): there the rank mask alone moved out lost; and only at rank tile 16,
-    where the raw partials held through the loop are a quarter of rank 64's. H100, 4 adapters,
-    interleaved A/B (benchmarks/ab_env.py, one run), not deferred -> deferred, rank 16: M=16
-    DeepSeek-V2-Lite +6.8 -> +6.2 %, Mixtral +4.1 -> +3.6 %; M=64 (after the split sums, one split)
-    DeepSeek-V2-Lite +11.8 -> +10.7 %, Qwen3-30B-A3B +13.5 -> +12.6 %; Mixtral M=256 +8.4 -> +7.3 %; every
-    other point of M 16/64/256, rank 16/64 within 0.2 %. Earlier forms that lost: the rank mask alone
-    moved out while waiting late (M=256 rank 16 DeepSeek-V2-Lite +11.3 -> +13.0 %, Qwen3-30B-A3B +15.0 ->
-    +15.8 %), and rank 64 (M=16 DeepSeek-V2-Lite +16.8 -> +19.3 %).
+    where the raw partials held through the loop are a quarter of rank 64's (at rank 64 deferring lost;
+    docs/performance.md, 'Levers': deferred prologue).
     ``MOELORA_LORA_DEFER=0`` turns it off (to compare)."""
     if not env_switch("MOELORA_LORA_DEFER", default=True):
         return False
@@ -858,19 +837,13 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
     split sum, the slot scaling and the rounding done once per pair, in the launch that would sum the
     splits) and expands in a K-loop of its own over the block's slot range, slots side by side
     (``lora_expand_slot_range``), instead of finding each slot of the block and loading and summing its
-    fp32 partials before a dot per slot (``lora_expand_groups``, whose stacked operand spills: 304 bytes
-    on DeepSeek-V2-Lite's M=1024 GEMM2, none here; ``benchmarks/resource_report.py``).
+    fp32 partials before a dot per slot (``lora_expand_groups``, whose stacked operand spills; this form
+    does not: ``benchmarks/resource_report.py``).
     GEMM2 only, on tiles of 64 rows and up that shared memory lets two blocks share an SM, with a K-loop
-    shorter than ``LONG_K_SLOT_GROUP_MIN_K``, for batches of two adapters and more. H100, 4 adapters,
-    interleaved A/B (``benchmarks/ab_env.py``), without -> with: DeepSeek-V2-Lite M=1024 (GEMM2 128x128)
-    rank 16 +19.3 -> +18.1 %, rank 64 +70.2 -> +65.9 % (+68.3 % while the launch took the packed shrink
-    for an inline one and left the register cap off: 173 registers, one block an SM); DeepSeek-V2 M=1024
-    (64x128) rank 64 +24.3 -> +23.2 %, rank 16 the same; H200, DeepSeek-V2 M=1024 (default tiles) rank
-    64 +33.4 -> +29.8 %. Mixtral-8x7B's GEMM2 (K 14336) lost on the H200 (M=1024, 128x128: rank 64 +19.1
-    -> +25.7 %, rank 16 +7.3 -> +7.9 %), hence the K bound. GEMM1 lost wherever it took it too (rank 16:
-    Qwen3-30B-A3B M=1024 +17.5 -> +18.8 %, M=4096 +21.3 -> +26.9 %, Mixtral-8x7B M=1024 +7.7 -> +10.9 %,
-    DeepSeek-V2-Lite M=4096 +13.0 -> +16.8 %; rank 64 up to 30 points), as did GEMM2 tiles that hold one
-    block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills).
+    shorter than ``LONG_K_SLOT_GROUP_MIN_K``, for batches of two adapters and more. Mixtral-8x7B's GEMM2
+    (K 14336) lost, hence the K bound; GEMM1 lost wherever it took it, as did GEMM2 tiles that hold one
+    block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills) (docs/performance.md,
+    'Levers': slot-range expand).
     ``MOELORA_LORA_EXT=0`` / ``=1`` forces either on every aligned GEMM, ``=gemm1`` / ``=gemm2`` forces it on
     that GEMM and leaves the other to the rule (to compare)."""
     forced = os.environ.get("MOELORA_LORA_EXT", "")
@@ -887,8 +860,8 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
 def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
     """Stacked columns per dot of the slot-range expand: two rank-16 slots, one slot from rank tile 32
     on, and no more slots than the batch has adapters (0: unknown). Four rank-16 slots a dot spilled on
-    128x64 / 128x128 tiles (256 / 288 bytes) and lost: DeepSeek-V2-Lite M=1024, 4 adapters, +53 %
-    against +19 % without the slot-range expand; two: +16.5 %. ``MOELORA_LORA_EXT_SLOTS=N`` sets the
+    128x64 / 128x128 tiles and lost to no slot-range expand at all (docs/performance.md, 'Levers':
+    slot-range expand). ``MOELORA_LORA_EXT_SLOTS=N`` sets the
     slots a dot (to compare)."""
     forced = env_count("MOELORA_LORA_EXT_SLOTS", "slot count")
     slots = max(1, forced) if forced is not None else max(1, 32 // rank_block)
@@ -908,11 +881,9 @@ def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2)
     """Whether the split epilogue's rank chunks (``lora_rank_chunk``) branch around those past a slot's
     real rank (``lora_expand_from_partials``; measured with 16-column chunks). Not on tiles that shared
     memory holds to one block per SM: there the epilogue is exposed, and straight-line chunks (masked
-    past the rank: no bytes, a few idle MMAs) wait on their loads together. H100, rank 64, 4 adapters,
-    benchmarks/ab_env.py, with -> without the branches: Mixtral M=256 (GEMM1 128x64x128, one block) 1841
-    -> 1661 us, M=4096 6744 -> 6686 us, Qwen3-30B M=4096 1705 -> 1664 us (GEMM2 128x256, one block), but
-    DeepSeek-V2 M=4096 (both GEMMs one block) 5714 -> 5791 us; and on two-block tiles DeepSeek-V2 M=1024
-    (64x64) 3742 -> 3849 us. ``MOELORA_LORA_RANK_SKIP=1`` / ``=0`` forces either (to compare)."""
+    past the rank: no bytes, a few idle MMAs) wait on their loads together. Where the epilogue is not
+    exposed (two-block tiles) straight-line chunks lost (docs/performance.md, 'Levers': straight-line rank
+    chunks). ``MOELORA_LORA_RANK_SKIP=1`` / ``=0`` forces either (to compare)."""
     forced = os.environ.get("MOELORA_LORA_RANK_SKIP", "")
     if forced:
         return forced != "0"
@@ -1135,9 +1106,10 @@ def invoke_fused_moe_kernel(
 
 def _fits_one_wave(programs: int, device: torch.device) -> bool:
     """At most one program per SM: then a kernel variant that needs a little more shared memory (the
-    down-A prefetch: +2 KiB at 16x64 tiles) cannot cost a wave. Past it, it can: DeepSeek-V2 M=1 on an
-    H200 (16x64x128 x 4 stages, 144 programs) went 112 -> 114 KiB, one block per SM instead of two, and
-    GEMM1+GEMM2 with LoRA 108.5 -> 117.1 us. CPU tensors (the interpreter) take the prefetch."""
+    down-A prefetch: +2 KiB at 16x64 tiles) cannot cost a wave. Past it, it can: DeepSeek-V2 M=1's
+    16x64x128 x 4-stage tiles (144 programs) went 112 -> 114 KiB, one block per SM instead of two, and the
+    GEMMs slowed (docs/performance.md, 'Levers': one-row LoRA prologue). CPU tensors (the interpreter)
+    take the prefetch."""
     if device.type != "cuda":
         return True
     return programs <= sm_count(device)

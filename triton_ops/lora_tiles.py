@@ -208,7 +208,7 @@ def lora_expand_from_partials(
     """Expand from split-K shrink partials kept in memory, CHUNK_R rank columns at a time: few live
     registers beside the accumulators. With SKIP_PAST_RANK, chunks past the slot's real rank are
     branched around; without, every chunk runs (masked: no bytes past the rank, a few idle MMAs), so
-    the chunks' loads form one straight-line block the compiler may issue together."""
+    the chunks' loads form one straight-line block the compiler may schedule together."""
     # Without SKIP_PAST_RANK the bound is a constant, so the test below is resolved at compile time.
     bound = rank if SKIP_PAST_RANK else LORA_R
     for r0 in tl.static_range(0, LORA_R, CHUNK_R):
@@ -488,7 +488,7 @@ def lora_load_slot_b(
 ):
     """(LORA_R, BLOCK_N) B^T tile of one slot, rank rows past its rank not loaded. ``load_group_b`` with
     GROUP=1 loads the same tile, but through a vector of slots and ranks: in the unrolled rounds that
-    spilled more (Qwen3-30B M=1024 GEMM1 at 4 slots a round, 48 -> 64 bytes, resource_report.py)."""
+    spilled more (benchmarks/resource_report.py; docs/performance.md, 'Levers': one slot per round)."""
     present = slot < (1 << 30)
     safe = tl.where(present, slot, 0)
     rank = tl.where(present, tl.load(slot_ranks_ptr + safe), 0)

@@ -293,17 +293,16 @@ def _moe_lora_down_combine_kernel(
 
 def shrink_block_m(block_m: int) -> int:
     """Rows per shrink program: a slice of an alignment block (more programs, fewer registers). 64 at
-    prefill: each program then reads its A tiles for twice the rows (1.8x faster than 32 for Qwen3-30B
-    M=1024 on an H200, benchmarks/micro_lora.py)."""
+    prefill: each program then reads its A tiles for twice the rows, which beat 32 (docs/performance.md,
+    'Levers': 64-row shrink programs)."""
     return min(block_m, 64)
 
 
 def shrink_block_k(dtype: torch.dtype, slot_group: int = 1) -> int:
     """K tile of the shrink: 128 for 16-bit inputs (fewer, fuller iterations), 32 for fp32; 64 when
     several slots sit side by side in the A tile (each iteration then loads slot_group A tiles, and at
-    128 the stages of a 64-row program fill the SM's shared memory alone). H100, 4 rank-16 adapters,
-    benchmarks/micro_lora.py sweep: Qwen3-30B M=1024 gate/up 44.4 -> 41.1 us, down 30.8 -> 19.1 us;
-    DeepSeek-V2-Lite M=1024 gate/up 42.2 -> 26.4 us."""
+    128 the stages of a 64-row program fill the SM's shared memory alone; docs/performance.md, 'Levers':
+    shrink K tile 64 with several slots)."""
     if dtype == torch.float32:
         return 32
     return 64 if slot_group > 1 else 128

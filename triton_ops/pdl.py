@@ -77,12 +77,7 @@ def prefill_shrink_overlap(device: torch.device) -> bool:
     it only before its epilogue (through a split-sum launch after the shrink only where
     ``fused_experts.overlap_through_split_sum`` says so: enough routed pairs or a wide rank tile). The
     shrinks read the LoRA A weights and re-read x or h: memory-bound work that the GEMMs' K-loops leave
-    room for.
-    H100, interleaved A/B (``benchmarks/ab_env.py``), off -> on, LoRA layer overhead over the base:
-    rank 16, 4 adapters: Qwen3-30B-A3B M=1024 +23.0 -> +17.1 %, M=4096 +25.9 -> +23.0 %; DeepSeek-V2-Lite
-    M=1024 +21.0 -> +19.1 %, M=4096 +15.7 -> +13.2 %; DeepSeek-V2 M=4096 +18.1 -> +14.1 %; Mixtral-8x7B
-    M=4096 +11.7 -> +9.4 %; rank 64, 4 adapters: Qwen3-30B-A3B M=1024 +89.4 -> +79.0 %, DeepSeek-V2-Lite
-    M=1024 +81.6 -> +70.6 %. Elsewhere within 0.5 % (DeepSeek-V3 M=4096 +0.4 %, in a spread of 10 %).
+    room for (docs/performance.md, 'Levers': GEMMs overlap prefill shrinks).
     On by default where dependent launch exists; ``MOELORA_PREFILL_SHRINK_OVERLAP=0`` turns it off."""
     return env_switch("MOELORA_PREFILL_SHRINK_OVERLAP", default=True) and dependent_launch_supported(device)
 
@@ -90,15 +85,10 @@ def prefill_shrink_overlap(device: torch.device) -> bool:
 def one_token_dependent_gemm2(device: torch.device) -> bool:
     """Whether one decode token's GEMM2 with adapters is launched dependently (waiting for GEMM1 as its
     first instruction, ``invoke_fused_moe_kernel(dependent=True)``), so its launch is not a gap after
-    GEMM1 ends. Same bits as the plain launch (GPU test over graph replays). H100, interleaved A/B
-    (``benchmarks/ab_env.py``, 3 rounds), M=1, off -> on, time on / off, 1 / 4 adapters: rank 16
-    DeepSeek-V2-Lite 0.991 / 0.987 (+13.3 -> +12.2 %), Qwen3-30B-A3B 0.987 / 0.991 (+9.4 -> +8.0 %),
-    DeepSeek-V2 0.996 / 0.994, DeepSeek-V3 and Mixtral-8x7B 0.999-1.000; rank 64 0.988-1.000. H200 the same:
-    rank 16 DeepSeek-V2-Lite 0.983 / 0.985, Qwen3-30B-A3B 0.978 / 0.990, DeepSeek-V2 0.990 / 0.997,
-    DeepSeek-V3 and Mixtral-8x7B 0.999-1.001; rank 64 0.978-1.006 (DeepSeek-V2-Lite, one adapter).
-    It is part of what ``MOELORA_PDL=1`` gains for the LoRA layer (M=1 rank 16, that switch on: H100
-    0.978-1.001, H200 0.974-1.000), which for the base layer went both ways (M=1: H100 DeepSeek-V2-Lite
-    1.015, Qwen3-30B-A3B 0.981, Mixtral-8x7B 1.017; H200 0.986, 1.016, 1.000), so that switch stays off.
+    GEMM1 ends. Same bits as the plain launch (GPU test over graph replays). The gap weighs most where the
+    decode layer is shortest (the small models). It is part of what ``MOELORA_PDL=1`` gains for the LoRA
+    layer, which for the base layer went both ways, so that switch stays off (docs/performance.md,
+    'Levers': GEMM2 dependent on GEMM1, every launch dependent).
     On by default where dependent launch exists; ``MOELORA_ONE_TOKEN_DEPENDENT_GEMM2=0`` turns it off."""
     return (env_switch("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", default=True)
             and dependent_launch_supported(device))

@@ -194,7 +194,8 @@ def _row_launch(partials: torch.Tensor, release_next: bool) -> tuple[tuple[int],
 
 
 # About two programs per SM: the kernel is a few dependent loads long, so its time is how many bytes
-# each program has in flight. With 64-row programs (16 for Mixtral-8x7B M=256) it took 21.7 us on an H100.
+# each program has in flight, and few big programs (Mixtral-8x7B M=256 has 16 of 64 rows) leave the GPU
+# mostly idle (docs/performance.md, 'Levers': split-K partials summed once).
 REDUCE_TARGET_PROGRAMS = 256
 
 
@@ -216,11 +217,9 @@ def reduce_splits_pays(splits: int, consumer_n_tiles: int) -> bool:
     consumer program: each of the ``consumer_n_tiles`` GEMM programs of a block re-reads ``splits``
     partials of its rows. ``MOELORA_LORA_REDUCE_SPLITS=1`` / ``=0`` forces either (to compare).
 
-    H100, interleaved A/B (benchmarks/ab_env.py), summed once vs per tile, LoRA layer time:
-    Mixtral-8x7B (224 GEMM1 tiles, 6-8 splits) M=256 rank 64 4 adapters 1659 -> 1420 us, M=1024 rank 16
-    4 adapters 2203 -> 2045 us; DeepSeek-V2-Lite M=64 rank 16 (44 tiles, 4 splits) 470 -> 448 us;
-    Qwen3-30B M=64 rank 16 (24-32 tiles, 2 splits) 507 -> 485 us. Where few tiles re-read few partials
-    it is a wash either way (Qwen3-30B M=256, 12-16 tiles: +-1.3 %), hence the threshold."""
+    It pays where many N tiles re-read several partials (Mixtral-8x7B's 224 GEMM1 tiles); where few
+    tiles re-read few partials it is a wash either way, hence the threshold (docs/performance.md,
+    'Levers': split-K partials summed once)."""
     forced = os.environ.get("MOELORA_LORA_REDUCE_SPLITS", "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"MOELORA_LORA_REDUCE_SPLITS must be 0 or 1, got {forced!r}")
