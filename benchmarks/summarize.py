@@ -1,11 +1,12 @@
-"""Summary of the issue-6 targets from the ``moelora bench`` JSON files of one device run.
+"""Summary of the performance targets from the ``moelora bench`` JSON files of one device run.
 
     python benchmarks/summarize.py --device NVIDIA_H200 > benchmarks/results/summary_NVIDIA_H200.md
 
-Reads benchmarks/results/bench_{lora,mixed,pool64,pool8}_<device>.json (written by the commands in the
-README) and prints markdown: LoRA overhead of the auto path (worst of the adapter counts) per model and
-M for each rank, base bandwidth/throughput, 8 mixed adapters vs 1, and a small adapter in a big pool; with
-the byte floor (overhead) or ceiling (mixed ratio) that streaming the LoRA weights alone sets.
+Reads benchmarks/results/bench_{lora,mixed,pool64,pool8}_<device>.json (written by the commands in
+docs/performance.md, "Reproduce") and prints markdown: LoRA overhead of the auto path (worst of the adapter
+counts) per model and M for each rank, base bandwidth/throughput, 8 mixed adapters vs 1, and a small adapter
+in a big pool; with the byte floor (overhead) or ceiling (mixed ratio) that streaming the LoRA weights
+alone sets.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def main() -> None:
     lora, mixed = load("lora", args.device), load("mixed", args.device)
     pool64, pool8 = load("pool64", args.device), load("pool8", args.device)
     device = lora[0]["device"] if lora else args.device
-    lines = [f"# Issue-6 targets on {device}", ""]
+    lines = [f"# Performance targets on {device}", ""]
     if lora:
         lines += ["## LoRA overhead t(base+LoRA)/t(base) - 1", ""]
         lines += overhead_table(lora, {16: 0.10, 64: 0.20})
