@@ -660,17 +660,14 @@ def test_aligned_decode_down_overlap_plan(monkeypatch, overlap):
     assert rel_err(out, ref) <= TOL[F32]
 
 
-# M=1: the one-row prologue; M=7 top-6 (42 pairs): the aligned decode's prefetch; M=23 top-6 (138 pairs):
-# past decode, shrink launches and the small-tile prefetch. Each with the prefetch's uses deferred past
-# the K-loop (the default where the partials are one chunk, ``defer_lora_prologue``) and not.
+# M=1: the one-row prologue (its rank masks apply after the K-loop); M=7 top-6 (42 pairs): the aligned
+# decode's prefetch; M=23 top-6 (138 pairs): past decode, shrink launches and the small-tile prefetch.
 @pytest.mark.parametrize("m", [1, 7, 23])
-@pytest.mark.parametrize("defer", ["1", "0"])
 @interpreter
-def test_lora_nan_past_rank_never_read(monkeypatch, m, defer):
+def test_lora_nan_past_rank_never_read(m):
     """A pool's rank rows and columns past each slot's real rank (and an idle slot) may hold anything (a
     user's buffers need not be zeroed there): NaN in them must not reach the output, whichever prologue
     loads the B tiles and whenever the rank masks apply."""
-    monkeypatch.setenv("MOELORA_LORA_DEFER", defer)
     num_experts, top_k, hidden, inter = 9, 6, 48, 40
     x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=m)
     lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=m, ranks=(8, 16))

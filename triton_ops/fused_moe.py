@@ -55,7 +55,6 @@ from triton_ops.lora_tiles import (
     _dot,
     first_slot,
     load_group_b,
-    load_group_ranks,
     load_raw_partials,
     load_scaled_gate_up_partials,
     load_shrink_partials,
@@ -182,7 +181,6 @@ def _fused_moe_kernel(
     LORA_UNROLL: tl.constexpr,
     LORA_SKIP_PAST_RANK: tl.constexpr,
     ONE_ROW: tl.constexpr,
-    LORA_DEFER: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -329,15 +327,7 @@ def _fused_moe_kernel(
                 # Everything the epilogue reads for the block's first slot group is loaded before the
                 # K-loop, so its latency hides behind the loop instead of following it in every tile
                 # (the partials only once they are written: after the late wait).
-                if not LATE_WAIT and LORA_DEFER:
-                    # Summed and scaled after the K-loop (one chunk: ``defer_lora_prologue``).
-                    gate_parts = load_raw_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
-                                                   SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
-                    up_parts = gate_parts
-                    if ACTIVATION != 0:
-                        up_parts = load_raw_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss,
-                                                     has_slot, SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
-                elif not LATE_WAIT:
+                if not LATE_WAIT:
                     pre_gate, pre_up = load_scaled_gate_up_partials(
                         shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling,
                         GATED=ACTIVATION != 0, SPLITS=LORA_SPLITS, LORA_R=LORA_R,
@@ -345,30 +335,23 @@ def _fused_moe_kernel(
                 slot0 = first_slot(row_slot, has_slot)
                 col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
                                                                 LORA_R=LORA_R)
-                if LORA_DEFER:  # the columns' ranks, loaded here, mask the tiles after the K-loop
-                    col_rank0 = load_group_ranks(col_slot0, slot_ranks_ptr)
                 b0_gate = load_group_b(lora_b_ptr, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
                                        stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R,
-                                       GROUP=LORA_GROUP, RANK_MASK_LATER=LORA_DEFER)
+                                       GROUP=LORA_GROUP)
                 b0_up = b0_gate
                 if ACTIVATION != 0:
                     b0_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot0, expert, offs_n, col_valid,
                                          slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                                         LORA_R=LORA_R, GROUP=LORA_GROUP, RANK_MASK_LATER=LORA_DEFER)
+                                         LORA_R=LORA_R, GROUP=LORA_GROUP)
                 if DOWN_PREFETCH:
                     # The down shrink's A tile for the first slot too: the epilogue's last dependent load.
                     has0 = slot0 < (1 << 30)
                     slot0_safe = tl.where(has0, slot0, 0)
                     rank0 = tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe), 0)
-                    if LORA_DEFER:  # the rank masks it after the K-loop
-                        da0_mask = col_valid[:, None] & ((tl.zeros((LORA_R,), dtype=tl.int32) + slot0)
-                                                         < (1 << 30))[None, :]
-                    else:
-                        da0_mask = col_valid[:, None] & (offs_r < rank0)[None, :]
                     da0 = tl.load(
                         down_a_ptr + tl.cast(slot0_safe, tl.int64) * stride_da_l + expert * stride_da_e
                         + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
-                        mask=da0_mask, other=0.0)
+                        mask=col_valid[:, None] & (offs_r < rank0)[None, :], other=0.0)
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
@@ -473,14 +456,6 @@ def _fused_moe_kernel(
                 pre_gate, pre_up = load_scaled_gate_up_partials(
                     shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=ACTIVATION != 0,
                     SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
-            elif LORA_DEFER:  # load_scaled_gate_up_partials' values, from the loads made before the K-loop
-                pre_gate = sum_raw_partials(gate_parts) * row_scaling[:, None]
-                pre_up = pre_gate
-                if ACTIVATION != 0:
-                    pre_up = sum_raw_partials(up_parts) * row_scaling[:, None]
-            if LORA_DEFER:
-                b0_gate = mask_group_ranks(b0_gate, col_rank0, LORA_R=LORA_R)
-                b0_up = mask_group_ranks(b0_up, col_rank0, LORA_R=LORA_R)
             if slot0 < (1 << 30):
                 acc = _dot(
                     spread_to_group(pre_gate, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_gate.dtype),
@@ -576,8 +551,6 @@ def _fused_moe_kernel(
                 # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
                 if not DOWN_PREFETCH:
                     da0 = tl.zeros((BLOCK_N, LORA_R), dtype=c_ptr.dtype.element_ty)
-                elif LORA_DEFER:
-                    da0 = tl.where((offs_r < rank0)[None, :], da0, 0.0)
                 lora_store_down_partials(
                     acc.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid,
                     pid_n, down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, da0, stride_da_l, stride_da_e,
@@ -815,20 +788,6 @@ def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, 
     if late_wait:
         return _fits_one_wave(programs, device)
     return splits <= split_chunk
-
-
-def defer_lora_prologue(*, late_wait: bool, splits: int, split_chunk: int, rank_block: int) -> bool:
-    """Whether the general epilogue prefetch (``lora_prefetch_pays``, past ``one_row_lora``) leaves every
-    use of what it loads to after the K-loop: the shrink partials, read before the loop, one chunk of
-    splits, are summed and scaled after it, and the B tiles load under the slots' presence and take the
-    rank mask after it; the values are the same, so the bits are. Not with ``late_wait`` (the partials
-    are read after the loop anyway): there the rank mask alone moved out lost; and only at rank tile 16,
-    where the raw partials held through the loop are a quarter of rank 64's (at rank 64 deferring lost;
-    docs/performance.md, 'Levers': deferred prologue).
-    ``MOELORA_LORA_DEFER=0`` turns it off (to compare)."""
-    if not env_switch("MOELORA_LORA_DEFER", default=True):
-        return False
-    return not late_wait and splits <= split_chunk and rank_block <= 16
 
 
 def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: int,
@@ -1074,8 +1033,6 @@ def invoke_fused_moe_kernel(
         LORA_SKIP_PAST_RANK=lora is not None and lora_skip_past_rank(config, gated=gated,
                                                                      elem_bytes=a.element_size()),
         ONE_ROW=one_row,
-        LORA_DEFER=prefetch and not one_row and defer_lora_prologue(
-            late_wait=late_wait, splits=lora_splits, split_chunk=split_chunk, rank_block=lora.rank_block),
         DOWN_SHRINK=down_shrink,
         DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
