@@ -200,7 +200,6 @@ def _fused_moe_kernel(
     LATE_WAIT: tl.constexpr = False,
     LORA_EXT: tl.constexpr = False,
     LORA_EXT_K: tl.constexpr = 16,
-    LORA_EXT_STAGES: tl.constexpr = 1,
 ):
     # LATE_WAIT: launched dependently after a kernel that writes only the LoRA shrink partials, which the
     # epilogue alone reads: the base K-loop runs first, the wait comes after it.
@@ -441,14 +440,14 @@ def _fused_moe_kernel(
             acc = lora_expand_slot_range(
                 acc, shrunk_rows, 0, row_slot, has_slot, slot_lo, slot_hi, lora_b_ptr, expert, offs_n,
                 col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K, EXT_STAGES=LORA_EXT_STAGES,
+                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
             )
             if ACTIVATION != 0:
                 acc_up = lora_expand_slot_range(
                     acc_up, shrunk_rows, LORA_R, row_slot, has_slot, slot_lo, slot_hi,
                     lora_b_ptr + N * stride_lb_n, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
                     stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                    EXT_K=LORA_EXT_K, EXT_STAGES=LORA_EXT_STAGES,
+                    EXT_K=LORA_EXT_K,
                 )
         # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
         elif LORA_PREFETCH:
@@ -480,9 +479,9 @@ def _fused_moe_kernel(
                 offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
                 GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
             )
-        elif LORA_UNROLL > 0:
-            # Big tiles, one rank chunk: every row's partials in one load, then rounds of LORA_UNROLL
-            # slots whose B tiles load together; gate, then up (both shrinks at once spilled at 128x64).
+        elif LORA_UNROLL:
+            # One-block tiles, one rank chunk: every row's partials in one load, then a dot per slot;
+            # gate, then up (both shrinks at once spilled at 128x64).
             slot = first_slot(row_slot, has_slot)
             u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
                                      SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
@@ -490,7 +489,6 @@ def _fused_moe_kernel(
             acc = lora_expand_unrolled(
                 acc, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, slot_ranks_ptr,
                 stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                SLOTS=LORA_UNROLL,
             )
             if ACTIVATION != 0:
                 u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
@@ -499,7 +497,7 @@ def _fused_moe_kernel(
                 acc_up = lora_expand_unrolled(
                     acc_up, u, row_slot, has_slot, slot, lora_b_ptr + N * stride_lb_n, expert, offs_n,
                     col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, SLOTS=LORA_UNROLL,
+                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
                 )
         else:
             # Wide ranks on big tiles: partials and B a slot and a rank chunk at a time, after the K-loop
@@ -718,8 +716,6 @@ BIG_TILE_SLOT_GROUP_GATED = 1
 # group on long K).
 LONG_K_SLOT_GROUP_MIN_K = 8192
 BIG_TILE_SLOT_GROUP_LONG_K = 1
-# Slots per round of lora_expand_unrolled (lora_unroll_slots).
-UNROLL_MAX_SLOTS = 1
 
 
 def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
@@ -750,24 +746,20 @@ def lora_tile_slot_group(config: GemmConfig, rank_block: int, num_adapters: int,
 
 
 def lora_unroll_slots(config: GemmConfig, *, gated: bool, group: int, prefetch: bool,
-                      elem_bytes: int = 2) -> int:
-    """Slots per round of the split epilogue's unrolled expand (``lora_expand_unrolled``; 0: one slot
-    at a time, partials and B reloaded per slot). Only on tiles that expand one slot per dot (``group``
-    1), do not prefetch, and that shared memory holds to one block per SM: there nothing else on the SM
-    hides the epilogue, so loading every row's partials once, before the first dot, pays. Rounds of one
-    slot (``UNROLL_MAX_SLOTS``): more B tiles loaded together cost the K-loop more registers than the
-    latency they save. Off on two-block tiles, where the other block hides the epilogue and the rounds'
-    registers (spills under the register cap) lost (docs/performance.md, 'Levers': one slot per round).
-    ``MOELORA_LORA_UNROLL=0`` turns it off, ``=N`` forces N slots per round wherever ``group`` is 1
-    outside the prefetch (to compare)."""
+                      elem_bytes: int = 2) -> bool:
+    """Whether the split epilogue loads every row's partials once, before its first dot, and then expands
+    slot by slot (``lora_expand_unrolled``) instead of reloading partials and B per slot and rank chunk.
+    Only on tiles that expand one slot per dot (``group`` 1), do not prefetch, and that shared memory
+    holds to one block per SM: there nothing else on the SM hides the epilogue. Off on two-block tiles,
+    where the other block hides the epilogue and the extra registers (spills under the register cap) lost;
+    loading several slots' B tiles per round cost the K-loop more registers than the latency it saved
+    (docs/performance.md, 'Levers': one slot per round). ``MOELORA_LORA_UNROLL=0`` / ``=1`` forces either
+    wherever ``group`` is 1 outside the prefetch (to compare)."""
     if prefetch or group > 1:
-        return 0
-    forced = env_count("MOELORA_LORA_UNROLL", "slot count 0-4 (0: off)")
-    if forced is not None:
-        return min(4, forced)
-    if gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2:
-        return 0
-    return UNROLL_MAX_SLOTS
+        return False
+    if os.environ.get("MOELORA_LORA_UNROLL", ""):
+        return env_switch("MOELORA_LORA_UNROLL", default=False)
+    return gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) < 2
 
 
 def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, split_chunk: int,
@@ -827,13 +819,6 @@ def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
     if num_adapters > 0:
         slots = min(slots, triton.next_power_of_2(num_adapters))
     return slots * rank_block
-
-
-def lora_ext_stages() -> int:
-    """Pipeline stages of the slot-range expand's loop (1: not pipelined; its few iterations would each
-    hold shared memory beside the main loop's). ``MOELORA_LORA_EXT_STAGES=N`` sets it (to compare)."""
-    forced = env_count("MOELORA_LORA_EXT_STAGES", "stage count")
-    return max(1, forced) if forced is not None else 1
 
 
 def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
@@ -959,7 +944,7 @@ def invoke_fused_moe_kernel(
                                        num_adapters=lora.num_adapters, rank_block=lora.rank_block))
     one_row = one_row_lora(direct=direct_ids is not None, prefetch=prefetch, late_wait=late_wait,
                            splits=lora_splits, split_chunk=split_chunk, programs=grid[0], device=a.device)
-    unroll = 0
+    unroll = False
     if lora is not None and shrunk_splits and lora.rank_block <= lora_chunk_r:
         unroll = lora_unroll_slots(config, gated=gated, group=lora_group,
                                    prefetch=prefetch, elem_bytes=a.element_size())
@@ -1052,7 +1037,6 @@ def invoke_fused_moe_kernel(
            else programmatic_launch(a.device, always=dependent)),
         LORA_EXT=ext,
         LORA_EXT_K=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
-        LORA_EXT_STAGES=lora_ext_stages() if ext else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         maxnreg=None if lora is None else lora_register_cap(

@@ -514,41 +514,17 @@ def lora_expand_unrolled(
     stride_lb_r,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
-    SLOTS: tl.constexpr,  # 1 to 4 slots per round
 ):
-    """``acc += u @ B[a_m, e]^T`` for every row from ``slot`` on, SLOTS slots per round: a round loads
-    the B tiles of all its slots before its first dot, so a block of several adapters waits for one
-    memory latency instead of one per adapter, and needs only the (BLOCK_M, R) shrink beside the
-    accumulator (the stacked form, one (BLOCK_M, SLOTS * R) operand, spilled on 128x64 gated tiles).
-    The round is written out by hand (up to four named tiles): its loads must all precede its dots.
-    u is rounded to B's dtype, as PEFT's lora_B input is."""
+    """``acc += u @ B[a_m, e]^T`` for every row from ``slot`` on, one slot at a time from a shrink ``u``
+    loaded once for all rows: only the (BLOCK_M, R) shrink sits beside the accumulator (the stacked form,
+    one (BLOCK_M, slots * R) operand, spilled on 128x64 gated tiles). u is rounded to B's dtype, as PEFT's
+    lora_B input is."""
     while slot < (1 << 30):
-        s0 = slot
-        b0 = lora_load_slot_b(lora_b_ptr, s0, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-                              stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
-        slot = next_slot(row_slot, has_slot, s0)
-        if SLOTS > 1:
-            s1 = slot
-            b1 = lora_load_slot_b(lora_b_ptr, s1, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-                                  stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
-            slot = next_slot(row_slot, has_slot, s1)
-        if SLOTS > 2:
-            s2 = slot
-            b2 = lora_load_slot_b(lora_b_ptr, s2, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-                                  stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
-            slot = next_slot(row_slot, has_slot, s2)
-        if SLOTS > 3:
-            s3 = slot
-            b3 = lora_load_slot_b(lora_b_ptr, s3, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-                                  stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
-            slot = next_slot(row_slot, has_slot, s3)
-        acc = lora_expand_slot(acc, u, row_slot, s0, b0, FP32_IEEE=FP32_IEEE)
-        if SLOTS > 1:
-            acc = lora_expand_slot(acc, u, row_slot, s1, b1, FP32_IEEE=FP32_IEEE)
-        if SLOTS > 2:
-            acc = lora_expand_slot(acc, u, row_slot, s2, b2, FP32_IEEE=FP32_IEEE)
-        if SLOTS > 3:
-            acc = lora_expand_slot(acc, u, row_slot, s3, b3, FP32_IEEE=FP32_IEEE)
+        this_slot = slot
+        b = lora_load_slot_b(lora_b_ptr, this_slot, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
+                             stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
+        slot = next_slot(row_slot, has_slot, this_slot)  # found while the B tile loads
+        acc = lora_expand_slot(acc, u, row_slot, this_slot, b, FP32_IEEE=FP32_IEEE)
     return acc
 
 
@@ -578,7 +554,6 @@ def lora_expand_slot_range(
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
     EXT_K: tl.constexpr,  # stacked columns per dot: a multiple of LORA_R
-    EXT_STAGES: tl.constexpr,
 ):
     """``acc += u @ B[a_m, e]^T`` for every row, as a K-loop over the slots slot_lo .. slot_hi - 1 set
     side by side: stacked column c is rank c % LORA_R of slot c // LORA_R, so row m's operand is its packed
@@ -592,7 +567,7 @@ def lora_expand_slot_range(
     # the slots present, not the range.
     used_bits = tl.reduce(tl.where(has_slot, tl.full(row_slot.shape, 1, tl.int64)
                                    << tl.minimum(row_slot, 62).to(tl.int64), 0), 0, _bit_or)
-    for c0 in tl.range(slot_lo * LORA_R, slot_hi * LORA_R, EXT_K, num_stages=EXT_STAGES):
+    for c0 in tl.range(slot_lo * LORA_R, slot_hi * LORA_R, EXT_K, num_stages=1):
         cols = c0 + offs_c
         col_slot = cols // LORA_R
         col_r = cols % LORA_R
