@@ -110,65 +110,45 @@ def _store_null_rows(c_ptr, pair, row_valid, offs_n, col_valid, N, stride_cm, st
 
 @triton.jit
 def _fused_moe_kernel(
-    # Pointers
+    # The GEMM: a (rows, K) @ b[e] (N or 2N, K)^T -> c (numel, N), rows of a picked per routed pair
     a_ptr,  # (rows, K) fp16/bf16/fp32: x for GEMM1, the activated intermediate for GEMM2
+    stride_am, stride_ak,
     b_ptr,  # (E, N or 2N, K) same dtype: w13 for GEMM1 (gate rows then up rows), w2 for GEMM2
-    c_ptr,  # (numel, N) same dtype, row per routed pair
-    topk_weights_ptr,  # (numel,) fp32, read when MUL_ROUTED_WEIGHT
+    stride_be, stride_bn, stride_bk,
+    c_ptr,  # (numel, N) same dtype, row per routed pair (2N with the raw gated output)
+    stride_cm, stride_cn,
+    N, K, num_experts,
+    scale,  # multiplies every output row (rsf on GEMM2)
+    # Routed pairs: the alignment's blocks, or with DIRECT_PAIRS the flat topk_ids in all three pointers
     sorted_ids_ptr,  # (max_padded,) int32, from moe_align_block_size
     expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
     num_post_padded_ptr,  # (1,) int32
-    token_slots_ptr,  # (M,) int32 adapter slot per token, -1 = none          (HAS_LORA)
-    lora_a_ptr,  # (L, E, R or 2R, K) LoRA A: gate_up_a (gate rows, then up rows) or down_a
-    lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
+    topk_weights_ptr,  # (numel,) fp32, read when MUL_ROUTED_WEIGHT
+    numel, max_padded,
+    a_row_div,  # pair p reads row p // a_row_div of a (top_k for GEMM1, 1 for GEMM2)
+    # LoRA (HAS_LORA): each token's slot and the slots' tables
+    token_slots_ptr,  # (M,) int32 adapter slot per token, -1 = none
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
+    slot_row_div,  # pair p belongs to token p // slot_row_div
+    lora_a_ptr,  # (L, E, R or 2R, K) LoRA A: gate_up_a (gate rows, then up rows) or down_a
+    stride_la_l, stride_la_e, stride_la_r, stride_la_k,
+    lora_up_offset,  # offset of the up rows in lora_a
+    lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
+    stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
     shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
     #             or, with LORA_EXT, (numel, 2*LORA_R or LORA_R) a's dtype: packed (pack_shrink_partials)
-    down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
-    down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile (DOWN_SHRINK)
-    sum_out_ptr,  # (num_tokens, N) same dtype as c, out: the top-k sum                   (FUSED_SUM)
-    sum_counters_ptr,  # (num_counters,) int32 GEMM2 column arrivals (FUSED_SUM; ZERO_COUNTERS zeroes)
-    # Sizes
-    N,
-    K,
-    num_experts,
-    numel,
-    max_padded,
-    a_row_div,
-    scale,
-    slot_row_div,
-    lora_up_offset,
+    stride_ss, stride_sm,
     num_shrink_splits,
-    num_tokens,
-    top_k,
-    num_counters,
-    # Strides
-    stride_am,
-    stride_ak,
-    stride_be,
-    stride_bn,
-    stride_bk,
-    stride_cm,
-    stride_cn,
-    stride_la_l,
-    stride_la_e,
-    stride_la_r,
-    stride_la_k,
-    stride_lb_l,
-    stride_lb_e,
-    stride_lb_n,
-    stride_lb_r,
-    stride_ss,
-    stride_sm,
-    stride_da_l,
-    stride_da_e,
-    stride_da_r,
-    stride_da_k,
-    stride_ds,
-    stride_dm,
-    stride_om,
-    stride_on,
+    down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
+    stride_da_l, stride_da_e, stride_da_r, stride_da_k,
+    down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile (DOWN_SHRINK)
+    stride_ds, stride_dm,
+    # The top-k sum at decode (FUSED_SUM; ZERO_COUNTERS: GEMM1 zeroes GEMM2's counters)
+    sum_out_ptr,  # (num_tokens, N) same dtype as c, out: the top-k sum
+    stride_om, stride_on,
+    sum_counters_ptr,  # (num_counters,) int32 GEMM2 column arrivals
+    num_counters, num_tokens, top_k,
     # Meta-parameters
     HAS_LORA: tl.constexpr,
     LORA_SHRINK: tl.constexpr,
@@ -870,6 +850,234 @@ def invoke_fused_moe_kernel(
     ``dependent`` (sm_90+, ignored elsewhere): launched dependently whatever ``MOELORA_PDL`` says, waiting
     for the launch before it as its first instruction (``one_token_dependent_gemm2``)."""
     numel = c.shape[0]
+    direct = direct_ids is not None
+    gated = activation is not None
+    out_n = c.shape[1] // 2 if activation == "gated_raw" else c.shape[1]
+    _check_gemm_args(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, direct_ids, config,
+                     activation, out_n, lora, zero_counters, topk_sum, late_wait)
+    activation_code = ACTIVATION_NONE
+    if gated:
+        activation_code = ACTIVATION_GATED_RAW if activation == "gated_raw" else _ACTIVATIONS[activation]
+    max_padded = numel * config.block_m if direct else sorted_ids.shape[0]
+    grid_n = triton.cdiv(out_n, config.block_n)
+    grid = (triton.cdiv(max_padded, config.block_m) * grid_n,)
+    K = a.shape[1]
+    epilogue = None
+    if lora is not None:
+        epilogue = plan_lora_epilogue(lora, config, gated=gated, activation_code=activation_code, numel=numel,
+                                      num_experts=b.shape[0], K=K, out_n=out_n, a=a, direct=direct,
+                                      late_wait=late_wait, programs=grid[0])
+    counters = zero_counters if zero_counters is not None else topk_sum
+    num_counters = counters.counters.numel() if counters is not None else 0
+    rows = sorted_ids if not direct else direct_ids
+    _fused_moe_kernel[grid](
+        a_ptr=a,
+        b_ptr=b,
+        c_ptr=c,
+        topk_weights_ptr=topk_weights if topk_weights is not None else c,
+        sorted_ids_ptr=rows,
+        expert_ids_ptr=expert_ids if not direct else direct_ids,
+        num_post_padded_ptr=num_post_padded if not direct else direct_ids,
+        sum_out_ptr=topk_sum.out if topk_sum is not None else c,
+        sum_counters_ptr=counters.counters if counters is not None else c,
+        N=out_n,
+        K=K,
+        num_experts=b.shape[0],
+        numel=numel,
+        max_padded=max_padded,
+        a_row_div=a_row_div,
+        scale=float(scale),
+        num_tokens=numel // topk_sum.top_k if topk_sum is not None else 0,
+        top_k=topk_sum.top_k if topk_sum is not None else 1,
+        num_counters=num_counters,
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_be=b.stride(0),
+        stride_bn=b.stride(1),
+        stride_bk=b.stride(2),
+        stride_cm=c.stride(0),
+        stride_cn=c.stride(1),
+        stride_om=topk_sum.out.stride(0) if topk_sum is not None else 0,
+        stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
+        **_lora_kernel_args(lora, epilogue, c, b, gated=gated),
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        ACTIVATION=activation_code,
+        FP32_IEEE=a.dtype == torch.float32,
+        EVEN_K=K % config.block_k == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        DIRECT_PAIRS=direct,
+        ZERO_COUNTERS=zero_counters is not None,
+        COUNTERS_BLOCK=triton.next_power_of_2(max(16, num_counters)),
+        FUSED_SUM=topk_sum is not None,
+        SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
+        **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
+           else programmatic_launch(a.device, always=dependent)),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        maxnreg=epilogue.max_registers if epilogue is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class LoRAEpilogue:
+    """How one GEMM launch runs its LoRA (the kernel's LoRA meta-parameters), from host-known sizes only.
+
+    Attributes:
+        shrink: 0: the shrink rides in the base K-loop (``fused`` path); 1: precomputed partials or a packed
+            shrink are read (``split`` path).
+        chunk_r: rank columns per expand chunk (``lora_rank_chunk``).
+        splits, split_chunk: split-K partials per pair (a power of two) and how many one 3-D load sums.
+        group: slots expanded side by side per dot (``lora_tile_slot_group``).
+        prefetch: the first slot group's operands load before the K-loop (``lora_prefetch_pays``).
+        unroll: every row's partials loaded once, then a slot at a time (``lora_unroll_slots``).
+        skip_past_rank: rank chunks past a slot's rank are skipped (``lora_skip_past_rank``).
+        one_row: one decode token's scalar prologue (``one_row_lora``).
+        down_shrink, down_prefetch: GEMM1's epilogue writes GEMM2's shrink partials (its first A tile
+            prefetched when the grid fits one wave).
+        ext, ext_k: expand a packed shrink over the block's slot range, ``ext_k`` columns a step.
+        max_registers: the register cap of the launch (``lora_register_cap``), None for none.
+    """
+
+    shrink: int
+    chunk_r: int
+    splits: int
+    split_chunk: int
+    group: int
+    prefetch: bool
+    unroll: bool
+    skip_past_rank: bool
+    one_row: bool
+    down_shrink: bool
+    down_prefetch: bool
+    ext: bool
+    ext_k: int
+    max_registers: int | None
+
+
+def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, activation_code: int,
+                       numel: int, num_experts: int, K: int, out_n: int, a: torch.Tensor, direct: bool,
+                       late_wait: bool, programs: int) -> LoRAEpilogue:
+    """The LoRA meta-parameters of one GEMM launch (see :class:`LoRAEpilogue`); checks the packed and
+    down-shrink operands against the GEMM."""
+    elem_bytes = a.element_size()
+    ext = lora.packed is not None
+    if ext:
+        _check_packed(lora, a, numel, gated=gated, direct=direct)
+    shrunk_splits = lora.shrunk.shape[1] if lora.shrunk is not None else 0
+    down_shrink = lora.down_shrunk is not None
+    if down_shrink:
+        _check_down_shrink(lora, activation_code, numel, out_n, config.block_n)
+    chunk_r = lora_rank_chunk(config, lora.rank_block)
+    splits = triton.next_power_of_2(max(shrunk_splits, 1))
+    rows = min(config.block_m, triton.cdiv(numel, num_experts))
+    group = lora_tile_slot_group(config, lora.rank_block, lora.num_adapters, rows, gated=gated, K=K)
+    # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
+    split_chunk = min(splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
+                                                            // (config.block_m * chunk_r))))
+    one_chunk = bool(shrunk_splits) and lora.rank_block <= chunk_r
+    prefetch = one_chunk and lora_prefetch_pays(config, gated=gated, elem_bytes=elem_bytes, numel=numel,
+                                                num_adapters=lora.num_adapters, rank_block=lora.rank_block)
+    one_row = one_row_lora(direct=direct, prefetch=prefetch, late_wait=late_wait, splits=splits,
+                           split_chunk=split_chunk, programs=programs, device=a.device)
+    unroll = one_chunk and lora_unroll_slots(config, gated=gated, group=group, prefetch=prefetch,
+                                             elem_bytes=elem_bytes)
+    inline_cols = 0 if lora.shrunk is not None or ext else (2 if gated else 1) * lora.rank_block
+    return LoRAEpilogue(
+        shrink=1 if lora.shrunk is not None or ext else 0,
+        chunk_r=chunk_r,
+        splits=splits,
+        split_chunk=split_chunk,
+        group=group,
+        prefetch=prefetch,
+        unroll=unroll,
+        skip_past_rank=lora_skip_past_rank(config, gated=gated, elem_bytes=elem_bytes),
+        one_row=one_row,
+        down_shrink=down_shrink,
+        down_prefetch=prefetch and down_shrink and _fits_one_wave(numel * triton.cdiv(out_n, config.block_n),
+                                                                  a.device),
+        ext=ext,
+        ext_k=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
+        max_registers=lora_register_cap(config, gated=gated, elem_bytes=elem_bytes, lora_cols=inline_cols),
+    )
+
+
+def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, c: torch.Tensor,
+                      b: torch.Tensor, *, gated: bool) -> dict:
+    """The kernel's LoRA pointers, sizes, strides and meta-parameters, grouped per tensor (unused pointers
+    point at ``c`` or ``b`` and their strides are 0: the kernel never reads them)."""
+    if lora is None:
+        return dict(
+            token_slots_ptr=c, lora_a_ptr=b, lora_b_ptr=b, slot_ranks_ptr=c, slot_scalings_ptr=c,
+            shrunk_ptr=c, down_a_ptr=c, down_shrunk_ptr=c, slot_row_div=1, lora_up_offset=0,
+            num_shrink_splits=0,
+            **dict.fromkeys(("stride_la_l", "stride_la_e", "stride_la_r", "stride_la_k", "stride_lb_l",
+                             "stride_lb_e", "stride_lb_n", "stride_lb_r", "stride_ss", "stride_sm",
+                             "stride_da_l", "stride_da_e", "stride_da_r", "stride_da_k", "stride_ds",
+                             "stride_dm"), 0),
+            HAS_LORA=False, LORA_SHRINK=0, LORA_R=16, LORA_CHUNK_R=16, LORA_SPLITS=1, LORA_SPLIT_CHUNK=1,
+            LORA_GROUP=1, LORA_PREFETCH=False, LORA_UNROLL=False, LORA_SKIP_PAST_RANK=False, ONE_ROW=False,
+            DOWN_SHRINK=False, DOWN_PREFETCH=False, LORA_EXT=False, LORA_EXT_K=16,
+        )
+    la, lb, shrunk, packed = lora.lora_a, lora.lora_b, lora.shrunk, lora.packed
+    da, ds = (lora.down_a, lora.down_shrunk) if epilogue.down_shrink else (None, None)
+    partials = packed if packed is not None else shrunk
+    max_rank = lb.shape[3]
+    return dict(
+        token_slots_ptr=lora.token_slots,
+        slot_ranks_ptr=lora.slot_ranks,
+        slot_scalings_ptr=lora.slot_scalings,
+        slot_row_div=lora.top_k,
+        # A (L, E, R or 2R, K) and B (L, E, N or 2N, R)
+        lora_a_ptr=la,
+        stride_la_l=la.stride(0), stride_la_e=la.stride(1),
+        stride_la_r=la.stride(2), stride_la_k=la.stride(3),
+        lora_up_offset=max_rank * la.stride(2) if gated else 0,
+        lora_b_ptr=lb,
+        stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1),
+        stride_lb_n=lb.stride(2), stride_lb_r=lb.stride(3),
+        # the precomputed shrink: split-K partials (numel, splits, width) or packed (numel, width)
+        shrunk_ptr=partials if partials is not None else c,
+        num_shrink_splits=shrunk.shape[1] if shrunk is not None else 0,
+        stride_ss=shrunk.stride(1) if shrunk is not None else 0,
+        stride_sm=partials.stride(0) if partials is not None else 0,
+        # GEMM2's shrink written by GEMM1's epilogue: down_a (L, E, R, N), its partials (numel, tiles, R)
+        down_a_ptr=da if da is not None else c,
+        stride_da_l=da.stride(0) if da is not None else 0,
+        stride_da_e=da.stride(1) if da is not None else 0,
+        stride_da_r=da.stride(2) if da is not None else 0,
+        stride_da_k=da.stride(3) if da is not None else 0,
+        down_shrunk_ptr=ds if ds is not None else c,
+        stride_ds=ds.stride(1) if ds is not None else 0,
+        stride_dm=ds.stride(0) if ds is not None else 0,
+        HAS_LORA=True,
+        LORA_SHRINK=epilogue.shrink,
+        LORA_R=lora.rank_block,
+        LORA_CHUNK_R=epilogue.chunk_r,
+        LORA_SPLITS=epilogue.splits,
+        LORA_SPLIT_CHUNK=epilogue.split_chunk,
+        LORA_GROUP=epilogue.group,
+        LORA_PREFETCH=epilogue.prefetch,
+        LORA_UNROLL=epilogue.unroll,
+        LORA_SKIP_PAST_RANK=epilogue.skip_past_rank,
+        ONE_ROW=epilogue.one_row,
+        DOWN_SHRINK=epilogue.down_shrink,
+        DOWN_PREFETCH=epilogue.down_prefetch,
+        LORA_EXT=epilogue.ext,
+        LORA_EXT_K=epilogue.ext_k,
+    )
+
+
+def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
+                     sorted_ids: torch.Tensor | None, expert_ids: torch.Tensor | None,
+                     num_post_padded: torch.Tensor | None, direct_ids: torch.Tensor | None,
+                     config: GemmConfig, activation: str | None, out_n: int, lora: LoRAOperands | None,
+                     zero_counters: TopkSumOperands | None, topk_sum: TopkSumOperands | None,
+                     late_wait: bool) -> None:
+    """Raises ValueError/TypeError saying what was expected for inconsistent GEMM operands."""
+    numel = c.shape[0]
     if direct_ids is None and (sorted_ids is None or expert_ids is None or num_post_padded is None):
         raise ValueError("pass the alignment (sorted_ids, expert_ids, num_post_padded) or direct_ids")
     if direct_ids is not None and direct_ids.shape != (numel,):
@@ -883,9 +1091,7 @@ def invoke_fused_moe_kernel(
         if counted is not None and counted.counters.dtype != torch.int32:
             raise TypeError(f"top-k sum counters must be int32, got {counted.counters.dtype}")
     gated = activation is not None
-    gated_raw = activation == "gated_raw"
-    out_n = c.shape[1] // 2 if gated_raw else c.shape[1]
-    if gated and not gated_raw and activation not in _ACTIVATIONS:
+    if gated and activation != "gated_raw" and activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     expected_b_rows = 2 * out_n if gated else out_n
     if b.shape[1] != expected_b_rows or b.shape[2] != a.shape[1]:
@@ -895,154 +1101,22 @@ def invoke_fused_moe_kernel(
         )
     if topk_weights is not None and topk_weights.dtype != torch.float32:
         raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
-    max_padded = numel * config.block_m if direct_ids is not None else sorted_ids.shape[0]
-    grid_n = triton.cdiv(out_n, config.block_n)
     if topk_sum is not None:
+        grid_n = triton.cdiv(out_n, config.block_n)
         if topk_sum.counters.shape != (grid_n,) or topk_sum.out.shape != (numel // topk_sum.top_k, out_n):
             raise ValueError(
                 f"topk_sum needs counters ({grid_n},) and out ({numel // topk_sum.top_k}, {out_n}) for this "
                 f"GEMM, got {tuple(topk_sum.counters.shape)} and {tuple(topk_sum.out.shape)}")
         if activation is not None:
             raise ValueError("topk_sum sums GEMM2's rows: it takes no activation")
-    grid = (triton.cdiv(max_padded, config.block_m) * grid_n,)
-    K = a.shape[1]
-    activation_code = ACTIVATION_NONE
-    if gated:
-        activation_code = ACTIVATION_GATED_RAW if gated_raw else _ACTIVATIONS[activation]
     if lora is not None:
-        max_rank = lora.lora_b.shape[3]
+        max_rank, K = lora.lora_b.shape[3], a.shape[1]
         expected_a_rows = 2 * max_rank if gated else max_rank
         if lora.lora_a.shape[2:] != (expected_a_rows, K) or lora.lora_b.shape[2] != b.shape[1]:
             raise ValueError(
                 f"LoRA buffers A {tuple(lora.lora_a.shape)} / B {tuple(lora.lora_b.shape)} do not match the "
                 f"GEMM: expected A (L, E, {expected_a_rows}, {K}) and B (L, E, {b.shape[1]}, R)"
             )
-        la, lb = lora.lora_a, lora.lora_b
-    ext = lora is not None and lora.packed is not None
-    if ext:
-        _check_packed(lora, a, numel, gated=gated, direct=direct_ids is not None)
-    shrunk_splits = lora.shrunk.shape[1] if lora is not None and lora.shrunk is not None else 0
-    down_shrink = lora is not None and lora.down_shrunk is not None
-    if down_shrink:
-        _check_down_shrink(lora, activation_code, numel, out_n, config.block_n)
-    da = lora.down_a if down_shrink else None
-    ds = lora.down_shrunk if down_shrink else None
-    lora_chunk_r = 16
-    if lora is not None:
-        lora_chunk_r = lora_rank_chunk(config, lora.rank_block)
-    lora_splits = triton.next_power_of_2(max(shrunk_splits, 1))
-    # Slots expanded side by side per dot in the split epilogue (capped on big tiles, see BIG_TILE).
-    lora_group = 1
-    if lora is not None:
-        rows = min(config.block_m, triton.cdiv(numel, b.shape[0]))
-        lora_group = lora_tile_slot_group(config, lora.rank_block, lora.num_adapters, rows, gated=gated, K=K)
-    # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
-    split_chunk = min(lora_splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
-                                                                  // (config.block_m * lora_chunk_r))))
-    prefetch = (bool(shrunk_splits) and lora is not None and lora.rank_block <= lora_chunk_r
-                and lora_prefetch_pays(config, gated=gated, elem_bytes=a.element_size(), numel=numel,
-                                       num_adapters=lora.num_adapters, rank_block=lora.rank_block))
-    one_row = one_row_lora(direct=direct_ids is not None, prefetch=prefetch, late_wait=late_wait,
-                           splits=lora_splits, split_chunk=split_chunk, programs=grid[0], device=a.device)
-    unroll = False
-    if lora is not None and shrunk_splits and lora.rank_block <= lora_chunk_r:
-        unroll = lora_unroll_slots(config, gated=gated, group=lora_group,
-                                   prefetch=prefetch, elem_bytes=a.element_size())
-    counters = zero_counters if zero_counters is not None else topk_sum
-    num_counters = counters.counters.numel() if counters is not None else 0
-    _fused_moe_kernel[grid](
-        a_ptr=a,
-        b_ptr=b,
-        c_ptr=c,
-        topk_weights_ptr=topk_weights if topk_weights is not None else c,
-        sorted_ids_ptr=sorted_ids if direct_ids is None else direct_ids,
-        expert_ids_ptr=expert_ids if direct_ids is None else direct_ids,
-        num_post_padded_ptr=num_post_padded if direct_ids is None else direct_ids,
-        token_slots_ptr=lora.token_slots if lora is not None else c,
-        lora_a_ptr=la if lora is not None else b,
-        lora_b_ptr=lb if lora is not None else b,
-        slot_ranks_ptr=lora.slot_ranks if lora is not None else c,
-        slot_scalings_ptr=lora.slot_scalings if lora is not None else c,
-        shrunk_ptr=lora.packed if ext else lora.shrunk if lora is not None and lora.shrunk is not None else c,
-        down_a_ptr=da if down_shrink else c,
-        down_shrunk_ptr=ds if down_shrink else c,
-        sum_out_ptr=topk_sum.out if topk_sum is not None else c,
-        sum_counters_ptr=counters.counters if counters is not None else c,
-        N=out_n,
-        K=K,
-        num_experts=b.shape[0],
-        numel=numel,
-        max_padded=max_padded,
-        a_row_div=a_row_div,
-        scale=float(scale),
-        slot_row_div=lora.top_k if lora is not None else 1,
-        lora_up_offset=max_rank * la.stride(2) if lora is not None and gated else 0,
-        num_shrink_splits=shrunk_splits,
-        num_tokens=numel // topk_sum.top_k if topk_sum is not None else 0,
-        top_k=topk_sum.top_k if topk_sum is not None else 1,
-        num_counters=num_counters,
-        stride_am=a.stride(0),
-        stride_ak=a.stride(1),
-        stride_be=b.stride(0),
-        stride_bn=b.stride(1),
-        stride_bk=b.stride(2),
-        stride_cm=c.stride(0),
-        stride_cn=c.stride(1),
-        stride_la_l=la.stride(0) if lora is not None else 0,
-        stride_la_e=la.stride(1) if lora is not None else 0,
-        stride_la_r=la.stride(2) if lora is not None else 0,
-        stride_la_k=la.stride(3) if lora is not None else 0,
-        stride_lb_l=lb.stride(0) if lora is not None else 0,
-        stride_lb_e=lb.stride(1) if lora is not None else 0,
-        stride_lb_n=lb.stride(2) if lora is not None else 0,
-        stride_lb_r=lb.stride(3) if lora is not None else 0,
-        stride_ss=lora.shrunk.stride(1) if shrunk_splits else 0,
-        stride_sm=lora.packed.stride(0) if ext else lora.shrunk.stride(0) if shrunk_splits else 0,
-        stride_da_l=da.stride(0) if down_shrink else 0,
-        stride_da_e=da.stride(1) if down_shrink else 0,
-        stride_da_r=da.stride(2) if down_shrink else 0,
-        stride_da_k=da.stride(3) if down_shrink else 0,
-        stride_ds=ds.stride(1) if down_shrink else 0,
-        stride_dm=ds.stride(0) if down_shrink else 0,
-        stride_om=topk_sum.out.stride(0) if topk_sum is not None else 0,
-        stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
-        HAS_LORA=lora is not None,
-        LORA_SHRINK=1 if lora is not None and (lora.shrunk is not None or ext) else 0,
-        LORA_R=lora.rank_block if lora is not None else 16,
-        LORA_CHUNK_R=lora_chunk_r,
-        LORA_SPLITS=lora_splits,
-        LORA_SPLIT_CHUNK=split_chunk,
-        LORA_GROUP=lora_group,
-        LORA_PREFETCH=prefetch,
-        LORA_UNROLL=unroll,
-        LORA_SKIP_PAST_RANK=lora is not None and lora_skip_past_rank(config, gated=gated,
-                                                                     elem_bytes=a.element_size()),
-        ONE_ROW=one_row,
-        DOWN_SHRINK=down_shrink,
-        DOWN_PREFETCH=prefetch and down_shrink and _fits_one_wave(numel * grid_n, a.device),
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
-        ACTIVATION=activation_code,
-        FP32_IEEE=a.dtype == torch.float32,
-        EVEN_K=K % config.block_k == 0,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        DIRECT_PAIRS=direct_ids is not None,
-        ZERO_COUNTERS=zero_counters is not None,
-        COUNTERS_BLOCK=triton.next_power_of_2(max(16, num_counters)),
-        FUSED_SUM=topk_sum is not None,
-        SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
-        **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
-           else programmatic_launch(a.device, always=dependent)),
-        LORA_EXT=ext,
-        LORA_EXT_K=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        maxnreg=None if lora is None else lora_register_cap(
-            config, gated=gated, elem_bytes=a.element_size(),
-            lora_cols=0 if lora.shrunk is not None or ext else (2 if gated else 1) * lora.rank_block),
-    )
 
 
 def _fits_one_wave(programs: int, device: torch.device) -> bool:
