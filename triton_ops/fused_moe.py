@@ -109,6 +109,57 @@ def _store_null_rows(c_ptr, pair, row_valid, offs_n, col_valid, N, stride_cm, st
 
 
 @triton.jit
+def _gemm_k_loop(
+    a_ptrs,  # (BLOCK_M, BLOCK_K) pointers to the block's rows of a, at K offset 0
+    b_ptrs,  # (BLOCK_K, BLOCK_N) pointers to the expert's weight tile (gate rows when gated)
+    up_ptrs,  # (BLOCK_K, BLOCK_N) the up rows' tile (GATED)
+    la_ptrs,  # (BLOCK_K, LORA_R) the main slot's LoRA A tile (INLINE_SHRINK)
+    row_valid,  # (BLOCK_M,)
+    col_valid,  # (BLOCK_N,)
+    la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (INLINE_SHRINK)
+    offs_k,  # (BLOCK_K,)
+    K, stride_ak, stride_bk, stride_la_k, lora_up_offset,
+    acc, acc_up, shrink_gate, shrink_up,  # fp32 accumulators, returned updated
+    GATED: tl.constexpr,
+    INLINE_SHRINK: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); with INLINE_SHRINK the block's
+    main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``."""
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
+        else:
+            k_valid = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        acc = _dot(a, b, acc, FP32_IEEE)
+        if GATED:
+            if EVEN_K:
+                b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
+            else:
+                b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
+            up_ptrs += BLOCK_K * stride_bk
+        if INLINE_SHRINK:
+            if EVEN_K:
+                la_mask = la_rank_valid[None, :]
+            else:
+                la_mask = k_valid[:, None] & la_rank_valid[None, :]
+            shrink_gate = _dot(a, tl.load(la_ptrs, mask=la_mask, other=0.0), shrink_gate, FP32_IEEE)
+            if GATED:
+                shrink_up = _dot(a, tl.load(la_ptrs + lora_up_offset, mask=la_mask, other=0.0), shrink_up,
+                                 FP32_IEEE)
+            la_ptrs += BLOCK_K * stride_la_k
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, acc_up, shrink_gate, shrink_up
+
+
+@triton.jit
 def _fused_moe_kernel(
     # The GEMM: a (rows, K) @ b[e] (N or 2N, K)^T -> c (numel, N), rows of a picked per routed pair
     a_ptr,  # (rows, K) fp16/bf16/fp32: x for GEMM1, the activated intermediate for GEMM2
@@ -336,46 +387,18 @@ def _fused_moe_kernel(
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
     b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up_ptrs, acc_up = b_ptrs, acc  # the up half's, when gated
     if ACTIVATION != 0:
         up_ptrs = b_base + (offs_n + N).to(tl.int64)[None, :] * stride_bn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
-        else:
-            k_valid = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        if FP32_IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        if ACTIVATION != 0:
-            if EVEN_K:
-                b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
-            else:
-                b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-            if FP32_IEEE:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(a, b_up, acc_up)
-            up_ptrs += BLOCK_K * stride_bk
-        if HAS_LORA:
-            if LORA_SHRINK == 0:
-                if EVEN_K:
-                    la_mask = main_rank_valid[None, :]
-                else:
-                    la_mask = k_valid[:, None] & main_rank_valid[None, :]
-                la = tl.load(la_ptrs, mask=la_mask, other=0.0)
-                main_gate = _dot(a, la, main_gate, FP32_IEEE)
-                if ACTIVATION != 0:
-                    la_up = tl.load(la_ptrs + lora_up_offset, mask=la_mask, other=0.0)
-                    main_up = _dot(a, la_up, main_up, FP32_IEEE)
-                la_ptrs += BLOCK_K * stride_la_k
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    inline_shrink = HAS_LORA and LORA_SHRINK == 0
+    if not inline_shrink:  # nothing rides along: placeholders the loop passes through untouched
+        la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
+    acc, acc_up, main_gate, main_up = _gemm_k_loop(
+        a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, K, stride_ak,
+        stride_bk, stride_la_k, lora_up_offset, acc, acc_up, main_gate, main_up, GATED=ACTIVATION != 0,
+        INLINE_SHRINK=inline_shrink, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
+    )
 
     wait_for_previous_kernel_late(LATE_WAIT)
     if HAS_LORA:
