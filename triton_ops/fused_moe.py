@@ -113,21 +113,23 @@ def _gemm_k_loop(
     a_ptrs,  # (BLOCK_M, BLOCK_K) pointers to the block's rows of a, at K offset 0
     b_ptrs,  # (BLOCK_K, BLOCK_N) pointers to the expert's weight tile (gate rows when gated)
     up_ptrs,  # (BLOCK_K, BLOCK_N) the up rows' tile (GATED)
-    la_ptrs,  # (BLOCK_K, LORA_R) the main slot's LoRA A tile (INLINE_SHRINK)
+    la_ptrs,  # (BLOCK_K, LORA_R) the main slot's LoRA A tile (fused path)
     row_valid,  # (BLOCK_M,)
     col_valid,  # (BLOCK_N,)
-    la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (INLINE_SHRINK)
+    la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (fused path)
     offs_k,  # (BLOCK_K,)
     K, stride_ak, stride_bk, stride_la_k, lora_up_offset,
     acc, acc_up, shrink_gate, shrink_up,  # fp32 accumulators, returned updated
     GATED: tl.constexpr,
-    INLINE_SHRINK: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    LORA_SHRINK: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); with INLINE_SHRINK the block's
-    main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``."""
+    """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); on the fused path (LoRA with
+    LORA_SHRINK 0) the block's main slot's LoRA shrink rides on the same a tile:
+    ``shrink_gate/up += a @ A_gate/up``."""
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
@@ -144,16 +146,17 @@ def _gemm_k_loop(
                 b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
             up_ptrs += BLOCK_K * stride_bk
-        if INLINE_SHRINK:
-            if EVEN_K:
-                la_mask = la_rank_valid[None, :]
-            else:
-                la_mask = k_valid[:, None] & la_rank_valid[None, :]
-            shrink_gate = _dot(a, tl.load(la_ptrs, mask=la_mask, other=0.0), shrink_gate, FP32_IEEE)
-            if GATED:
-                shrink_up = _dot(a, tl.load(la_ptrs + lora_up_offset, mask=la_mask, other=0.0), shrink_up,
-                                 FP32_IEEE)
-            la_ptrs += BLOCK_K * stride_la_k
+        if HAS_LORA:
+            if LORA_SHRINK == 0:
+                if EVEN_K:
+                    la_mask = la_rank_valid[None, :]
+                else:
+                    la_mask = k_valid[:, None] & la_rank_valid[None, :]
+                shrink_gate = _dot(a, tl.load(la_ptrs, mask=la_mask, other=0.0), shrink_gate, FP32_IEEE)
+                if GATED:
+                    shrink_up = _dot(a, tl.load(la_ptrs + lora_up_offset, mask=la_mask, other=0.0), shrink_up,
+                                     FP32_IEEE)
+                la_ptrs += BLOCK_K * stride_la_k
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc, acc_up, shrink_gate, shrink_up
@@ -391,13 +394,15 @@ def _fused_moe_kernel(
     if ACTIVATION != 0:
         up_ptrs = b_base + (offs_n + N).to(tl.int64)[None, :] * stride_bn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    inline_shrink = HAS_LORA and LORA_SHRINK == 0
-    if not inline_shrink:  # nothing rides along: placeholders the loop passes through untouched
+    # Without the fused path's inline shrink nothing rides along: placeholders the loop passes through.
+    if not HAS_LORA:
+        la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
+    elif LORA_SHRINK != 0:
         la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
     acc, acc_up, main_gate, main_up = _gemm_k_loop(
         a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, K, stride_ak,
         stride_bk, stride_la_k, lora_up_offset, acc, acc_up, main_gate, main_up, GATED=ACTIVATION != 0,
-        INLINE_SHRINK=inline_shrink, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
+        HAS_LORA=HAS_LORA, LORA_SHRINK=LORA_SHRINK, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
     )
 
     wait_for_previous_kernel_late(LATE_WAIT)
