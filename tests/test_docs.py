@@ -98,6 +98,15 @@ def test_docs_never_say_issue(path):
     assert not hits, "\n".join(hits)
 
 
+# History is git's: a commit hash in a doc goes stale (a hex word of 7-40 characters, letters and digits).
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_carry_no_commit_hashes(path):
+    commit = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+    hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+            if commit.search(line)]
+    assert not hits, "\n".join(hits)
+
+
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_links_resolve(path):
     missing = []
