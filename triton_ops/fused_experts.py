@@ -502,7 +502,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     staged = lora is not None and lora_path == "staged"
     rank_block = lora_rank_block(lora.max_rank) if lora is not None else 0
     num_adapters = lora.num_adapters if lora is not None else 0
-    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    elem_bytes = dtype.itemsize
     if config is not None:
         cfg = config.for_lora(rank_block, num_adapters) if split else config
     else:
