@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moelora.bench import MODELS  # noqa: E402
-from triton_ops import fused_moe  # noqa: E402
+from triton_ops import fused_moe, lora_epilogues  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     MAX_SHARED_BYTES,
     MoEConfig,
@@ -202,6 +203,9 @@ def main() -> None:
     args = parser.parse_args()
     failures = 0
     base_blocks: dict[str, int] = {}
+    variant_names = {value.value: name.removeprefix("LORA_").lower()
+                     for name, value in vars(lora_epilogues).items()
+                     if name.startswith("LORA_") and isinstance(value, tl.constexpr)}
     for model in args.model:
         shape = MODELS[model]
         for m in args.M:
@@ -223,7 +227,7 @@ def main() -> None:
                 print(f"{model:17s} M={m:5d} {name:16s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
                       f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
                       f"cap {kwargs['maxnreg'] or '-':3} "
-                      f"{'pf' if kwargs['LORA_PREFETCH'] else '  '}  "
+                      f"{variant_names[kwargs['LORA']]:11s}"
                       f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "
                       f"regs {report['regs']:3d}  spill {report['spill_bytes']:4d} B  "
                       f"{blocks} blocks/SM{f' (base: {base_blocks[gemm]})' if fewer else ''}", flush=True)

@@ -30,6 +30,7 @@ from triton_ops.configs import (
     pipeline_smem_bytes,
 )
 from triton_ops.fused_experts import _with_lora_tiles, fused_experts
+from triton_ops.lora_epilogues import LORA_ONE_ROW, LORA_PREFETCHED
 
 TUNED_FILES = sorted(_CONFIG_DIR.glob("*.json"))
 # The benchmark scripts (resource_report, tune_moe) are imported by some tests below.
@@ -88,6 +89,10 @@ def test_estimate_matches_the_compiler():
     assert float(reported["gemm2"]) * 1024 == pipeline_smem_bytes(fitted.gemm2, b_tiles=1, lora_cols=64)
 
 
+# The kernel's LoRA variants that load the first slot's operands before the K-loop.
+PREFETCHING_VARIANTS = (LORA_ONE_ROW.value, LORA_PREFETCHED.value)
+
+
 @pytest.mark.parametrize("model,prefetch", [("deepseek-v2", False), ("qwen3-30b-a3b", True)])
 def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
     """M=1 with the heuristic 16x64x128 x 4-stage GEMM1: DeepSeek-V2 has 6 x 24 = 144 programs (> 132
@@ -102,7 +107,7 @@ def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
     shape = MODELS[model]
     cfg = default_moe_config(1, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
     launch = dict(gemm_launches(model, 1, 16, 1, cfg))["gemm1 split+down"]
-    assert launch["DOWN_SHRINK"] and launch["LORA_PREFETCH"]
+    assert launch["DOWN_SHRINK"] and launch["LORA"] in PREFETCHING_VARIANTS
     assert launch["DOWN_PREFETCH"] is prefetch
 
 
@@ -117,7 +122,7 @@ def test_prefetch_switch(monkeypatch):
     cfg = default_moe_config(1, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
     launches = dict(gemm_launches("qwen3-30b-a3b", 1, 16, 1, cfg))
     for name in ("gemm1 split", "gemm1 split+down", "gemm2 split"):
-        assert not launches[name]["LORA_PREFETCH"] and not launches[name]["DOWN_PREFETCH"]
+        assert launches[name]["LORA"] not in PREFETCHING_VARIANTS and not launches[name]["DOWN_PREFETCH"]
 
 
 @pytest.mark.parametrize("gemm,gated,expected", [

@@ -28,6 +28,7 @@ from moelora.bench import warm_up_on_side_stream
 from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe, reference_moe_grouped
 from triton_ops.configs import GemmConfig, get_moe_config
 from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
+from triton_ops.lora_epilogues import LORA_SLOT_RANGE
 from triton_ops.moe_align import moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a
 from triton_ops.shrink_reduce import pack_shrink_partials, reduce_shrink_splits
@@ -817,7 +818,8 @@ def test_slot_range_expand_keeps_the_register_cap(monkeypatch):
 
     launches, config = packed_gemm2_launch(monkeypatch)
     cap = fused_moe.lora_register_cap(config, gated=False)
-    assert cap is not None and launches[-1]["maxnreg"] == cap and launches[-1]["LORA_EXT"]
+    assert cap is not None and launches[-1]["maxnreg"] == cap
+    assert launches[-1]["LORA"] == LORA_SLOT_RANGE.value
 
 
 @pytest.mark.parametrize(

@@ -10,25 +10,24 @@ Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]
 Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
             consecutive programs reuse the same weight tiles from L2.
 
-With HAS_LORA (the all-in-one LoRA path) every pair also gets its adapter's delta, per DESIGN §1:
+With LORA (any variant but LORA_NONE) every pair also gets its adapter's delta, per DESIGN §1:
             GEMM1: g += s_a B_gate[a,e] (A_gate[a,e] x),  u += s_a B_up[a,e] (A_up[a,e] x)  before act;
             GEMM2: y += s_a B_down[a,e] (A_down[a,e] h)  before the routed weight and rsf,
-            with a = token_slots[p // slot_row_div] (-1: no delta). The shrink runs over the slots present
-            in the block inside the base K-loop (the block's main slot) or before it (other slots; rows of
-            other slots are masked out of those loads), or is precomputed by ``moe_lora_a`` (``shrunk``);
-            the expand runs in the epilogue (LORA_EXT: from the packed shrink, as a K-loop over the
-            block's slot range, ``lora_expand_slot_range``). With DOWN_SHRINK, GEMM1's epilogue also
-            writes GEMM2's shrink A_down[a,e] h as one partial per N tile (``down_shrunk``), which GEMM2
-            then reads as ``shrunk``.
+            with a = token_slots[p // slot_row_div] (-1: no delta). Where the shrink comes from (inside the
+            base K-loop, or precomputed by ``moe_lora_a``) and how the expand is tiled is the LoRA variant,
+            one prologue and one epilogue helper each in ``lora_epilogues`` (its table lists them). With
+            DOWN_SHRINK, GEMM1's epilogue also writes GEMM2's shrink A_down[a,e] h as one partial per N tile
+            (``down_shrunk``), which GEMM2 then reads as ``shrunk``.
+
+The kernel body reads prologue (the tile, its pairs and expert, the LoRA operands wanted before the loop)
+-> K-loop (``_gemm_k_loop``) -> epilogue (the LoRA delta, routed weight, activation, store).
 
 Rows come in the order of ``moe_align_block_size``: every BLOCK_M block holds one expert's pairs, padded
 with the sentinel ``numel``; blocks at or past ``num_post_padded`` exit at once, so the grid can be sized
 on the host without a sync. A null block (expert id -1: pairs whose id is outside [0, E)) reads nothing
-and writes zero rows (``_store_null_rows``). With DIRECT_PAIRS (one decode token: its top-k experts are
-distinct) there is no alignment: block b is routed pair b alone, its expert read from the flat topk_ids (an
-id outside [0, E) runs on expert 0 and stores a zero row: a branch on the loaded id would hold every load
-behind it when all ids are valid); there ONE_ROW (``one_row_lora``) reads that pair's slot as a scalar and
-uses nothing it loads for the LoRA epilogue before the K-loop. Offsets into a, b and c are int64.
+and writes zero rows. With DIRECT_PAIRS (one decode token: its top-k experts are distinct) there is no
+alignment: block b is routed pair b alone, its expert read from the flat topk_ids (``_direct_pair``).
+Offsets into a, b and c are int64.
 
 Decode extras (no launch of their own): with ZERO_COUNTERS GEMM1's program 0 zeroes GEMM2's per-column
 arrival counters; with FUSED_SUM the last GEMM2 program of each N-tile column sums the top-k rows of every
@@ -51,26 +50,27 @@ from triton_ops.configs import (
     env_switch,
     pipeline_smem_bytes,
 )
-from triton_ops.lora_tiles import (
-    _dot,
-    first_slot,
-    load_group_b,
-    load_raw_partials,
-    load_scaled_gate_up_partials,
-    load_shrink_partials,
-    lora_expand_from_partials,
-    lora_expand_groups,
-    lora_expand_slot_range,
-    lora_expand_slots,
-    lora_expand_unrolled,
-    lora_shrink_tile,
-    lora_store_down_partials,
-    mask_group_ranks,
-    next_slot,
-    slot_group,
-    spread_to_group,
-    sum_raw_partials,
+from triton_ops.lora_epilogues import (
+    LORA_CHUNKED,
+    LORA_FUSED,
+    LORA_GROUPS,
+    LORA_NONE,
+    LORA_ONE_ROW,
+    LORA_PREFETCHED,
+    LORA_SLOT_RANGE,
+    LORA_UNROLLED,
+    chunked_expand,
+    down_shrink_epilogue,
+    fused_shrink_prologue,
+    grouped_expand,
+    one_row_expand,
+    one_row_prologue,
+    prefetch_prologue,
+    prefetched_expand,
+    slot_range_expand,
+    unrolled_expand,
 )
+from triton_ops.lora_tiles import _dot, lora_expand_slots
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
@@ -97,15 +97,46 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _store_null_rows(c_ptr, pair, row_valid, offs_n, col_valid, N, stride_cm, stride_cn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED_RAW: tl.constexpr):
-    """Zero output rows for pairs that contribute nothing (both halves of a raw gated row)."""
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
-    mask = row_valid[:, None] & col_valid[None, :]
-    tl.store(c_ptrs, zeros, mask=mask)
-    if GATED_RAW:
-        tl.store(c_ptrs + N * stride_cn, zeros, mask=mask)
+def _grouped_tile(pid, max_padded, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid``'s (M block, N tile): GROUP_M blocks of M at a time walk the N tiles, so consecutive
+    programs reuse the same weight tiles from L2."""
+    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
+    pid_n = (pid % pids_per_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _direct_pair(expert_ids_ptr, pid_m, numel, num_experts, BLOCK_M: tl.constexpr):
+    """DIRECT_PAIRS: block ``pid_m`` is routed pair ``pid_m`` alone, in row 0; ``expert_ids_ptr`` is the
+    flat topk_ids. An id outside [0, E) runs on expert 0 (in bounds) and its row is stored as zero: a
+    branch on the loaded id would hold every load behind it. Returns (expert, pair per row, null)."""
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    null_pair = (expert < 0) | (expert >= num_experts)
+    expert = tl.where(null_pair, 0, expert)
+    pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
+    return expert, pair, null_pair
+
+
+@triton.jit
+def _store_rows(c_ptr, tile, pair, row_valid, cols, col_valid, stride_cm, stride_cn):
+    """c[pair[m], cols[n]] = tile[m, n] for valid rows and columns, in c's dtype; int64 offsets."""
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols.to(tl.int64)[None, :] * stride_cn
+    tl.store(c_ptrs, tile.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+@triton.jit
+def _row_scale(topk_weights_ptr, pair, row_valid, scale, MUL_ROUTED_WEIGHT: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """(BLOCK_M,) fp32: ``scale`` times each pair's routed weight when MUL_ROUTED_WEIGHT."""
+    row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
+    if MUL_ROUTED_WEIGHT:
+        row_scale *= tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+    return row_scale
 
 
 @triton.jit
@@ -113,23 +144,21 @@ def _gemm_k_loop(
     a_ptrs,  # (BLOCK_M, BLOCK_K) pointers to the block's rows of a, at K offset 0
     b_ptrs,  # (BLOCK_K, BLOCK_N) pointers to the expert's weight tile (gate rows when gated)
     up_ptrs,  # (BLOCK_K, BLOCK_N) the up rows' tile (GATED)
-    la_ptrs,  # (BLOCK_K, LORA_R) the main slot's LoRA A tile (fused path)
+    la_ptrs,  # (BLOCK_K, LORA_R) the main slot's LoRA A tile (INLINE_SHRINK)
     row_valid,  # (BLOCK_M,)
     col_valid,  # (BLOCK_N,)
-    la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (fused path)
+    la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (INLINE_SHRINK)
     offs_k,  # (BLOCK_K,)
     K, stride_ak, stride_bk, stride_la_k, lora_up_offset,
     acc, acc_up, shrink_gate, shrink_up,  # fp32 accumulators, returned updated
     GATED: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    LORA_SHRINK: tl.constexpr,
+    INLINE_SHRINK: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); on the fused path (LoRA with
-    LORA_SHRINK 0) the block's main slot's LoRA shrink rides on the same a tile:
-    ``shrink_gate/up += a @ A_gate/up``."""
+    """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); with INLINE_SHRINK (LORA_FUSED)
+    the block's main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``."""
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
@@ -146,17 +175,16 @@ def _gemm_k_loop(
                 b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
             up_ptrs += BLOCK_K * stride_bk
-        if HAS_LORA:
-            if LORA_SHRINK == 0:
-                if EVEN_K:
-                    la_mask = la_rank_valid[None, :]
-                else:
-                    la_mask = k_valid[:, None] & la_rank_valid[None, :]
-                shrink_gate = _dot(a, tl.load(la_ptrs, mask=la_mask, other=0.0), shrink_gate, FP32_IEEE)
-                if GATED:
-                    shrink_up = _dot(a, tl.load(la_ptrs + lora_up_offset, mask=la_mask, other=0.0), shrink_up,
-                                     FP32_IEEE)
-                la_ptrs += BLOCK_K * stride_la_k
+        if INLINE_SHRINK:
+            if EVEN_K:
+                la_mask = la_rank_valid[None, :]
+            else:
+                la_mask = k_valid[:, None] & la_rank_valid[None, :]
+            shrink_gate = _dot(a, tl.load(la_ptrs, mask=la_mask, other=0.0), shrink_gate, FP32_IEEE)
+            if GATED:
+                shrink_up = _dot(a, tl.load(la_ptrs + lora_up_offset, mask=la_mask, other=0.0), shrink_up,
+                                 FP32_IEEE)
+            la_ptrs += BLOCK_K * stride_la_k
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc, acc_up, shrink_gate, shrink_up
@@ -180,7 +208,7 @@ def _fused_moe_kernel(
     topk_weights_ptr,  # (numel,) fp32, read when MUL_ROUTED_WEIGHT
     numel, max_padded,
     a_row_div,  # pair p reads row p // a_row_div of a (top_k for GEMM1, 1 for GEMM2)
-    # LoRA (HAS_LORA): each token's slot and the slots' tables
+    # LoRA (LORA != LORA_NONE): each token's slot and the slots' tables
     token_slots_ptr,  # (M,) int32 adapter slot per token, -1 = none
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
@@ -190,8 +218,8 @@ def _fused_moe_kernel(
     lora_up_offset,  # offset of the up rows in lora_a
     lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
     stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-    shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials  (LORA_SHRINK == 1)
-    #             or, with LORA_EXT, (numel, 2*LORA_R or LORA_R) a's dtype: packed (pack_shrink_partials)
+    shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials (LORA >= LORA_ONE_ROW)
+    #             or, for LORA_SLOT_RANGE, (numel, 2*LORA_R or LORA_R) a's dtype: packed
     stride_ss, stride_sm,
     num_shrink_splits,
     down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
@@ -204,17 +232,14 @@ def _fused_moe_kernel(
     sum_counters_ptr,  # (num_counters,) int32 GEMM2 column arrivals
     num_counters, num_tokens, top_k,
     # Meta-parameters
-    HAS_LORA: tl.constexpr,
-    LORA_SHRINK: tl.constexpr,
+    LORA: tl.constexpr,  # the LoRA variant (lora_epilogues.LORA_*), LORA_NONE for the base GEMM
     LORA_R: tl.constexpr,
     LORA_CHUNK_R: tl.constexpr,
     LORA_SPLITS: tl.constexpr,
     LORA_SPLIT_CHUNK: tl.constexpr,
     LORA_GROUP: tl.constexpr,
-    LORA_PREFETCH: tl.constexpr,
-    LORA_UNROLL: tl.constexpr,
     LORA_SKIP_PAST_RANK: tl.constexpr,
-    ONE_ROW: tl.constexpr,
+    LORA_EXT_K: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -225,16 +250,16 @@ def _fused_moe_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    DIRECT_PAIRS: tl.constexpr = False,
-    ZERO_COUNTERS: tl.constexpr = False,
-    COUNTERS_BLOCK: tl.constexpr = 16,
-    FUSED_SUM: tl.constexpr = False,
-    SUM_BLOCK_T: tl.constexpr = 16,
-    USE_PDL: tl.constexpr = False,
+    DIRECT_PAIRS: tl.constexpr,
+    ZERO_COUNTERS: tl.constexpr,
+    COUNTERS_BLOCK: tl.constexpr,
+    FUSED_SUM: tl.constexpr,
+    SUM_BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # set by programmatic_launch where dependent launch exists
     LATE_WAIT: tl.constexpr = False,
-    LORA_EXT: tl.constexpr = False,
-    LORA_EXT_K: tl.constexpr = 16,
 ):
+    GATED: tl.constexpr = ACTIVATION != 0
+    # ---- prologue: the program's tile, its routed pairs and expert ----
     # LATE_WAIT: launched dependently after a kernel that writes only the LoRA shrink partials, which the
     # epilogue alone reads: the base K-loop runs first, the wait comes after it.
     if not LATE_WAIT:
@@ -245,37 +270,27 @@ def _fused_moe_kernel(
             counter_offs = tl.arange(0, COUNTERS_BLOCK)
             tl.store(sum_counters_ptr + counter_offs, tl.zeros((COUNTERS_BLOCK,), dtype=tl.int32),
                      mask=counter_offs < num_counters)
-    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    group_id = pid // pids_per_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
-    pid_n = (pid % pids_per_group) // group_size_m
-
+    pid_m, pid_n = _grouped_tile(pid, max_padded, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = offs_n < N
     if DIRECT_PAIRS:
-        # expert_ids_ptr is the flat topk_ids (numel,); block pid_m is pair pid_m in its first row.
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        null_pair = (expert < 0) | (expert >= num_experts)
-        expert = tl.where(null_pair, 0, expert)  # in bounds; the stored row is zero (epilogue)
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
+        expert, pair, null_pair = _direct_pair(expert_ids_ptr, pid_m, numel, num_experts, BLOCK_M)
         used_blocks = numel
     else:
         num_post_padded = tl.load(num_post_padded_ptr)
         if pid_m * BLOCK_M >= num_post_padded:
             return
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids_ptr + offs_m)
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         used_blocks = num_post_padded // BLOCK_M
         if expert < 0:
-            # A null block: zero rows, and this column's arrival for the fused top-k sum.
+            # A null block (pairs whose id is outside [0, E)): zero rows (both halves of a raw gated
+            # row), and this column's arrival for the fused top-k sum.
             wait_for_previous_kernel_late(LATE_WAIT)
-            _store_null_rows(c_ptr, pair, pair < numel, offs_n, col_valid, N, stride_cm, stride_cn,
-                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED_RAW=ACTIVATION == 3)
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            _store_rows(c_ptr, zeros, pair, pair < numel, offs_n, col_valid, stride_cm, stride_cn)
+            if ACTIVATION == 3:
+                _store_rows(c_ptr, zeros, pair, pair < numel, offs_n + N, col_valid, stride_cm, stride_cn)
             if FUSED_SUM:
                 finish_topk_sum_if_last(
                     c_ptr, sum_out_ptr, sum_counters_ptr + pid_n, used_blocks, offs_n, col_valid, num_tokens,
@@ -286,288 +301,122 @@ def _fused_moe_kernel(
     a_row = (pair // a_row_div).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
 
-    if HAS_LORA:
+    # ---- prologue: the LoRA operands wanted before the K-loop (lora_epilogues) ----
+    if LORA != LORA_NONE:
         row_slot = tl.load(token_slots_ptr + pair // slot_row_div, mask=row_valid, other=-1)
         has_slot = row_valid & (row_slot >= 0)
-        offs_r = tl.arange(0, LORA_R)
-        if LORA_SHRINK == 0:
-            # The shrink of the block's main slot rides in the base K-loop (same x tile, same
-            # iterations); any other slot in the block gets its own pass over K first.
-            main_slot = tl.max(tl.where(has_slot, row_slot, -1), axis=0)
-            in_main = has_slot & (row_slot == main_slot)
-            main_safe = tl.maximum(main_slot, 0)
-            main_rank = tl.where(main_slot >= 0, tl.load(slot_ranks_ptr + main_safe), 0)
-            main_rank_valid = offs_r < main_rank
-            la_ptrs = (lora_a_ptr + tl.cast(main_safe, tl.int64) * stride_la_l + expert * stride_la_e
-                       + offs_r[None, :] * stride_la_r + offs_k[:, None] * stride_la_k)
-            main_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-            main_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-            lora_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-            lora_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-            others = has_slot & (row_slot != main_slot)
-            slot = first_slot(row_slot, others)
-            while slot < (1 << 30):
-                in_slot = others & (row_slot == slot)
-                la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
-                lora_gate, lora_up = lora_shrink_tile(
-                    lora_gate, lora_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
-                    tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, stride_la_r, stride_la_k,
-                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
-                )
-                slot = next_slot(row_slot, others, slot)
+        down_a0 = tl.zeros((BLOCK_N, LORA_R), dtype=down_a_ptr.dtype.element_ty)  # unless prefetched
+    if LORA == LORA_FUSED:
+        la_ptrs, main_rank_valid, in_main, main_gate, main_up, lora_gate, lora_up = fused_shrink_prologue(
+            a_ptr, a_row, row_slot, has_slot, expert, offs_k, K, stride_am, stride_ak, lora_a_ptr,
+            stride_la_l, stride_la_e, stride_la_r, stride_la_k, lora_up_offset, slot_ranks_ptr,
+            GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, LORA_R=LORA_R)
+    elif LORA == LORA_ONE_ROW:
+        (shrunk_rows, one_has, one_rank, one_scaling, one_rows, b0_gate, b0_up, down_a0, gate_parts,
+         up_parts) = one_row_prologue(
+            pair, pid_m, expert, offs_n, col_valid, N, token_slots_ptr, slot_row_div, slot_ranks_ptr,
+            slot_scalings_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, shrunk_ptr,
+            stride_ss, stride_sm, num_shrink_splits, down_a_ptr, stride_da_l, stride_da_e, stride_da_r,
+            stride_da_k, GATED=GATED, DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT,
+            LORA_SPLITS=LORA_SPLITS, LORA_R=LORA_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    elif LORA != LORA_NONE:
+        shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
+        row_scaling = tl.load(slot_scalings_ptr + tl.where(has_slot, row_slot, 0), mask=has_slot, other=0.0)
+        if LORA == LORA_PREFETCHED:
+            pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, down_a0 = prefetch_prologue(
+                shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr,
+                lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, num_shrink_splits,
+                stride_ss, down_a_ptr, stride_da_l, stride_da_e, stride_da_r, stride_da_k, GATED=GATED,
+                DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT, LORA_SPLITS=LORA_SPLITS,
+                LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R, BLOCK_N=BLOCK_N)
 
-        if LORA_SHRINK == 1 and ONE_ROW:
-            # One decode token (direct pairs): row 0, pair pid_m, is the program's only row, so its slot
-            # is a scalar load beside the expert's and no reduction finds it; nothing loaded here is used
-            # before the K-loop (rank masks and scaling apply after it), so the weights stream at once
-            # instead of after two dependent round trips (slot, then its rank) and the slot reductions.
-            shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
-            one_slot = tl.load(token_slots_ptr + pid_m // slot_row_div)
-            one_has = one_slot >= 0
-            one_safe = tl.where(one_has, one_slot, 0).to(tl.int64)
-            one_rank = tl.load(slot_ranks_ptr + one_safe)
-            one_scaling = tl.load(slot_scalings_ptr + one_safe)
-            # Masks from the slot broadcast first (the interpreter rejects scalar & block masks).
-            one_has_r = (tl.zeros((LORA_R,), dtype=tl.int32) + one_slot) >= 0
-            one_rows = (tl.arange(0, BLOCK_M) == 0) & ((tl.zeros((BLOCK_M,), dtype=tl.int32) + one_slot) >= 0)
-            # The one slot as a group of one (absent: 2**30), its tiles rank-masked after the loop.
-            one_col_slot = tl.where(one_has_r, one_slot, 1 << 30)
-            b0_gate = load_group_b(lora_b_ptr, one_col_slot, expert, offs_n, col_valid, slot_ranks_ptr,
-                                   stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=1,
-                                   RANK_MASK_LATER=True)
-            b0_up = b0_gate
-            if ACTIVATION != 0:
-                b0_up = load_group_b(lora_b_ptr + N * stride_lb_n, one_col_slot, expert, offs_n, col_valid,
-                                     slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                                     LORA_R=LORA_R, GROUP=1, RANK_MASK_LATER=True)
-            if DOWN_PREFETCH:
-                da0 = tl.load(
-                    down_a_ptr + one_safe * stride_da_l + expert * stride_da_e
-                    + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
-                    mask=col_valid[:, None] & one_has_r[None, :], other=0.0)
-            if not LATE_WAIT:
-                # Summed after the K-loop (one chunk: ``one_row_lora``).
-                gate_parts = load_raw_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, one_rows,
-                                               SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
-                if ACTIVATION != 0:
-                    up_parts = load_raw_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, one_rows,
-                                                 SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
-        elif LORA_SHRINK == 1:
-            shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
-            row_scaling = tl.load(slot_scalings_ptr + tl.where(has_slot, row_slot, 0), mask=has_slot,
-                                  other=0.0)
-            if LORA_PREFETCH:
-                # Everything the epilogue reads for the block's first slot group is loaded before the
-                # K-loop, so its latency hides behind the loop instead of following it in every tile
-                # (the partials only once they are written: after the late wait).
-                if not LATE_WAIT:
-                    pre_gate, pre_up = load_scaled_gate_up_partials(
-                        shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling,
-                        GATED=ACTIVATION != 0, SPLITS=LORA_SPLITS, LORA_R=LORA_R,
-                        SPLIT_CHUNK=LORA_SPLIT_CHUNK)
-                slot0 = first_slot(row_slot, has_slot)
-                col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
-                                                                LORA_R=LORA_R)
-                b0_gate = load_group_b(lora_b_ptr, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
-                                       stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R,
-                                       GROUP=LORA_GROUP)
-                b0_up = b0_gate
-                if ACTIVATION != 0:
-                    b0_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot0, expert, offs_n, col_valid,
-                                         slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                                         LORA_R=LORA_R, GROUP=LORA_GROUP)
-                if DOWN_PREFETCH:
-                    # The down shrink's A tile for the first slot too: the epilogue's last dependent load.
-                    has0 = slot0 < (1 << 30)
-                    slot0_safe = tl.where(has0, slot0, 0)
-                    rank0 = tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe), 0)
-                    da0 = tl.load(
-                        down_a_ptr + tl.cast(slot0_safe, tl.int64) * stride_da_l + expert * stride_da_e
-                        + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
-                        mask=col_valid[:, None] & (offs_r < rank0)[None, :], other=0.0)
-
+    # ---- K-loop ----
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
     b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up_ptrs, acc_up = b_ptrs, acc  # the up half's, when gated
-    if ACTIVATION != 0:
+    if GATED:
         up_ptrs = b_base + (offs_n + N).to(tl.int64)[None, :] * stride_bn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Without the fused path's inline shrink nothing rides along: placeholders the loop passes through.
-    if not HAS_LORA:
-        la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
-    elif LORA_SHRINK != 0:
+    if LORA != LORA_FUSED:  # nothing rides along the loop: placeholders it passes through
         la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
     acc, acc_up, main_gate, main_up = _gemm_k_loop(
         a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, K, stride_ak,
-        stride_bk, stride_la_k, lora_up_offset, acc, acc_up, main_gate, main_up, GATED=ACTIVATION != 0,
-        HAS_LORA=HAS_LORA, LORA_SHRINK=LORA_SHRINK, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
+        stride_bk, stride_la_k, lora_up_offset, acc, acc_up, main_gate, main_up, GATED=GATED,
+        INLINE_SHRINK=LORA == LORA_FUSED, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
     )
 
+    # ---- epilogue: the LoRA delta (lora_epilogues), then routed weight, activation and store ----
     wait_for_previous_kernel_late(LATE_WAIT)
-    if HAS_LORA:
-        if ACTIVATION == 0:
-            # One accumulator: the expand helpers take and hand back an up tile they leave alone.
-            acc_up = acc
-        if LORA_SHRINK == 0:
-            lora_gate = tl.where(in_main[:, None], main_gate, lora_gate)
-            lora_up = tl.where(in_main[:, None], main_up, lora_up)
-            acc, acc_up = lora_expand_slots(
-                acc, acc_up, lora_gate, lora_up, row_valid, row_slot, lora_b_ptr, expert, offs_n,
-                col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e,
-                stride_lb_n, stride_lb_r, GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-            )
-        elif ONE_ROW:
-            # The same values and dots as the prefetch branch below, so the two give the same bits.
-            one_rank_valid = offs_r < one_rank
-            b0_gate = mask_group_ranks(b0_gate, tl.zeros((LORA_R,), dtype=tl.int32) + one_rank, LORA_R=LORA_R)
-            b0_up = mask_group_ranks(b0_up, tl.zeros((LORA_R,), dtype=tl.int32) + one_rank, LORA_R=LORA_R)
-            if one_has:
-                if LATE_WAIT:  # the partials are written by now, not before the K-loop
-                    u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, one_rows,
-                                             SPLITS=LORA_SPLITS, CHUNK_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
-                else:
-                    u = sum_raw_partials(gate_parts)
-                u = tl.where(one_rows[:, None], u * one_scaling, 0.0).to(b0_gate.dtype)
-                acc = _dot(u, b0_gate, acc, FP32_IEEE)
-                if ACTIVATION != 0:
-                    if LATE_WAIT:
-                        u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, one_rows,
-                                                 SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                                 SPLIT_CHUNK=LORA_SPLIT_CHUNK)
-                    else:
-                        u = sum_raw_partials(up_parts)
-                    u = tl.where(one_rows[:, None], u * one_scaling, 0.0).to(b0_up.dtype)
-                    acc_up = _dot(u, b0_up, acc_up, FP32_IEEE)
-        elif LORA_EXT:
-            # The shrink comes packed (summed, scaled, rounded: pack_shrink_partials); the expand is a
-            # K-loop of its own over the block's slot range, slots side by side (lora_ext_expand).
-            slot_hi = tl.max(tl.where(has_slot, row_slot, -1), axis=0) + 1
-            slot_lo = tl.minimum(tl.min(tl.where(has_slot, row_slot, 1 << 30), axis=0), slot_hi)
-            acc = lora_expand_slot_range(
-                acc, shrunk_rows, 0, row_slot, has_slot, slot_lo, slot_hi, lora_b_ptr, expert, offs_n,
-                col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
-            )
-            if ACTIVATION != 0:
-                acc_up = lora_expand_slot_range(
-                    acc_up, shrunk_rows, LORA_R, row_slot, has_slot, slot_lo, slot_hi,
-                    lora_b_ptr + N * stride_lb_n, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-                    stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                    EXT_K=LORA_EXT_K,
-                )
-        # Split path: the shrink was precomputed by moe_lora_a as split-K partials.
-        elif LORA_PREFETCH:
-            if LATE_WAIT:
-                pre_gate, pre_up = load_scaled_gate_up_partials(
-                    shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=ACTIVATION != 0,
-                    SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
-            if slot0 < (1 << 30):
-                acc = _dot(
-                    spread_to_group(pre_gate, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_gate.dtype),
-                    b0_gate, acc, FP32_IEEE)
-                if ACTIVATION != 0:
-                    acc_up = _dot(
-                        spread_to_group(pre_up, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b0_up.dtype),
-                        b0_up, acc_up, FP32_IEEE)
-                # Slots past the first group (more adapters in the block than LORA_GROUP).
-                acc, acc_up = lora_expand_groups(
-                    acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-                    offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                    GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
-                )
-        elif LORA_CHUNK_R >= LORA_R and LORA_GROUP > 1:
-            # One rank chunk: every row's partials in one load, then one dot per group of slots.
-            u, u_up = load_scaled_gate_up_partials(
-                shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=ACTIVATION != 0,
-                SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
-            acc, acc_up = lora_expand_groups(
-                acc, acc_up, u, u_up, row_slot, has_slot, first_slot(row_slot, has_slot), lora_b_ptr, expert,
-                offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                GATED=ACTIVATION != 0, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
-            )
-        elif LORA_UNROLL:
-            # One-block tiles, one rank chunk: every row's partials in one load, then a dot per slot;
-            # gate, then up (both shrinks at once spilled at 128x64).
-            slot = first_slot(row_slot, has_slot)
-            u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
-                                     SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                     SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-            acc = lora_expand_unrolled(
-                acc, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, slot_ranks_ptr,
-                stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-            )
-            if ACTIVATION != 0:
-                u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
-                                         SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                         SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-                acc_up = lora_expand_unrolled(
-                    acc_up, u, row_slot, has_slot, slot, lora_b_ptr + N * stride_lb_n, expert, offs_n,
-                    col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
-                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-                )
-        else:
-            # Wide ranks on big tiles: partials and B a slot and a rank chunk at a time, after the K-loop
-            # (few registers beside the accumulators: the grouped form spilled at 128x64 and was slower;
-            # docs/performance.md, 'Levers': slot groups on big tiles).
-            slot = first_slot(row_slot, has_slot)
-            while slot < (1 << 30):
-                in_slot = has_slot & (row_slot == slot)
-                rank = tl.load(slot_ranks_ptr + slot)
-                scaling = tl.load(slot_scalings_ptr + slot)
-                lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
-                acc = lora_expand_from_partials(
-                    acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
-                    rank, scaling, stride_lb_n, stride_lb_r,
-                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, SPLITS=LORA_SPLITS,
-                    SPLIT_CHUNK=LORA_SPLIT_CHUNK, SKIP_PAST_RANK=LORA_SKIP_PAST_RANK,
-                )
-                if ACTIVATION != 0:
-                    acc_up = lora_expand_from_partials(
-                        acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
-                        lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
-                        stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
-                        SPLITS=LORA_SPLITS, SPLIT_CHUNK=LORA_SPLIT_CHUNK, SKIP_PAST_RANK=LORA_SKIP_PAST_RANK,
-                    )
-                slot = next_slot(row_slot, has_slot, slot)
+    if not GATED:
+        acc_up = acc  # one accumulator: the expand helpers hand back an up tile they leave alone
+    if LORA == LORA_FUSED:
+        acc, acc_up = lora_expand_slots(
+            acc, acc_up, tl.where(in_main[:, None], main_gate, lora_gate),
+            tl.where(in_main[:, None], main_up, lora_up), row_valid, row_slot, lora_b_ptr, expert, offs_n,
+            col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+            stride_lb_r, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+        )
+    elif LORA == LORA_ONE_ROW:
+        acc, acc_up = one_row_expand(
+            acc, acc_up, shrunk_rows, one_has, one_rank, one_scaling, one_rows, b0_gate, b0_up, gate_parts,
+            up_parts, num_shrink_splits, stride_ss, GATED=GATED, LATE_WAIT=LATE_WAIT, FP32_IEEE=FP32_IEEE,
+            LORA_SPLITS=LORA_SPLITS, LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_R=LORA_R)
+    elif LORA == LORA_PREFETCHED:
+        acc, acc_up = prefetched_expand(
+            acc, acc_up, pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, shrunk_rows,
+            row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr, lora_b_ptr,
+            stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, num_shrink_splits, stride_ss, GATED=GATED,
+            LATE_WAIT=LATE_WAIT, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
+            LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
+    elif LORA == LORA_GROUPS:
+        acc, acc_up = grouped_expand(
+            acc, acc_up, shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
+            slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
+            LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
+    elif LORA == LORA_UNROLLED:
+        acc, acc_up = unrolled_expand(
+            acc, acc_up, shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
+            slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
+            LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_R=LORA_R)
+    elif LORA == LORA_CHUNKED:
+        acc, acc_up = chunked_expand(
+            acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
+            slot_scalings_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
+            LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_CHUNK_R=LORA_CHUNK_R,
+            LORA_SKIP_PAST_RANK=LORA_SKIP_PAST_RANK, LORA_R=LORA_R)
+    elif LORA == LORA_SLOT_RANGE:
+        acc, acc_up = slot_range_expand(
+            acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
+            lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=GATED, FP32_IEEE=FP32_IEEE,
+            LORA_R=LORA_R, LORA_EXT_K=LORA_EXT_K)
 
-    row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
-    if MUL_ROUTED_WEIGHT:
-        row_scale *= tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+    row_scale = _row_scale(topk_weights_ptr, pair, row_valid, scale, MUL_ROUTED_WEIGHT, BLOCK_M)
     if DIRECT_PAIRS:
         row_scale = tl.where(null_pair, 0.0, row_scale)
     acc *= row_scale[:, None]
-    if ACTIVATION != 0:
+    if GATED:
         acc_up *= row_scale[:, None]
-        if ACTIVATION == 3:
-            up_cols = (offs_n + N).to(tl.int64)
-            up_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + up_cols[None, :] * stride_cn
-            tl.store(up_ptrs, acc_up.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+        if ACTIVATION == 3:  # raw gate and up halves, for the staged LoRA path
+            _store_rows(c_ptr, acc_up, pair, row_valid, offs_n + N, col_valid, stride_cm, stride_cn)
         else:
             acc = _gated_activation(acc, acc_up, ACTIVATION)
-            if DOWN_SHRINK and ONE_ROW and DOWN_PREFETCH:
-                # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
-                if one_has:
-                    part = _dot(acc.to(c_ptr.dtype.element_ty), tl.where(one_rank_valid[None, :], da0, 0.0),
-                                tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32), FP32_IEEE)
-                    down_rows = down_shrunk_ptr + pair.to(tl.int64) * stride_dm + pid_n * stride_ds
-                    tl.store(down_rows[:, None] + offs_r[None, :], part, mask=one_rows[:, None])
-            elif DOWN_SHRINK:
-                # GEMM2's shrink on the tile just activated (as GEMM2 will read it): no launch re-reading h.
-                if not DOWN_PREFETCH:
-                    da0 = tl.zeros((BLOCK_N, LORA_R), dtype=c_ptr.dtype.element_ty)
-                lora_store_down_partials(
-                    acc.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid,
-                    pid_n, down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, da0, stride_da_l, stride_da_e,
-                    stride_da_r, stride_da_k, stride_ds, stride_dm,
-                    FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, FIRST_PREFETCHED=DOWN_PREFETCH,
-                )
-
+            if DOWN_SHRINK:
+                if LORA != LORA_ONE_ROW:  # its scalars exist only there
+                    one_has, one_rank, one_rows = 0, 0, row_valid
+                down_shrink_epilogue(
+                    acc.to(c_ptr.dtype.element_ty), pair, row_slot, has_slot, expert, offs_n, col_valid,
+                    pid_n, one_has, one_rank, one_rows, down_a0, down_a_ptr, stride_da_l, stride_da_e,
+                    stride_da_r, stride_da_k, down_shrunk_ptr, stride_ds, stride_dm, slot_ranks_ptr,
+                    ONE_ROW=LORA == LORA_ONE_ROW, DOWN_PREFETCH=DOWN_PREFETCH, FP32_IEEE=FP32_IEEE,
+                    LORA_R=LORA_R, LORA_CHUNK_R=LORA_CHUNK_R, BLOCK_M=BLOCK_M)
     if DIRECT_PAIRS:
         acc = tl.where(null_pair, 0.0, acc)
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+    _store_rows(c_ptr, acc, pair, row_valid, offs_n, col_valid, stride_cm, stride_cn)
     if FUSED_SUM:
         finish_topk_sum_if_last(
             c_ptr, sum_out_ptr, sum_counters_ptr + pid_n, used_blocks, offs_n, col_valid, num_tokens, top_k,
@@ -954,35 +803,49 @@ class LoRAEpilogue:
     """How one GEMM launch runs its LoRA (the kernel's LoRA meta-parameters), from host-known sizes only.
 
     Attributes:
-        shrink: 0: the shrink rides in the base K-loop (``fused`` path); 1: precomputed partials or a packed
-            shrink are read (``split`` path).
+        variant: the kernel's ``LORA`` (``lora_epilogues.LORA_*``): where the shrink comes from and how the
+            expand is tiled (``lora_variant``).
         chunk_r: rank columns per expand chunk (``lora_rank_chunk``).
         splits, split_chunk: split-K partials per pair (a power of two) and how many one 3-D load sums.
         group: slots expanded side by side per dot (``lora_tile_slot_group``).
-        prefetch: the first slot group's operands load before the K-loop (``lora_prefetch_pays``).
-        unroll: every row's partials loaded once, then a slot at a time (``lora_unroll_slots``).
         skip_past_rank: rank chunks past a slot's rank are skipped (``lora_skip_past_rank``).
-        one_row: one decode token's scalar prologue (``one_row_lora``).
         down_shrink, down_prefetch: GEMM1's epilogue writes GEMM2's shrink partials (its first A tile
             prefetched when the grid fits one wave).
-        ext, ext_k: expand a packed shrink over the block's slot range, ``ext_k`` columns a step.
+        ext_k: columns a step of the slot-range expand (LORA_SLOT_RANGE).
         max_registers: the register cap of the launch (``lora_register_cap``), None for none.
     """
 
-    shrink: int
+    variant: int
     chunk_r: int
     splits: int
     split_chunk: int
     group: int
-    prefetch: bool
-    unroll: bool
     skip_past_rank: bool
-    one_row: bool
     down_shrink: bool
     down_prefetch: bool
-    ext: bool
     ext_k: int
     max_registers: int | None
+
+
+def lora_variant(*, split: bool, packed: bool, one_row: bool, prefetch: bool, one_chunk: bool, group: int,
+                 unroll: bool) -> int:
+    """The kernel's LoRA variant from the launch decisions: ``split`` (the shrink is precomputed),
+    ``packed`` (summed and scaled already), ``one_row`` (``one_row_lora``), ``prefetch``
+    (``lora_prefetch_pays``), ``one_chunk`` (the rank tile is one expand chunk), ``group`` (slots a dot)
+    and ``unroll`` (``lora_unroll_slots``)."""
+    if not split:
+        return LORA_FUSED.value
+    if packed:
+        return LORA_SLOT_RANGE.value
+    if one_row:
+        return LORA_ONE_ROW.value
+    if prefetch:
+        return LORA_PREFETCHED.value
+    if one_chunk and group > 1:
+        return LORA_GROUPS.value
+    if unroll:
+        return LORA_UNROLLED.value
+    return LORA_CHUNKED.value
 
 
 def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, activation_code: int,
@@ -1012,21 +875,19 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
                            split_chunk=split_chunk, programs=programs, device=a.device)
     unroll = one_chunk and lora_unroll_slots(config, gated=gated, group=group, prefetch=prefetch,
                                              elem_bytes=elem_bytes)
-    inline_cols = 0 if lora.shrunk is not None or ext else (2 if gated else 1) * lora.rank_block
+    split = lora.shrunk is not None or ext
+    inline_cols = 0 if split else (2 if gated else 1) * lora.rank_block
     return LoRAEpilogue(
-        shrink=1 if lora.shrunk is not None or ext else 0,
+        variant=lora_variant(split=split, packed=ext, one_row=one_row, prefetch=prefetch, one_chunk=one_chunk,
+                             group=group, unroll=unroll),
         chunk_r=chunk_r,
         splits=splits,
         split_chunk=split_chunk,
         group=group,
-        prefetch=prefetch,
-        unroll=unroll,
         skip_past_rank=lora_skip_past_rank(config, gated=gated, elem_bytes=elem_bytes),
-        one_row=one_row,
         down_shrink=down_shrink,
         down_prefetch=(env_switch("MOELORA_DOWN_PREFETCH", default=True) and prefetch and down_shrink
                        and _fits_one_wave(numel * triton.cdiv(out_n, config.block_n), a.device)),
-        ext=ext,
         ext_k=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
         max_registers=lora_register_cap(config, gated=gated, elem_bytes=elem_bytes, lora_cols=inline_cols),
     )
@@ -1045,9 +906,8 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
                              "stride_lb_e", "stride_lb_n", "stride_lb_r", "stride_ss", "stride_sm",
                              "stride_da_l", "stride_da_e", "stride_da_r", "stride_da_k", "stride_ds",
                              "stride_dm"), 0),
-            HAS_LORA=False, LORA_SHRINK=0, LORA_R=16, LORA_CHUNK_R=16, LORA_SPLITS=1, LORA_SPLIT_CHUNK=1,
-            LORA_GROUP=1, LORA_PREFETCH=False, LORA_UNROLL=False, LORA_SKIP_PAST_RANK=False, ONE_ROW=False,
-            DOWN_SHRINK=False, DOWN_PREFETCH=False, LORA_EXT=False, LORA_EXT_K=16,
+            LORA=LORA_NONE.value, LORA_R=16, LORA_CHUNK_R=16, LORA_SPLITS=1, LORA_SPLIT_CHUNK=1, LORA_GROUP=1,
+            LORA_SKIP_PAST_RANK=False, LORA_EXT_K=16, DOWN_SHRINK=False, DOWN_PREFETCH=False,
         )
     la, lb, shrunk, packed = lora.lora_a, lora.lora_b, lora.shrunk, lora.packed
     da, ds = (lora.down_a, lora.down_shrunk) if epilogue.down_shrink else (None, None)
@@ -1080,21 +940,16 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
         down_shrunk_ptr=ds if ds is not None else c,
         stride_ds=ds.stride(1) if ds is not None else 0,
         stride_dm=ds.stride(0) if ds is not None else 0,
-        HAS_LORA=True,
-        LORA_SHRINK=epilogue.shrink,
+        LORA=epilogue.variant,
         LORA_R=lora.rank_block,
         LORA_CHUNK_R=epilogue.chunk_r,
         LORA_SPLITS=epilogue.splits,
         LORA_SPLIT_CHUNK=epilogue.split_chunk,
         LORA_GROUP=epilogue.group,
-        LORA_PREFETCH=epilogue.prefetch,
-        LORA_UNROLL=epilogue.unroll,
         LORA_SKIP_PAST_RANK=epilogue.skip_past_rank,
-        ONE_ROW=epilogue.one_row,
+        LORA_EXT_K=epilogue.ext_k,
         DOWN_SHRINK=epilogue.down_shrink,
         DOWN_PREFETCH=epilogue.down_prefetch,
-        LORA_EXT=epilogue.ext,
-        LORA_EXT_K=epilogue.ext_k,
     )
 
 
