@@ -88,11 +88,9 @@ def test_forced_tiles_and_rank_chunks(path, block_m, block_n, warps):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("skip", ["0", "1"])
-def test_rank_chunks_with_and_without_branches(monkeypatch, skip):
-    """The split epilogue's 16-column rank chunks, branched around past a slot's rank or run masked
-    (``lora_skip_past_rank``, forced both ways): ranks 29 and 3 in a max-rank-32 pool on 32x256 tiles."""
-    monkeypatch.setenv("MOELORA_LORA_RANK_SKIP", skip)
+def test_rank_chunks_past_a_slots_rank():
+    """The split epilogue's 16-column rank chunks, those past a slot's rank branched around: ranks 29 and
+    3 in a max-rank-32 pool on 32x256 tiles (rank 3 skips its second chunk, 29 runs both)."""
     gen = torch.Generator().manual_seed(17)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
         m=9, hidden=100, inter=40, num_experts=5, top_k=2, ranks=(29, 3), max_rank=32, num_slots=3,
@@ -101,16 +99,6 @@ def test_rank_chunks_with_and_without_branches(monkeypatch, skip):
     gemm = GemmConfig(32, 256, 32, 1, 4, 2)
     out = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split", config=MoEConfig(gemm, gemm))
     assert_matches_reference(out, ref, base)
-
-
-def test_skip_past_rank_rule(monkeypatch):
-    from triton_ops.fused_moe import lora_skip_past_rank
-
-    monkeypatch.delenv("MOELORA_LORA_RANK_SKIP", raising=False)
-    assert not lora_skip_past_rank(GemmConfig(128, 64, 128, 8, 8, 3), gated=True)  # 192 KiB: one block/SM
-    assert lora_skip_past_rank(GemmConfig(64, 64, 64, 8, 4, 4), gated=True)  # 96 KiB: two blocks/SM
-    monkeypatch.setenv("MOELORA_LORA_RANK_SKIP", "1")
-    assert lora_skip_past_rank(GemmConfig(128, 64, 128, 8, 8, 3), gated=True)
 
 
 @pytest.mark.interpreter

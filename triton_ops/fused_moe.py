@@ -238,7 +238,6 @@ def _fused_moe_kernel(
     LORA_SPLITS: tl.constexpr,
     LORA_SPLIT_CHUNK: tl.constexpr,
     LORA_GROUP: tl.constexpr,
-    LORA_SKIP_PAST_RANK: tl.constexpr,
     LORA_EXT_K: tl.constexpr,
     DOWN_SHRINK: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
@@ -387,8 +386,7 @@ def _fused_moe_kernel(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
             slot_scalings_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
-            LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_CHUNK_R=LORA_CHUNK_R,
-            LORA_SKIP_PAST_RANK=LORA_SKIP_PAST_RANK, LORA_R=LORA_R)
+            LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_CHUNK_R=LORA_CHUNK_R, LORA_R=LORA_R)
     elif LORA == LORA_SLOT_RANGE:
         acc, acc_up = slot_range_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
@@ -678,19 +676,6 @@ def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
     return slots * rank_block
 
 
-def lora_skip_past_rank(config: GemmConfig, *, gated: bool, elem_bytes: int = 2) -> bool:
-    """Whether the split epilogue's rank chunks (``lora_rank_chunk``) branch around those past a slot's
-    real rank (``lora_expand_from_partials``; measured with 16-column chunks). Not on tiles that shared
-    memory holds to one block per SM: there the epilogue is exposed, and straight-line chunks (masked
-    past the rank: no bytes, a few idle MMAs) wait on their loads together. Where the epilogue is not
-    exposed (two-block tiles) straight-line chunks lost (docs/performance.md, 'Levers': straight-line rank
-    chunks). ``MOELORA_LORA_RANK_SKIP=1`` / ``=0`` forces either (to compare)."""
-    forced = os.environ.get("MOELORA_LORA_RANK_SKIP", "")
-    if forced:
-        return forced != "0"
-    return gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2
-
-
 def invoke_fused_moe_kernel(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -808,7 +793,6 @@ class LoRAEpilogue:
         chunk_r: rank columns per expand chunk (``lora_rank_chunk``).
         splits, split_chunk: split-K partials per pair (a power of two) and how many one 3-D load sums.
         group: slots expanded side by side per dot (``lora_tile_slot_group``).
-        skip_past_rank: rank chunks past a slot's rank are skipped (``lora_skip_past_rank``).
         down_shrink, down_prefetch: GEMM1's epilogue writes GEMM2's shrink partials (its first A tile
             prefetched when the grid fits one wave).
         ext_k: columns a step of the slot-range expand (LORA_SLOT_RANGE).
@@ -820,7 +804,6 @@ class LoRAEpilogue:
     splits: int
     split_chunk: int
     group: int
-    skip_past_rank: bool
     down_shrink: bool
     down_prefetch: bool
     ext_k: int
@@ -884,7 +867,6 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
         splits=splits,
         split_chunk=split_chunk,
         group=group,
-        skip_past_rank=lora_skip_past_rank(config, gated=gated, elem_bytes=elem_bytes),
         down_shrink=down_shrink,
         down_prefetch=(env_switch("MOELORA_DOWN_PREFETCH", default=True) and prefetch and down_shrink
                        and _fits_one_wave(numel * triton.cdiv(out_n, config.block_n), a.device)),
@@ -907,7 +889,7 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
                              "stride_da_l", "stride_da_e", "stride_da_r", "stride_da_k", "stride_ds",
                              "stride_dm"), 0),
             LORA=LORA_NONE.value, LORA_R=16, LORA_CHUNK_R=16, LORA_SPLITS=1, LORA_SPLIT_CHUNK=1, LORA_GROUP=1,
-            LORA_SKIP_PAST_RANK=False, LORA_EXT_K=16, DOWN_SHRINK=False, DOWN_PREFETCH=False,
+            LORA_EXT_K=16, DOWN_SHRINK=False, DOWN_PREFETCH=False,
         )
     la, lb, shrunk, packed = lora.lora_a, lora.lora_b, lora.shrunk, lora.packed
     da, ds = (lora.down_a, lora.down_shrunk) if epilogue.down_shrink else (None, None)
@@ -946,7 +928,6 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
         LORA_SPLITS=epilogue.splits,
         LORA_SPLIT_CHUNK=epilogue.split_chunk,
         LORA_GROUP=epilogue.group,
-        LORA_SKIP_PAST_RANK=epilogue.skip_past_rank,
         LORA_EXT_K=epilogue.ext_k,
         DOWN_SHRINK=epilogue.down_shrink,
         DOWN_PREFETCH=epilogue.down_prefetch,

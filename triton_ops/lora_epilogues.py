@@ -391,7 +391,6 @@ def chunked_expand(
     LORA_SPLITS: tl.constexpr,
     LORA_SPLIT_CHUNK: tl.constexpr,
     LORA_CHUNK_R: tl.constexpr,
-    LORA_SKIP_PAST_RANK: tl.constexpr,
     LORA_R: tl.constexpr,
 ):
     """LORA_CHUNKED (wide ranks on big tiles): partials and B a slot and a rank chunk at a time, so few
@@ -407,14 +406,14 @@ def chunked_expand(
             acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
             rank, scaling, stride_lb_n, stride_lb_r,
             FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, SPLITS=LORA_SPLITS,
-            SPLIT_CHUNK=LORA_SPLIT_CHUNK, SKIP_PAST_RANK=LORA_SKIP_PAST_RANK,
+            SPLIT_CHUNK=LORA_SPLIT_CHUNK,
         )
         if GATED:
             acc_up = lora_expand_from_partials(
                 acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
                 lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
                 stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
-                SPLITS=LORA_SPLITS, SPLIT_CHUNK=LORA_SPLIT_CHUNK, SKIP_PAST_RANK=LORA_SKIP_PAST_RANK,
+                SPLITS=LORA_SPLITS, SPLIT_CHUNK=LORA_SPLIT_CHUNK,
             )
         slot = next_slot(row_slot, has_slot, slot)
     return acc, acc_up

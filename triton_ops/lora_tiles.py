@@ -203,16 +203,11 @@ def lora_expand_from_partials(
     CHUNK_R: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
-    SKIP_PAST_RANK: tl.constexpr = True,
 ):
     """Expand from split-K shrink partials kept in memory, CHUNK_R rank columns at a time: few live
-    registers beside the accumulators. With SKIP_PAST_RANK, chunks past the slot's real rank are
-    branched around; without, every chunk runs (masked: no bytes past the rank, a few idle MMAs), so
-    the chunks' loads form one straight-line block the compiler may schedule together."""
-    # Without SKIP_PAST_RANK the bound is a constant, so the test below is resolved at compile time.
-    bound = rank if SKIP_PAST_RANK else LORA_R
+    registers beside the accumulators. Chunks past the slot's real rank are branched around."""
     for r0 in tl.static_range(0, LORA_R, CHUNK_R):
-        if r0 < bound:
+        if r0 < rank:
             shrunk = load_shrink_partials(shrunk_rows_ptr, col_offset + r0, num_splits, stride_ss,
                                           rows_in_slot, SPLITS=SPLITS, CHUNK_R=CHUNK_R,
                                           SPLIT_CHUNK=SPLIT_CHUNK)
