@@ -50,6 +50,11 @@ class FusedMoEWithLoRA(nn.Module):
         activation: "silu" (default) or "gelu".
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
         path: "auto", "fused", "split", "staged" or "torch" (see the module docstring).
+
+    The layer keeps its launch decisions and compiled-kernel lookups in ``launch_cache``
+    (``triton_ops.launch.LaunchCache``), made once per token count and adapter mix, so an eager call pays
+    only for what depends on its inputs. The ``MOELORA_*`` launch switches are read the first time a
+    token count is seen; ``launch_cache.clear()`` makes the next calls read them again.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class FusedMoEWithLoRA(nn.Module):
         self.activation = activation
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.path = path
+        self.launch_cache = None  # a triton_ops.launch.LaunchCache once a Triton path has run
 
     @classmethod
     def from_base(
@@ -156,6 +162,10 @@ class FusedMoEWithLoRA(nn.Module):
                 apply_router_weight_on_input=self.apply_router_weight_on_input,
             )
         from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+        from triton_ops.launch import LaunchCache
+
+        if self.launch_cache is None:
+            self.launch_cache = LaunchCache()
 
         lora = None
         if has_lora:
@@ -171,14 +181,15 @@ class FusedMoEWithLoRA(nn.Module):
                 max_rank=batch.max_rank,
                 num_adapters=len(batch.slots_used),
             )
-        return fused_experts(
-            x, self.w13, self.w2, topk_weights, topk_ids,
-            activation=self.activation,
-            apply_router_weight_on_input=self.apply_router_weight_on_input,
-            routed_scaling_factor=self.routed_scaling_factor,
-            lora=lora,
-            lora_path=path or "fused",
-        )
+        with self.launch_cache:
+            return fused_experts(
+                x, self.w13, self.w2, topk_weights, topk_ids,
+                activation=self.activation,
+                apply_router_weight_on_input=self.apply_router_weight_on_input,
+                routed_scaling_factor=self.routed_scaling_factor,
+                lora=lora,
+                lora_path=path or "fused",
+            )
 
     def extra_repr(self) -> str:
         num_experts, two_i, hidden = self.w13.shape

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops.launch import launch
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
 from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
 
@@ -231,7 +232,7 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
     pool_rank = lora_a.shape[2] // 2 if gated else lora_a.shape[2]
     block_k = decode_shrink_block_k(x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
-    _align_and_pair_shrink_kernel[(int(align) + numel * splits,)](
+    launch(_align_and_pair_shrink_kernel, (int(align) + numel * splits,),
         **align_kwargs,
         x_ptr=x,
         lora_a_ptr=lora_a,

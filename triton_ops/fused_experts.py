@@ -46,6 +46,7 @@ from triton_ops.fused_moe import (
     lora_rank_block,
     sm_count,
 )
+from triton_ops.launch import active_cache
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, max_padded_size, moe_align_block_size
 from triton_ops.moe_inputs import check_moe_inputs
 from triton_ops.moe_lora import (
@@ -319,8 +320,8 @@ def fused_experts(
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         rows = end - start
-        plan = plan_chunk(rows, top_k, num_experts, hidden, intermediate, x.dtype, x.device, lora=lora,
-                          lora_path=lora_path, config=config, combine=pair_out is not None)
+        plan = _chunk_plan(rows, top_k, num_experts, hidden, intermediate, x.dtype, x.device, lora=lora,
+                           lora_path=lora_path, config=config, combine=pair_out is not None)
         cfg = plan.config
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
@@ -581,6 +582,20 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         down_overlap=down_overlap, gemm1_late_wait=decode_overlap or gate_up_overlap,
         gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap, dependent_gemm2=dependent_gemm2,
     )
+
+
+def _chunk_plan(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str, config: MoEConfig | None,
+                combine: bool) -> ChunkPlan:
+    """``plan_chunk``, made once per key in the active ``LaunchCache`` (its owner's calls repeat it), else
+    every call."""
+    args = (rows, top_k, num_experts, hidden, intermediate, dtype, device)
+    kwargs = dict(lora=lora, lora_path=lora_path, config=config, combine=combine)
+    cache = active_cache()
+    if cache is None:
+        return plan_chunk(*args, **kwargs)
+    lora_key = None if lora is None else (lora_path, lora_rank_block(lora.max_rank), lora.num_adapters)
+    return cache.plan(("chunk", *args, lora_key, config, combine), lambda: plan_chunk(*args, **kwargs))
 
 
 def _with_epilogue_shrink(operands: LoRAOperands, partials: torch.Tensor, *, pack: bool, reduce: bool,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -50,6 +51,7 @@ from triton_ops.configs import (
     env_switch,
     pipeline_smem_bytes,
 )
+from triton_ops.launch import active_cache, launch
 from triton_ops.lora_epilogues import (
     LORA_CHUNKED,
     LORA_FUSED,
@@ -726,13 +728,13 @@ def invoke_fused_moe_kernel(
     K = a.shape[1]
     epilogue = None
     if lora is not None:
-        epilogue = plan_lora_epilogue(lora, config, gated=gated, activation_code=activation_code, numel=numel,
-                                      num_experts=b.shape[0], K=K, out_n=out_n, a=a, direct=direct,
-                                      late_wait=late_wait, programs=grid[0])
+        epilogue = _lora_epilogue(lora, config, gated=gated, activation_code=activation_code, numel=numel,
+                                  num_experts=b.shape[0], K=K, out_n=out_n, a=a, direct=direct,
+                                  late_wait=late_wait, programs=grid[0])
     counters = zero_counters if zero_counters is not None else topk_sum
     num_counters = counters.counters.numel() if counters is not None else 0
     rows = sorted_ids if not direct else direct_ids
-    _fused_moe_kernel[grid](
+    launch(_fused_moe_kernel, grid,
         a_ptr=a,
         b_ptr=b,
         c_ptr=c,
@@ -873,6 +875,21 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
         ext_k=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
         max_registers=lora_register_cap(config, gated=gated, elem_bytes=elem_bytes, lora_cols=inline_cols),
     )
+
+
+def _lora_epilogue(lora: LoRAOperands, config: GemmConfig, **kwargs: Any) -> LoRAEpilogue:
+    """``plan_lora_epilogue``, made once per key in the active ``LaunchCache``, else every call. The key
+    holds every size the plan reads: the operands' shapes and dtype, the slot count and rank tile."""
+    cache = active_cache()
+    if cache is None:
+        return plan_lora_epilogue(lora, config, **kwargs)
+    a = kwargs["a"]
+    shapes = tuple(None if t is None else tuple(t.shape) for t in (lora.shrunk, lora.packed, lora.down_a,
+                                                                   lora.down_shrunk))
+    key = ("lora_epilogue", config, lora.rank_block, lora.num_adapters, tuple(lora.lora_b.shape), shapes,
+           a.dtype, a.device,
+           *(v for k, v in kwargs.items() if k != "a"))
+    return cache.plan(key, lambda: plan_lora_epilogue(lora, config, **kwargs))
 
 
 def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, c: torch.Tensor,

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops.launch import launch
 from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 # Pairs handled by one program of the count/scatter kernels; the in-chunk rank uses a
@@ -369,7 +370,8 @@ def moe_align_block_size(
     numel = flat_ids.numel()
     if numel <= SINGLE_PROGRAM_MAX_PAIRS:
         outputs, kwargs, num_warps = single_program_align_args(topk_ids, block_size, num_experts)
-        _align_single_kernel[(1,)](**kwargs, **programmatic_launch(topk_ids.device), num_warps=num_warps)
+        launch(_align_single_kernel, (1,), **kwargs, **programmatic_launch(topk_ids.device),
+               num_warps=num_warps)
         return outputs
 
     device = topk_ids.device
@@ -388,7 +390,7 @@ def moe_align_block_size(
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
     chunk_nulls = torch.empty((num_chunks,), dtype=torch.int32, device=device)
     pair_rank = torch.empty((numel,), dtype=torch.int32, device=device)
-    _count_kernel[(num_chunks,)](
+    launch(_count_kernel, (num_chunks,),
         topk_ids_ptr=flat_ids,
         chunk_counts_ptr=chunk_counts,
         chunk_nulls_ptr=chunk_nulls,
@@ -399,7 +401,7 @@ def moe_align_block_size(
         BLOCK_E=min(block_e, 64),
         num_warps=4,
     )
-    _offsets_kernel[(1,)](
+    launch(_offsets_kernel, (1,),
         chunk_counts_ptr=chunk_counts,
         chunk_nulls_ptr=chunk_nulls,
         expert_start_ptr=expert_start,
@@ -416,7 +418,7 @@ def moe_align_block_size(
         BLOCK_B=block_b,
         num_warps=8 if block_e >= 256 else 4,
     )
-    _scatter_kernel[(num_chunks,)](
+    launch(_scatter_kernel, (num_chunks,),
         topk_ids_ptr=flat_ids,
         pair_rank_ptr=pair_rank,
         chunk_counts_ptr=chunk_counts,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation, lora_slot_group
+from triton_ops.launch import launch
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
@@ -387,7 +388,7 @@ def moe_lora_a(
         # spilled on an H200).
         num_warps = 2 if sub_m <= 16 and slot_group == 1 else 4
     grid = (triton.cdiv(sorted_ids.shape[0], sub_m), min(num_adapters, sub_m) if slot_programs else splits)
-    _moe_lora_shrink_kernel[grid](
+    launch(_moe_lora_shrink_kernel, grid,
         x_ptr=x,
         lora_a_ptr=lora_a,
         token_slots_ptr=token_slots,
@@ -459,7 +460,7 @@ def moe_lora_gate_up_b(
         return out
     block_n = 64
     grid = (triton.cdiv(sorted_ids.shape[0], block_m) * triton.cdiv(n, block_n),)
-    _moe_lora_gate_up_b_kernel[grid](
+    launch(_moe_lora_gate_up_b_kernel, grid,
         c1_ptr=c1,
         shrunk_ptr=shrunk,
         lora_b_ptr=gate_up_b,
@@ -522,7 +523,7 @@ def moe_lora_down_combine(
         return out
     block_t = 16
     block_n = max(16, min(64, 16384 // (block_t * rank_block)))
-    _moe_lora_down_combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_n))](
+    launch(_moe_lora_down_combine_kernel, (triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_n)),
         shrunk_ptr=shrunk,
         lora_b_ptr=down_b,
         token_slots_ptr=token_slots,

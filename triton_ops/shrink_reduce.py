@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops.launch import launch
 from triton_ops.pdl import release_next_then_wait, require_dependent_launch
 
 
@@ -131,7 +132,7 @@ def reduce_shrink_splits(
     if numel == 0 or splits == 1:
         return partials[:, :1]
     grid, meta = _row_launch(partials, release_next)
-    _reduce_shrink_splits_kernel[grid](
+    launch(_reduce_shrink_splits_kernel, grid,
         partials_ptr=partials,
         token_slots_ptr=token_slots,
         numel=numel,
@@ -167,7 +168,7 @@ def pack_shrink_partials(
     if numel == 0:
         return packed
     grid, meta = _row_launch(partials, release_next)
-    _pack_shrink_partials_kernel[grid](
+    launch(_pack_shrink_partials_kernel, grid,
         partials_ptr=partials,
         packed_ptr=packed,
         token_slots_ptr=token_slots,
