@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation
+from triton_ops.hostmath import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -54,8 +55,8 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu", out: torch.Tensor | N
         raise ValueError(f"out must be a row-major ({tokens}, {n}) {x.dtype} tensor, got {tuple(out.shape)}")
     if tokens == 0:
         return out
-    block_n = min(1024, triton.next_power_of_2(n))
-    _act_and_mul_kernel[(tokens, triton.cdiv(n, block_n))](
+    block_n = min(1024, next_power_of_2(n))
+    _act_and_mul_kernel[(tokens, cdiv(n, block_n))](
         x_ptr=x,
         out_ptr=out,
         N=n,

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
 from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
@@ -123,7 +124,7 @@ def decode_shrink_splits(numel: int, k: int, block_k: int, target_programs: int 
                          max_splits: int = 8) -> int:
     """Splits of K for the decode shrink: about ``target_programs`` GEMVs in all (one pair's whole K is
     a long serial walk), at most ``max_splits`` (GEMM1 sums them: registers)."""
-    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, max(numel, 1)), max_splits))
+    return max(1, min(cdiv(k, block_k), cdiv(target_programs, max(numel, 1)), max_splits))
 
 
 # Elements of A (rank rows x K columns) one program of the one-token down GEMV walks, at most, and the
@@ -140,8 +141,8 @@ def one_token_down_splits(numel: int, k: int, rank_block: int, block_k: int) -> 
     """Splits of K for ``one_token_down_shrink``: ``decode_shrink_splits``, or more where a split would
     walk more than ``DOWN_GEMV_ELEMENTS_PER_PROGRAM`` elements of A (at most ``DOWN_GEMV_MAX_SPLITS``, at
     most one per K tile)."""
-    by_work = min(triton.cdiv(rank_block * k, DOWN_GEMV_ELEMENTS_PER_PROGRAM), DOWN_GEMV_MAX_SPLITS)
-    return min(triton.cdiv(k, block_k), max(decode_shrink_splits(numel, k, block_k), by_work))
+    by_work = min(cdiv(rank_block * k, DOWN_GEMV_ELEMENTS_PER_PROGRAM), DOWN_GEMV_MAX_SPLITS)
+    return min(cdiv(k, block_k), max(decode_shrink_splits(numel, k, block_k), by_work))
 
 
 def decode_shrink_block_k(dtype: torch.dtype) -> int:
@@ -231,7 +232,7 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
                          f"{tuple(out.shape)}")
     pool_rank = lora_a.shape[2] // 2 if gated else lora_a.shape[2]
     block_k = decode_shrink_block_k(x.dtype)
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+    k_per_split = cdiv(cdiv(k, block_k), splits) * block_k
     launch(_align_and_pair_shrink_kernel, (int(align) + numel * splits,),
         **align_kwargs,
         x_ptr=x,

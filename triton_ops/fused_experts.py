@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from triton_ops.configs import (
     MAX_SHARED_BYTES,
@@ -46,6 +45,7 @@ from triton_ops.fused_moe import (
     lora_rank_block,
     sm_count,
 )
+from triton_ops.hostmath import cdiv
 from triton_ops.launch import active_cache
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, max_padded_size, moe_align_block_size
 from triton_ops.moe_inputs import check_moe_inputs
@@ -347,7 +347,7 @@ def fused_experts(
         if plan.fused_sum:
             topk_sum = TopkSumOperands(
                 out=out[start:end],
-                counters=torch.empty((triton.cdiv(hidden, cfg.gemm2.block_n),), dtype=torch.int32,
+                counters=torch.empty((cdiv(hidden, cfg.gemm2.block_n),), dtype=torch.int32,
                                      device=x.device),
                 top_k=top_k)
 
@@ -366,8 +366,8 @@ def fused_experts(
             shrunk_down = torch.empty((pairs, plan.down_splits, rank_block), dtype=torch.float32,
                                       device=x.device)
         if plan.down_in_gemm1:
-            gemm1_lora = replace(gemm1_lora, down_a=lora.down_a, down_shrunk=shrunk_down)
-            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
+            gemm1_lora.down_a, gemm1_lora.down_shrunk = lora.down_a, shrunk_down
+            gemm2_lora.shrunk = shrunk_down
         if (split or staged) and not plan.decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
@@ -402,7 +402,7 @@ def fused_experts(
         if plan.down_gemv:
             one_token_down_shrink(chunk_activated, lora.down_a, chunk_ids, chunk_slots, lora.slot_ranks,
                                   rank_block=rank_block, out=shrunk_down, release_next=plan.decode_overlap)
-            gemm2_lora = replace(gemm2_lora, shrunk=shrunk_down)
+            gemm2_lora.shrunk = shrunk_down
         elif split and not plan.down_in_gemm1:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
                        num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
@@ -521,7 +521,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     # Decode on the split path: GEMM1's shrink rides in the alignment's launch (or, for one token, whose
     # GEMMs need no alignment, is that launch).
     decode_shrink = split and pairs <= SINGLE_PROGRAM_MAX_PAIRS
-    gemm1_n_tiles = triton.cdiv(intermediate, cfg.gemm1.block_n)
+    gemm1_n_tiles = cdiv(intermediate, cfg.gemm1.block_n)
     # GEMM2's shrink in GEMM1's epilogue (one partial per GEMM1 N tile) instead of its own launch. GEMM2
     # sums (rows, tiles, rank_block) fp32 partials: bounded by tiles x rank, not tiles alone.
     partial_width = gemm1_n_tiles * rank_block
@@ -572,7 +572,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         pack_down = not decode_shrink and lora_ext_expand(
             cfg.gemm2, gated=False, num_adapters=num_adapters, K=intermediate, elem_bytes=elem_bytes)
         reduce_down = not decode_shrink and not pack_down and reduce_splits_pays(
-            down_splits, triton.cdiv(hidden, cfg.gemm2.block_n))
+            down_splits, cdiv(hidden, cfg.gemm2.block_n))
         down_overlap = shrink_launch_overlap and (overlap_through_sum or not (reduce_down or pack_down))
     return ChunkPlan(
         config=cfg, direct=direct, decode_shrink=decode_shrink, decode_overlap=decode_overlap,
@@ -600,18 +600,19 @@ def _chunk_plan(rows: int, top_k: int, num_experts: int, hidden: int, intermedia
 
 def _with_epilogue_shrink(operands: LoRAOperands, partials: torch.Tensor, *, pack: bool, reduce: bool,
                           release_next: bool, dtype: torch.dtype) -> LoRAOperands:
-    """``operands`` with the shrink its GEMM's epilogue reads from the split-K ``partials`` a ``moe_lora_a``
-    launch wrote: packed (``pack_shrink_partials``, for ``lora_ext_expand``), summed once
+    """``operands``, given in place the shrink its GEMM's epilogue reads from the split-K ``partials`` a
+    ``moe_lora_a`` launch wrote: packed (``pack_shrink_partials``, for ``lora_ext_expand``), summed once
     (``reduce_shrink_splits``), or as they are. ``release_next``: the launch that packs or sums releases the
     GEMM after it (the shrink overlap)."""
     slots, top_k = operands.token_slots, operands.top_k
     if pack:
-        return replace(operands, packed=pack_shrink_partials(partials, slots, operands.slot_scalings,
-                                                             slot_row_div=top_k, dtype=dtype,
-                                                             release_next=release_next))
+        operands.packed = pack_shrink_partials(partials, slots, operands.slot_scalings, slot_row_div=top_k,
+                                               dtype=dtype, release_next=release_next)
+        return operands
     if reduce:
         partials = reduce_shrink_splits(partials, slots, slot_row_div=top_k, release_next=release_next)
-    return replace(operands, shrunk=partials)
+    operands.shrunk = partials
+    return operands
 
 
 def _with_lora_tiles(cfg: MoEConfig, inline_shrink: bool = True, rank_block: int = 16,

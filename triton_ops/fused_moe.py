@@ -51,7 +51,8 @@ from triton_ops.configs import (
     env_switch,
     pipeline_smem_bytes,
 )
-from triton_ops.launch import active_cache, launch
+from triton_ops.hostmath import cdiv, next_power_of_2
+from triton_ops.launch import active_cache, launch, planned
 from triton_ops.lora_epilogues import (
     LORA_CHUNKED,
     LORA_FUSED,
@@ -424,9 +425,10 @@ def _fused_moe_kernel(
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LoRAOperands:
     """The adapter side of one all-in-one GEMM: which slot each token uses and one projection's A/B.
+    Built per call by ``fused_experts``, which fills the shrink fields in place as it launches the shrinks.
 
     ``lora_a`` is (L, E, R, K) or, for the gated GEMM1, gate_up_a (L, E, 2R, K) with the up rows after
     the gate rows; ``lora_b`` is (L, E, N, R) or gate_up_b (L, E, 2N, R). ``rank_block`` is the tile
@@ -465,7 +467,7 @@ class TopkSumOperands:
 
 def lora_rank_block(max_rank: int) -> int:
     """Rank tile width: tl.dot needs >= 16, powers of two."""
-    return max(16, triton.next_power_of_2(max(1, max_rank)))
+    return max(16, next_power_of_2(max(1, max_rank)))
 
 
 # 64K 32-bit registers and 64 resident warps per SM on the H100/H200 (and A100).
@@ -581,8 +583,8 @@ def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
     a wider group than the slots present only adds masked work."""
     group = max(1, 64 // rank_block)
     if num_adapters > 0:
-        group = min(group, triton.next_power_of_2(num_adapters))
-    return max(1, min(group, triton.next_power_of_2(max(1, rows))))
+        group = min(group, next_power_of_2(num_adapters))
+    return max(1, min(group, next_power_of_2(max(1, rows))))
 
 
 def lora_tile_slot_group(config: GemmConfig, rank_block: int, num_adapters: int, rows: int, *, gated: bool,
@@ -674,7 +676,7 @@ def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
     forced = env_count("MOELORA_LORA_EXT_SLOTS", "slot count")
     slots = max(1, forced) if forced is not None else max(1, 32 // rank_block)
     if num_adapters > 0:
-        slots = min(slots, triton.next_power_of_2(num_adapters))
+        slots = min(slots, next_power_of_2(num_adapters))
     return slots * rank_block
 
 
@@ -723,8 +725,8 @@ def invoke_fused_moe_kernel(
     if gated:
         activation_code = ACTIVATION_GATED_RAW if activation == "gated_raw" else _ACTIVATIONS[activation]
     max_padded = numel * config.block_m if direct else sorted_ids.shape[0]
-    grid_n = triton.cdiv(out_n, config.block_n)
-    grid = (triton.cdiv(max_padded, config.block_m) * grid_n,)
+    grid_n = cdiv(out_n, config.block_n)
+    grid = (cdiv(max_padded, config.block_m) * grid_n,)
     K = a.shape[1]
     epilogue = None
     if lora is not None:
@@ -767,16 +769,17 @@ def invoke_fused_moe_kernel(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         FP32_IEEE=a.dtype == torch.float32,
-        EVEN_K=K % config.block_k == 0 and env_switch("MOELORA_EVEN_K", default=True),
+        EVEN_K=K % config.block_k == 0 and planned("MOELORA_EVEN_K",
+                                                    lambda: env_switch("MOELORA_EVEN_K", default=True)),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         DIRECT_PAIRS=direct,
         ZERO_COUNTERS=zero_counters is not None,
-        COUNTERS_BLOCK=triton.next_power_of_2(max(16, num_counters)),
+        COUNTERS_BLOCK=next_power_of_2(max(16, num_counters)),
         FUSED_SUM=topk_sum is not None,
-        SUM_BLOCK_T=min(16, triton.next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
+        SUM_BLOCK_T=min(16, next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
            else programmatic_launch(a.device, always=dependent)),
         num_warps=config.num_warps,
@@ -847,11 +850,11 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
     if down_shrink:
         _check_down_shrink(lora, activation_code, numel, out_n, config.block_n)
     chunk_r = lora_rank_chunk(config, lora.rank_block)
-    splits = triton.next_power_of_2(max(shrunk_splits, 1))
-    rows = min(config.block_m, triton.cdiv(numel, num_experts))
+    splits = next_power_of_2(max(shrunk_splits, 1))
+    rows = min(config.block_m, cdiv(numel, num_experts))
     group = lora_tile_slot_group(config, lora.rank_block, lora.num_adapters, rows, gated=gated, K=K)
     # Partials summed per 3-D load: about 32 fp32 registers a thread for them.
-    split_chunk = min(splits, triton.next_power_of_2(max(1, 32 * 32 * config.num_warps
+    split_chunk = min(splits, next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                             // (config.block_m * chunk_r))))
     one_chunk = bool(shrunk_splits) and lora.rank_block <= chunk_r
     prefetch = one_chunk and lora_prefetch_pays(config, gated=gated, elem_bytes=elem_bytes, numel=numel,
@@ -871,7 +874,7 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
         group=group,
         down_shrink=down_shrink,
         down_prefetch=(env_switch("MOELORA_DOWN_PREFETCH", default=True) and prefetch and down_shrink
-                       and _fits_one_wave(numel * triton.cdiv(out_n, config.block_n), a.device)),
+                       and _fits_one_wave(numel * cdiv(out_n, config.block_n), a.device)),
         ext_k=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
         max_registers=lora_register_cap(config, gated=gated, elem_bytes=elem_bytes, lora_cols=inline_cols),
     )
@@ -983,7 +986,7 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
     if topk_weights is not None and topk_weights.dtype != torch.float32:
         raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
     if topk_sum is not None:
-        grid_n = triton.cdiv(out_n, config.block_n)
+        grid_n = cdiv(out_n, config.block_n)
         if topk_sum.counters.shape != (grid_n,) or topk_sum.out.shape != (numel // topk_sum.top_k, out_n):
             raise ValueError(
                 f"topk_sum needs counters ({grid_n},) and out ({numel // topk_sum.top_k}, {out_n}) for this "
@@ -1035,7 +1038,7 @@ def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out
     if lora.down_a is None or lora.down_a.shape[2:] != (rank, out_n):
         got = None if lora.down_a is None else tuple(lora.down_a.shape)
         raise ValueError(f"down_a must be (L, E, {rank}, {out_n}) beside down_shrunk, got {got}")
-    expected = (numel, triton.cdiv(out_n, block_n), lora.rank_block)
+    expected = (numel, cdiv(out_n, block_n), lora.rank_block)
     if lora.down_shrunk.dtype != torch.float32 or tuple(lora.down_shrunk.shape) != expected:
         raise ValueError(f"down_shrunk must be fp32 {expected} (pairs, N tiles of GEMM1, rank_block), got "
                          f"{lora.down_shrunk.dtype} {tuple(lora.down_shrunk.shape)}")

@@ -91,3 +91,10 @@ def launch(kernel: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
 def active_cache() -> LaunchCache | None:
     """The :class:`LaunchCache` serving this context, if any."""
     return _ACTIVE.get()
+
+
+def planned(key: Hashable, make: Callable[[], Any]) -> Any:
+    """``make()``, made once per ``key`` in the active :class:`LaunchCache` (else every call): for launch
+    decisions that read only host-known values (device properties, environment switches)."""
+    cache = _ACTIVE.get()
+    return make() if cache is None else cache.plan(key, make)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import launch
 from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
@@ -325,8 +326,8 @@ def single_program_align_args(
         raise ValueError(f"one program aligns at most {SINGLE_PROGRAM_MAX_PAIRS} pairs, got {numel}")
     device = topk_ids.device
     max_padded = max_padded_size(numel, num_experts, block_size)
-    max_blocks = triton.cdiv(max_padded, block_size)
-    block_e = triton.next_power_of_2(num_experts)
+    max_blocks = cdiv(max_padded, block_size)
+    block_e = next_power_of_2(num_experts)
     outputs = (
         torch.empty((max_padded,), dtype=torch.int32, device=device),
         torch.empty((max_blocks,), dtype=torch.int32, device=device),
@@ -342,7 +343,7 @@ def single_program_align_args(
         num_experts=num_experts,
         max_padded=max_padded,
         max_blocks=max_blocks,
-        CHUNK=max(16, triton.next_power_of_2(numel)),
+        CHUNK=max(16, next_power_of_2(numel)),
         BLOCK_SIZE=block_size,
         BLOCK_E=block_e,
         BLOCK_B=max(16, min(256, 8192 // block_e)),
@@ -376,13 +377,13 @@ def moe_align_block_size(
 
     device = topk_ids.device
     max_padded = max_padded_size(numel, num_experts, block_size)
-    max_blocks = triton.cdiv(max_padded, block_size)
-    num_chunks = max(1, triton.cdiv(numel, _CHUNK))
+    max_blocks = cdiv(max_padded, block_size)
+    num_chunks = max(1, cdiv(numel, _CHUNK))
 
     expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
     num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
     expert_start = torch.empty((num_experts + 1,), dtype=torch.int32, device=device)
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     block_b = max(16, min(256, 8192 // block_e))
 
     # Positions past num_post_padded must hold the sentinel too, so start from it.
@@ -414,7 +415,7 @@ def moe_align_block_size(
         max_blocks=max_blocks,
         BLOCK_SIZE=block_size,
         BLOCK_E=block_e,
-        BLOCK_C=max(1, min(triton.next_power_of_2(num_chunks), max(1, 8192 // block_e))),
+        BLOCK_C=max(1, min(next_power_of_2(num_chunks), max(1, 8192 // block_e))),
         BLOCK_B=block_b,
         num_warps=8 if block_e >= 256 else 4,
     )

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation, lora_slot_group
+from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.lora_tiles import (
     _dot,
@@ -312,7 +313,7 @@ def shrink_block_k(dtype: torch.dtype, slot_group: int = 1) -> int:
 def shrink_row_programs(max_padded: int, block_m: int) -> int:
     """Programs along the rows of a ``moe_lora_a`` grid (the alignment's padded bound, ``shrink_block_m``
     rows each), before any split of K."""
-    return triton.cdiv(max(max_padded, 1), shrink_block_m(block_m))
+    return cdiv(max(max_padded, 1), shrink_block_m(block_m))
 
 
 def shrink_k_splits(
@@ -322,7 +323,7 @@ def shrink_k_splits(
     otherwise each walk all of K alone (latency-bound); at prefill the blocks already fill the GPU.
     At most ``max_splits``: every consumer program sums the partials, one dependent load each."""
     row_programs = shrink_row_programs(max_padded, block_m)
-    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(target_programs, row_programs), max_splits))
+    return max(1, min(cdiv(k, block_k), cdiv(target_programs, row_programs), max_splits))
 
 
 def moe_lora_a(
@@ -380,14 +381,14 @@ def moe_lora_a(
         raise ValueError(f"slot_programs needs one split and the adapter count, got {splits} splits and "
                          f"num_adapters={num_adapters}")
     slot_group = 1 if slot_programs else lora_slot_group(rank_block, num_adapters,
-                                                         min(sub_m, triton.cdiv(numel, lora_a.shape[1])))
+                                                         min(sub_m, cdiv(numel, lora_a.shape[1])))
     block_k = block_k or shrink_block_k(x.dtype, slot_group)
-    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], block_k), splits) * block_k
+    k_per_split = cdiv(cdiv(x.shape[1], block_k), splits) * block_k
     if num_warps is None:
         # 4 for 16-row programs with a slot group: its gathered A pointers need the registers (2 warps
         # spilled on an H200).
         num_warps = 2 if sub_m <= 16 and slot_group == 1 else 4
-    grid = (triton.cdiv(sorted_ids.shape[0], sub_m), min(num_adapters, sub_m) if slot_programs else splits)
+    grid = (cdiv(sorted_ids.shape[0], sub_m), min(num_adapters, sub_m) if slot_programs else splits)
     launch(_moe_lora_shrink_kernel, grid,
         x_ptr=x,
         lora_a_ptr=lora_a,
@@ -459,7 +460,7 @@ def moe_lora_gate_up_b(
     if numel == 0:
         return out
     block_n = 64
-    grid = (triton.cdiv(sorted_ids.shape[0], block_m) * triton.cdiv(n, block_n),)
+    grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, block_n),)
     launch(_moe_lora_gate_up_b_kernel, grid,
         c1_ptr=c1,
         shrunk_ptr=shrunk,
@@ -523,7 +524,7 @@ def moe_lora_down_combine(
         return out
     block_t = 16
     block_n = max(16, min(64, 16384 // (block_t * rank_block)))
-    launch(_moe_lora_down_combine_kernel, (triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_n)),
+    launch(_moe_lora_down_combine_kernel, (cdiv(tokens, block_t), cdiv(hidden, block_n)),
         shrunk_ptr=shrunk,
         lora_b_ptr=down_b,
         token_slots_ptr=token_slots,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import launch
 from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
@@ -99,8 +100,8 @@ def moe_sum_reduce(
         raise ValueError(f"out must be a row-major ({tokens}, {hidden}) tensor, got {tuple(out.shape)}")
     if tokens == 0:
         return out
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    launch(_moe_sum_kernel, (tokens, triton.cdiv(hidden, block_h)),
+    block_h = min(1024, next_power_of_2(hidden))
+    launch(_moe_sum_kernel, (tokens, cdiv(hidden, block_h)),
         x_ptr=x,
         out_ptr=out,
         H=hidden,

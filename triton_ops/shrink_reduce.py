@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.pdl import release_next_then_wait, require_dependent_launch
 
@@ -191,7 +192,7 @@ def _row_launch(partials: torch.Tensor, release_next: bool) -> tuple[tuple[int],
                 num_warps=max(1, min(4, block_rows * width // 256)))
     if release_next:
         meta |= {"RELEASE_FIRST": True, "launch_pdl": True}
-    return (triton.cdiv(numel, block_rows),), meta
+    return (cdiv(numel, block_rows),), meta
 
 
 # About two programs per SM: the kernel is a few dependent loads long, so its time is how many bytes
@@ -204,7 +205,7 @@ def reduce_block_rows(numel: int, width: int) -> int:
     """Rows per program: the most (a power of two, at most 4096 fp32 values a program) that still
     leave about REDUCE_TARGET_PROGRAMS programs."""
     rows = 1
-    while rows * 2 * width <= 4096 and triton.cdiv(numel, rows * 2) >= REDUCE_TARGET_PROGRAMS:
+    while rows * 2 * width <= 4096 and cdiv(numel, rows * 2) >= REDUCE_TARGET_PROGRAMS:
         rows *= 2
     return rows
 
