@@ -811,14 +811,21 @@ class MoELoRAMemoryPool:
     def _prepare_batch_locked(
         self, names: tuple[str | None, ...], lens: tuple[int, ...], out: MoELoRABatchInfo | None
     ) -> MoELoRABatchInfo:
-        known = self.adapter_slots.keys() | self._host_tier.keys()
-        unknown = [n for n in names if n is not None and n not in known]
+        distinct = dict.fromkeys(names)
+        distinct.pop(None, None)
+        unknown = [n for n in distinct if n not in self.adapter_slots and n not in self._host_tier]
         if unknown:
             raise ValueError(
-                f"unknown adapter(s) {sorted(set(unknown))}; loaded adapters: {self.adapters()}, "
+                f"unknown adapter(s) {sorted(unknown)}; loaded adapters: {self.adapters()}, "
                 f"host tier: {list(self._host_tier)}"
             )
-        wanted = list(dict.fromkeys(n for n, k in zip(names, lens, strict=True) if n is not None and k > 0))
+        # A name with no tokens takes no slot (it may stay in the host tier).
+        every_sequence_has_tokens = min(lens, default=1) > 0
+        if every_sequence_has_tokens:
+            wanted = list(distinct)
+        else:
+            wanted = list(dict.fromkeys(n for n, k in zip(names, lens, strict=True)
+                                        if n is not None and k > 0))
         # Taken out of the host tier before anything is placed: placing one can evict a resident adapter
         # into the host tier, which may push another wanted one out of it.
         missing = [self._host_tier[n] for n in wanted if n not in self.adapter_slots]
@@ -838,20 +845,23 @@ class MoELoRAMemoryPool:
                 self._slot_users[slot] -= 1
         for n in wanted:
             self._recent.move_to_end(n)
-        # A name with no tokens takes no slot (it may stay in the host tier).
-        seq_slots = [self.adapter_slots[n] if n is not None and k > 0 else -1
-                     for n, k in zip(names, lens, strict=True)]
-
-        token_slots: list[int] = []
-        for s, n in zip(seq_slots, lens, strict=True):
-            token_slots.extend([s] * n)
-        num_tokens = len(token_slots)
-        used = tuple(sorted({s for s in seq_slots if s >= 0}))
+        slot_of = self.adapter_slots
+        if every_sequence_has_tokens:
+            seq_slots = [-1 if n is None else slot_of[n] for n in names]
+        else:
+            seq_slots = [slot_of[n] if n is not None and k > 0 else -1
+                         for n, k in zip(names, lens, strict=True)]
+        num_tokens = sum(lens)
+        used = tuple(sorted(slot_of[n] for n in wanted))
         max_rank = max((self.slot_rank_host[s] for s in used), default=0)
         generations = tuple(self._slot_generation[s] for s in used)
         slot_names = tuple(self.slot_adapters[s] for s in used)
 
-        host = torch.tensor(token_slots, dtype=torch.int32)
+        # One int per token: per sequence, repeated on the host by torch (not a Python list of M ints).
+        if every_sequence_has_tokens and num_tokens == len(names):  # one token each: decode
+            host = torch.tensor(seq_slots, dtype=torch.int32)
+        else:
+            host = torch.tensor(seq_slots, dtype=torch.int32).repeat_interleave(torch.tensor(lens))
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             host = host.pin_memory()

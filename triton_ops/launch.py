@@ -18,7 +18,6 @@ once per key by their owner (``fused_experts``' ``ChunkPlan``).
 from __future__ import annotations
 
 import contextvars
-import os
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -59,7 +58,7 @@ class LaunchCache:
         self._binaries.clear()
 
     def launch(self, kernel: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> None:
-        if os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(kernel, "device_caches"):
+        if not hasattr(kernel, "device_caches"):  # the interpreter's kernels, or a Triton without them
             kernel[grid](**kwargs)
             return
         driver = triton.runtime.driver.active

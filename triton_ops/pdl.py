@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from triton_ops.configs import env_switch
+from triton_ops.launch import planned
 
 
 @triton.jit
@@ -105,7 +106,11 @@ def programmatic_launch(device: torch.device, *, always: bool = False) -> dict:
     """Keyword arguments for a launch with PDL: ``{"USE_PDL": True, "launch_pdl": True}`` with
     ``MOELORA_PDL=1`` (or ``always``: a launch whose own rule says so) on an sm_90+ GPU, else ``{}``.
     ``MOELORA_PDL`` is off by default until it is measured on the device (``benchmarks/ab_env.py --env
-    MOELORA_PDL=1``)."""
+    MOELORA_PDL=1``). Made once per device in the active ``LaunchCache``."""
+    return planned(("programmatic_launch", device, always), lambda: _programmatic_launch(device, always))
+
+
+def _programmatic_launch(device: torch.device, always: bool) -> dict:
     if not (always or env_switch("MOELORA_PDL", default=False)) or not dependent_launch_supported(device):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}
