@@ -18,6 +18,7 @@ fixed token count (replay with a new token->adapter mapping via ``pool.prepare_b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -50,6 +51,17 @@ class FusedMoEWithLoRA(nn.Module):
         activation: "silu" (default) or "gelu".
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
         path: "auto", "fused", "split", "staged" or "torch" (see the module docstring).
+        cuda_graphs: replay eager calls from CUDA graphs, one per token count and adapter mix (see below).
+        graph_max_tokens: calls of more tokens than this always run eagerly (prefill: each prompt length
+            would be a graph of its own, with its own intermediate buffers).
+
+    With ``cuda_graphs``, the second call of a (token count, dtypes, adapter mix) on CUDA captures the
+    forward in a CUDA graph and later calls replay it: the inputs are copied into the graph's buffers, the
+    batch is still checked against the pool on the host first, and the output is a fresh tensor. The graph
+    reads the adapter slots at replay, so adapters loaded into them later are used (a batch refreshed with
+    ``prepare_batch(..., out=)``). Calls made while the stream is already being captured run eagerly
+    (the outer capture records them). A call's host time is then a few copies and a graph launch, instead
+    of the planning and launches of each kernel.
 
     The layer keeps its launch decisions and compiled-kernel lookups in ``launch_cache``
     (``triton_ops.launch.LaunchCache``), made once per token count and adapter mix, so an eager call pays
@@ -68,10 +80,14 @@ class FusedMoEWithLoRA(nn.Module):
         activation: str = "silu",
         apply_router_weight_on_input: bool = False,
         path: str = "auto",
+        cuda_graphs: bool = False,
+        graph_max_tokens: int = 512,
     ) -> None:
         super().__init__()
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if type(graph_max_tokens) is not int or graph_max_tokens < 1:
+            raise ValueError(f"graph_max_tokens must be a positive int, got {graph_max_tokens!r}")
         expected = (pool.num_experts, 2 * pool.intermediate_size, pool.hidden_size)
         if tuple(w13.shape) != expected:
             raise ValueError(f"w13 must be (E, 2I, H) = {expected} to match the pool, got {tuple(w13.shape)}")
@@ -92,6 +108,10 @@ class FusedMoEWithLoRA(nn.Module):
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.path = path
         self.launch_cache = None  # a triton_ops.launch.LaunchCache once a Triton path has run
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graph_max_tokens = graph_max_tokens
+        self._graphs: dict[tuple, _GraphedCall] = {}
+        self._graph_keys_seen: set[tuple] = set()
 
     @classmethod
     def from_base(
@@ -133,12 +153,41 @@ class FusedMoEWithLoRA(nn.Module):
         whose adapter was unloaded or evicted since ``prepare_batch``, is refused (a host-side check).
         A routed pair whose expert id is outside ``[0, E)`` contributes nothing."""
         if batch is None:
-            return self._forward(x, topk_weights, topk_ids, None)
+            return self._call(x, topk_weights, topk_ids, None)
         # Held until the kernels are queued: a slot write queued by another thread after the check lands
         # after this forward's kernels on the stream, never between the check and them.
         with self.pool.lock:
             self.pool.check_batch(batch)
+            return self._call(x, topk_weights, topk_ids, batch)
+
+    def _call(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              batch: MoELoRABatchInfo | None) -> torch.Tensor:
+        """The forward, replayed from a CUDA graph where ``cuda_graphs`` allows it (class docstring)."""
+        key = self._graph_key(x, topk_weights, topk_ids, batch)
+        if key is None:
             return self._forward(x, topk_weights, topk_ids, batch)
+        graphed = self._graphs.get(key)
+        if graphed is None:
+            if key not in self._graph_keys_seen:  # a one-off shape is not worth a graph: eager first
+                self._graph_keys_seen.add(key)
+                return self._forward(x, topk_weights, topk_ids, batch)
+            graphed = self._graphs[key] = _GraphedCall.capture(self, x, topk_weights, topk_ids, batch)
+        return graphed.replay(x, topk_weights, topk_ids, batch)
+
+    def _graph_key(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   batch: MoELoRABatchInfo | None) -> tuple | None:
+        """What a captured forward depends on besides the values it copies in; None: run eagerly."""
+        if (not self.cuda_graphs or not x.is_cuda or x.shape[0] == 0 or x.shape[0] > self.graph_max_tokens
+                or torch.cuda.is_current_stream_capturing()):
+            return None
+        if batch is not None and batch.num_tokens != x.shape[0]:
+            return None  # _forward raises the mismatch
+        has_lora = batch is not None and batch.has_lora
+        if has_lora and self.resolve_path(x) == "torch":
+            return None
+        lora = (batch.max_rank, len(batch.slots_used)) if has_lora else None
+        return (tuple(x.shape), x.dtype, x.device, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype,
+                tuple(topk_weights.shape), lora)
 
     def _forward(
         self,
@@ -195,3 +244,47 @@ class FusedMoEWithLoRA(nn.Module):
         num_experts, two_i, hidden = self.w13.shape
         return (f"layer_id={self.layer_id}, experts={num_experts}, hidden={hidden}, "
                 f"intermediate={two_i // 2}, rsf={self.routed_scaling_factor}, path={self.path}")
+
+
+class _GraphedCall:
+    """One forward of a ``FusedMoEWithLoRA`` captured in a CUDA graph, with the input buffers it reads."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, x: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, token_slots: torch.Tensor | None, out: torch.Tensor) -> None:
+        self.graph = graph
+        self.x, self.topk_weights, self.topk_ids, self.token_slots = x, topk_weights, topk_ids, token_slots
+        self.out = out
+
+    @classmethod
+    def capture(cls, layer: FusedMoEWithLoRA, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, batch: MoELoRABatchInfo | None) -> _GraphedCall:
+        static_x, static_w, static_ids = x.clone(), topk_weights.clone(), topk_ids.clone()
+        static_batch, token_slots = None, None
+        if batch is not None and batch.has_lora:
+            token_slots = batch.token_slots.clone()
+            static_batch = dataclasses.replace(batch, token_slots=token_slots)
+        elif batch is not None:
+            static_batch = batch  # no adapter in it: _forward runs the base path, reading nothing of it
+
+        def run() -> torch.Tensor:
+            return layer._forward(static_x, static_w, static_ids, static_batch)
+
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            run()  # warm-up off the capture: compiles and fills the launch cache
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        return cls(graph, static_x, static_w, static_ids, token_slots, out)
+
+    def replay(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               batch: MoELoRABatchInfo | None) -> torch.Tensor:
+        self.x.copy_(x)
+        self.topk_weights.copy_(topk_weights)
+        self.topk_ids.copy_(topk_ids)
+        if self.token_slots is not None:
+            self.token_slots.copy_(batch.token_slots)
+        self.graph.replay()
+        return self.out.clone()

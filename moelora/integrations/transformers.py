@@ -397,6 +397,7 @@ class MoELoRAExperts(nn.Module):
         activation: str,
         path: str,
         selector: _Selector,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         self.gate_up_proj = original.gate_up_proj
@@ -412,7 +413,7 @@ class MoELoRAExperts(nn.Module):
             "layer",
             FusedMoEWithLoRA(
                 original.gate_up_proj, original.down_proj, pool=pool, layer_id=layer_id,
-                routed_scaling_factor=1.0, activation=activation, path=path,
+                routed_scaling_factor=1.0, activation=activation, path=path, cuda_graphs=cuda_graphs,
             ),
         )
         object.__setattr__(self, "_selector", selector)
@@ -641,6 +642,7 @@ def attach(
     max_cpu_loras: int = 0,
     path: str = "auto",
     verify: bool | None = None,
+    cuda_graphs: bool = True,
 ) -> MoELoRAHandle:
     """Swaps every routed-experts module of a transformers-5 MoE ``model`` for a :class:`MoELoRAExperts`
     and returns the :class:`MoELoRAHandle`.
@@ -655,6 +657,9 @@ def attach(
         path: ``FusedMoEWithLoRA`` path ("auto", "fused", "split", "staged", "torch").
         verify: run each experts module against the §1 formula on random tokens before swapping it;
             ``None`` (default): only for classes not in :data:`KNOWN_EXPERTS_CLASSES`.
+        cuda_graphs: each MoE layer replays its forward from a CUDA graph per token count (up to 512
+            tokens: every decode step after the first two of a batch size), instead of planning and
+            launching its kernels on every call (``FusedMoEWithLoRA(cuda_graphs=True)``); ``False``: eager.
 
     Raises:
         NotImplementedError: a MoE layer that cannot be served exactly (the message says why), or no fused
@@ -726,7 +731,8 @@ def attach(
     modules: dict[int, MoELoRAExperts] = {}
     for _name, lid, _parent, module, _attr in sites:  # build all before swapping any
         modules[lid] = MoELoRAExperts(
-            module, pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector
+            module, pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector,
+            cuda_graphs=cuda_graphs,
         )
     for _name, lid, parent, _module, attr in sites:
         setattr(parent, attr, modules[lid])

@@ -1,0 +1,135 @@
+"""``FusedMoEWithLoRA(cuda_graphs=True)``: eager calls replayed from a CUDA graph per token count give the
+eager forward's bits, with new inputs, new token -> adapter mappings and adapters rewritten in their slots
+between replays; stale batches are still refused; calls inside an outer capture run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_lora_layer import make_adapter, make_base, make_pool, make_routing
+
+from moelora.layer import FusedMoEWithLoRA
+
+gpu = pytest.mark.gpu
+BF16 = torch.bfloat16
+# Sizes past the kernels' tiles with odd parts: H 320 = 2.5 x 128, I 200 not a multiple of 64, 12 experts
+# (not a power of two), top-k 6 (several experts a token).
+H, INTER, E, TOP_K = 320, 200, 12, 6
+
+
+def _setup(device, *, path="split", graph_max_tokens=512, dtype=BF16):
+    pool = make_pool(dtype, max_loras=4, max_rank=16, num_experts=E, hidden=H, inter=INTER, layer_ids=(3,),
+                     device=device)
+    # Ranks that differ per adapter.
+    for name, rank in (("a", 16), ("b", 7)):
+        pool.add_adapter_weights(name, make_adapter(rank, 2.0, dtype, layers=(3,), num_experts=E, hidden=H,
+                                                    inter=INTER))
+    w13, w2 = make_base(E, H, INTER, dtype, device)
+    graphed = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, path=path, cuda_graphs=True,
+                               graph_max_tokens=graph_max_tokens)
+    eager = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, path=path)
+    return pool, graphed, eager
+
+
+def _inputs(m, device, seed, dtype=BF16):
+    torch.manual_seed(seed)
+    weights, ids = make_routing(m, E, TOP_K, device=device)
+    return torch.randn(m, H, device=device).to(dtype), weights, ids
+
+
+def test_graph_max_tokens_is_checked():
+    pool, _, _ = _setup("cpu")
+    w13, w2 = make_base(E, H, INTER, BF16)
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="graph_max_tokens must be a positive int"):
+            FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, cuda_graphs=True, graph_max_tokens=bad)
+
+
+def test_cpu_tensors_run_eagerly():
+    """No CUDA: the flag changes nothing (fp16: the interpreter's bf16 dot is not usable)."""
+    pool, graphed, eager = _setup("cpu", path="auto", dtype=torch.float16)
+    x, weights, ids = _inputs(5, "cpu", 0, dtype=torch.float16)
+    batch = pool.prepare_batch(["a", None, "b", "a", "b"])
+    for _ in range(3):
+        assert torch.equal(graphed(x, weights, ids, batch), eager(x, weights, ids, batch))
+    assert not graphed._graphs
+
+
+@gpu
+@pytest.mark.parametrize("path", ["split", "fused"])
+# 1: direct decode pairs; 5 and 64: the one-program alignment (decode shrink); 200: three-launch alignment.
+@pytest.mark.parametrize("m", [1, 5, 64, 200])
+def test_replays_match_eager(path, m):
+    pool, graphed, eager = _setup("cuda", path=path)
+    names_by_call = [["a", "b", None], ["b", None, "a"], ["a"], [None, "b"]]
+    for call, pattern in enumerate(names_by_call * 2):
+        x, weights, ids = _inputs(m, "cuda", call)
+        names = [pattern[i % len(pattern)] for i in range(m)]  # tokens with no adapter too
+        batch = pool.prepare_batch(names)
+        assert torch.equal(graphed(x, weights, ids, batch), eager(x, weights, ids, batch)), call
+        assert torch.equal(graphed(x, weights, ids, None), eager(x, weights, ids, None)), call
+    assert graphed._graphs, "later calls replayed a graph"
+
+
+@gpu
+def test_adapter_rewritten_between_replays():
+    pool, graphed, eager = _setup("cuda")
+    m = 9
+    x, weights, ids = _inputs(m, "cuda", 3)
+    names = ["a", "b", None] * 3
+    batch = pool.prepare_batch(names)
+    for _ in range(3):
+        graphed(x, weights, ids, batch)
+    slot = pool.slot_of("a")
+    pool.unload_adapter("a")
+    pool.add_adapter_weights("c", make_adapter(16, 0.5, BF16, layers=(3,), num_experts=E, hidden=H,
+                                               inter=INTER))
+    assert pool.slot_of("c") == slot
+    with pytest.raises(ValueError, match="prepare_batch"):
+        graphed(x, weights, ids, batch)  # the stale batch is refused before any replay
+    batch = pool.prepare_batch(["c", "b", None] * 3, out=batch)
+    out = graphed(x, weights, ids, batch)
+    assert torch.equal(out, eager(x, weights, ids, batch))
+
+
+@gpu
+def test_outputs_are_fresh_tensors():
+    pool, graphed, _ = _setup("cuda")
+    x, weights, ids = _inputs(4, "cuda", 1)
+    batch = pool.prepare_batch(["a", "b", "a", None])
+    outs = [graphed(x, weights, ids, batch) for _ in range(4)]
+    x2, _, _ = _inputs(4, "cuda", 2)
+    later = graphed(x2, weights, ids, batch)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), "a replay overwrote an earlier output"
+    assert not torch.equal(later, outs[0])
+
+
+@gpu
+def test_inside_an_outer_capture_runs_eagerly():
+    pool, graphed, eager = _setup("cuda")
+    x, weights, ids = _inputs(3, "cuda", 4)
+    batch = pool.prepare_batch(["a", None, "b"])
+    expected = eager(x, weights, ids, batch)
+    for _ in range(2):
+        graphed(x, weights, ids, batch)  # the layer's own graph exists
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graphed(x, weights, ids, batch)
+    torch.cuda.current_stream().wait_stream(side)
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        captured = graphed(x, weights, ids, batch)
+    outer.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)
+
+
+@gpu
+def test_more_tokens_than_the_bound_run_eagerly():
+    pool, graphed, eager = _setup("cuda", graph_max_tokens=8)
+    x, weights, ids = _inputs(9, "cuda", 5)
+    batch = pool.prepare_batch(["a", "b", None] * 3)
+    for _ in range(3):
+        assert torch.equal(graphed(x, weights, ids, batch), eager(x, weights, ids, batch))
+    assert not graphed._graphs
