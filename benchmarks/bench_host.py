@@ -10,6 +10,8 @@ eager decode step when it is not. For each model shape and token count M this ti
   decisions cached per token count in ``layer.launch_cache``),
 * ``lora``: the same layer with a batch of ``--adapters`` adapters of rank ``--rank`` (path "auto"),
 * ``base_uncached``: ``triton_ops.fused_experts.fused_experts`` called directly, no launch cache,
+* ``lora_graphed``: the same LoRA call on a second layer with ``cuda_graphs=True`` (replayed from the
+  graph it captured on its second call; inputs copied in, a fresh output),
 * ``prepare_batch``: ``pool.prepare_batch(names, seq_lens, out=batch)``, the per-step token -> adapter
   mapping (host work and one host->device copy).
 
@@ -17,9 +19,9 @@ Host method: ``--warmup-calls`` calls first (Triton compiles, caches fill), then
 calls: ``torch.cuda.synchronize()``, ``t0 = time.perf_counter()``, the call, ``t1 = time.perf_counter()``.
 With the GPU idle at t0, the call never waits for room in the launch queue, so t1 - t0 is the host's own
 time to issue the call (until it returns, kernels queued, not finished). Reported: the median (the JSON
-also holds the 10th and 90th percentiles). ``--order rounds`` (default) times the four calls in turn, one
+also holds the 10th and 90th percentiles). ``--order rounds`` (default) times the five calls in turn, one
 call of each per round, so a drift of the host's speed (clocks, other processes: seen at 1.5x between
-blocks of calls on an H200 host) falls on all four alike and the columns compare; each call then finds
+blocks of calls on an H200 host) falls on all five alike and the columns compare; each call then finds
 the CPU caches holding the other calls' data, as a layer inside a model step would, which costs it some
 µs (prepare_batch: ~80 instead of ~30). ``--order blocks`` times all calls of one, then the next's: hot-loop
 numbers.
@@ -189,10 +191,11 @@ def summarize(times_us: Sequence[float]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------------
 
 
-def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, n_adapters: int, *, calls: int,
+def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, graphed: FusedMoEWithLoRA,
+                n_adapters: int, *, calls: int,
                 warmup_calls: int, on_gpu: bool, warmup_ms: float, rep_ms: float, seed: int,
                 order: str = "rounds") -> dict[str, Any]:
-    """One (model, M) record: host µs of the four calls, GPU µs of base and lora (None off the GPU)."""
+    """One (model, M) record: host µs of the five calls, GPU µs of base and lora (None off the GPU)."""
     pool, device, dtype = layer.pool, layer.w13.device, layer.w13.dtype
     w13, w2 = layer.w13, layer.w2
     x = torch.randn(m, shape.H, generator=torch.Generator().manual_seed(seed + 7 * m + 1)).to(device, dtype)
@@ -203,6 +206,7 @@ def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, n_adapters: 
     fns: dict[str, Callable[[], Any]] = {
         "base": lambda: layer(x, topk_weights, topk_ids, None),
         "lora": lambda: layer(x, topk_weights, topk_ids, batch),
+        "lora_graphed": lambda: graphed(x, topk_weights, topk_ids, batch),
         "base_uncached": lambda: fused_experts(x, w13, w2, topk_weights, topk_ids),
         "prepare_batch": lambda: pool.prepare_batch(names, seq_lens, out=batch),
     }
@@ -246,14 +250,14 @@ def markdown(records: list[dict[str, Any]], info: dict[str, str], settings: dict
         f"(max_rank {settings['max_rank']})",
         "",
         "| model | M | base host µs | base GPU µs | LoRA host µs | LoRA GPU µs | base uncached host µs "
-        "| prepare_batch µs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| LoRA graphed host µs | prepare_batch µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         lines.append(
             f"| {r['model']} | {r['M']} | {_us(r['base_host_us'])} | {_us(r['base_gpu_us'])} | "
             f"{_us(r['lora_host_us'])} | {_us(r['lora_gpu_us'])} | {_us(r['base_uncached_host_us'])} | "
-            f"{_us(r['prepare_batch_host_us'])} |")
+            f"{_us(r['lora_graphed_host_us'])} | {_us(r['prepare_batch_host_us'])} |")
     return "\n".join(lines)
 
 
@@ -279,7 +283,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"untimed calls before them (default {FULL['warmup_calls']}; "
                              f"dry run {DRY_RUN['warmup_calls']})")
     parser.add_argument("--order", choices=ORDERS, default="rounds",
-                        help="rounds (default): each round times one call of each of the four in turn, so "
+                        help="rounds (default): each round times one call of each of the five in turn, so "
                              "drift falls on all alike; blocks: all calls of one, then the next's")
     parser.add_argument("--warmup", type=float, default=25.0, help="GPU timing: warm-up, ms (default 25)")
     parser.add_argument("--rep", type=float, default=100.0,
@@ -336,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         w13, w2 = make_weights(shape, dtype, device, args.seed)
         pool = make_pool(shape, n_adapters, rank, max_rank, dtype, device, args.seed + 1)
         layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER_ID)
+        graphed = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER_ID, cuda_graphs=True,
+                                   graph_max_tokens=max(ms))
         for m in ms:
-            record = bench_point(shape, m, layer, n_adapters, calls=calls, warmup_calls=warmup_calls,
+            record = bench_point(shape, m, layer, graphed, n_adapters, calls=calls, warmup_calls=warmup_calls,
                                  on_gpu=on_gpu, warmup_ms=args.warmup, rep_ms=args.rep, seed=args.seed,
                                  order=args.order)
             records.append(record)
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"prepare_batch {record['prepare_batch_host_us']:.1f} µs; GPU base "
                   f"{_us(record['base_gpu_us'])} µs, lora {_us(record['lora_gpu_us'])} µs",
                   file=sys.stderr, flush=True)
-        del layer, pool, w13, w2
+        del layer, graphed, pool, w13, w2
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()

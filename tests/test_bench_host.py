@@ -25,7 +25,7 @@ def test_bench_host_dry_run(tmp_path, capsys):
 
     table = capsys.readouterr().out
     assert ("| model | M | base host µs | base GPU µs | LoRA host µs | LoRA GPU µs | base uncached host µs "
-            "| prepare_batch µs |") in table
+            "| LoRA graphed host µs | prepare_batch µs |") in table
     assert "cpu (TRITON_INTERPRET=1)" in table
 
     data = json.loads(out.read_text())
@@ -34,7 +34,7 @@ def test_bench_host_dry_run(tmp_path, capsys):
     expected = [(bench_host.DRY_RUN_MODEL.name, m) for m in bench_host.DRY_RUN["M"]]
     assert sorted((r["model"], r["M"]) for r in records) == sorted(expected)
     for r in records:
-        for name in ("base", "lora", "base_uncached", "prepare_batch"):
+        for name in ("base", "lora", "base_uncached", "lora_graphed", "prepare_batch"):
             assert r[f"{name}_host_us"] > 0, (r["M"], name)
             assert r[f"{name}_host_p10_us"] <= r[f"{name}_host_us"] <= r[f"{name}_host_p90_us"]
         assert r["base_gpu_us"] is None and r["lora_gpu_us"] is None
