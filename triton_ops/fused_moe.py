@@ -410,7 +410,7 @@ def _fused_moe_kernel(
                 if LORA != LORA_ONE_ROW:  # its scalars exist only there
                     one_has, one_rank, one_rows = 0, 0, row_valid
                 down_shrink_epilogue(
-                    acc.to(c_ptr.dtype.element_ty), pair, row_slot, has_slot, expert, offs_n, col_valid,
+                    acc, c_ptr, pair, row_slot, has_slot, expert, offs_n, col_valid,
                     pid_n, one_has, one_rank, one_rows, down_a0, down_a_ptr, stride_da_l, stride_da_e,
                     stride_da_r, stride_da_k, down_shrunk_ptr, stride_ds, stride_dm, slot_ranks_ptr,
                     ONE_ROW=LORA == LORA_ONE_ROW, DOWN_PREFETCH=DOWN_PREFETCH, FP32_IEEE=FP32_IEEE,

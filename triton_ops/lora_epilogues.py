@@ -449,7 +449,8 @@ def slot_range_expand(
 
 @triton.jit
 def down_shrink_epilogue(
-    h,  # (BLOCK_M, BLOCK_N) the activated tile, in the dtype GEMM2 reads it in
+    act,  # (BLOCK_M, BLOCK_N) fp32 the activated tile
+    c_ptr,  # GEMM1's output: GEMM2 reads the tile in its dtype
     pair, row_slot, has_slot, expert, offs_n, col_valid, pid_n,
     one_has, one_rank, one_rows,  # LORA_ONE_ROW's scalars (ignored otherwise)
     down_a,  # (BLOCK_N, LORA_R) the first slot's down A tile (DOWN_PREFETCH)
@@ -465,19 +466,21 @@ def down_shrink_epilogue(
     LORA_CHUNK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """GEMM1 writes GEMM2's shrink on the tile it just activated (as GEMM2 will read it), one partial per
-    N tile: ``down_shrunk[p, pid_n, :] = h[p, tile] @ A_down[s, e, :, tile]^T``; no launch re-reads h."""
+    """GEMM1 writes GEMM2's shrink on the tile it just activated (as GEMM2 will read it, rounded to c's
+    dtype), one partial per N tile: ``down_shrunk[p, pid_n, :] = h[p, tile] @ A_down[s, e, :, tile]^T``; no
+    launch re-reads h. The rounding happens inside the one-row branch: done before it, every program (and
+    the slower GEMM1 of a one-token batch, by ~2 points on DeepSeek-V2-Lite) paid for it."""
     if ONE_ROW and DOWN_PREFETCH:
         offs_r = tl.arange(0, LORA_R)
         if one_has:
-            part = _dot(h, tl.where((offs_r < one_rank)[None, :], down_a, 0.0),
+            part = _dot(act.to(c_ptr.dtype.element_ty), tl.where((offs_r < one_rank)[None, :], down_a, 0.0),
                         tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32), FP32_IEEE)
             down_rows = down_shrunk_ptr + pair.to(tl.int64) * stride_dm + pid_n * stride_ds
             tl.store(down_rows[:, None] + offs_r[None, :], part, mask=one_rows[:, None])
     else:
         lora_store_down_partials(
-            h, row_slot, has_slot, pair, expert, offs_n, col_valid, pid_n, down_a_ptr, down_shrunk_ptr,
-            slot_ranks_ptr, down_a, stride_da_l, stride_da_e, stride_da_r, stride_da_k, stride_ds,
-            stride_dm, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
+            act.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid, pid_n,
+            down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, down_a, stride_da_l, stride_da_e, stride_da_r,
+            stride_da_k, stride_ds, stride_dm, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
             FIRST_PREFETCHED=DOWN_PREFETCH,
         )
