@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -54,6 +55,8 @@ class FusedMoEWithLoRA(nn.Module):
         cuda_graphs: replay eager calls from CUDA graphs, one per token count and adapter mix (see below).
         graph_max_tokens: calls of more tokens than this always run eagerly (prefill: each prompt length
             would be a graph of its own, with its own intermediate buffers).
+        max_graphs: graphs kept at most; past it the least recently replayed one is dropped (with its
+            buffers) and captured again if its key comes back.
 
     With ``cuda_graphs``, the second call of a (token count, dtypes, adapter mix) on CUDA captures the
     forward in a CUDA graph and later calls replay it: the inputs are copied into the graph's buffers, the
@@ -82,12 +85,14 @@ class FusedMoEWithLoRA(nn.Module):
         path: str = "auto",
         cuda_graphs: bool = False,
         graph_max_tokens: int = 512,
+        max_graphs: int = 32,
     ) -> None:
         super().__init__()
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        if type(graph_max_tokens) is not int or graph_max_tokens < 1:
-            raise ValueError(f"graph_max_tokens must be a positive int, got {graph_max_tokens!r}")
+        for name, value in (("graph_max_tokens", graph_max_tokens), ("max_graphs", max_graphs)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         expected = (pool.num_experts, 2 * pool.intermediate_size, pool.hidden_size)
         if tuple(w13.shape) != expected:
             raise ValueError(f"w13 must be (E, 2I, H) = {expected} to match the pool, got {tuple(w13.shape)}")
@@ -110,7 +115,8 @@ class FusedMoEWithLoRA(nn.Module):
         self.launch_cache = None  # a triton_ops.launch.LaunchCache once a Triton path has run
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_max_tokens = graph_max_tokens
-        self._graphs: dict[tuple, _GraphedCall] = {}
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, _GraphedCall] = OrderedDict()
         self._graph_keys_seen: set[tuple] = set()
 
     @classmethod
@@ -169,10 +175,25 @@ class FusedMoEWithLoRA(nn.Module):
         graphed = self._graphs.get(key)
         if graphed is None:
             if key not in self._graph_keys_seen:  # a one-off shape is not worth a graph: eager first
+                if len(self._graph_keys_seen) >= 64 * self.max_graphs:
+                    self._graph_keys_seen.clear()
                 self._graph_keys_seen.add(key)
                 return self._forward(x, topk_weights, topk_ids, batch)
-            graphed = self._graphs[key] = _GraphedCall.capture(self, x, topk_weights, topk_ids, batch)
+            graphed = _GraphedCall.capture(self, x, topk_weights, topk_ids, batch)
+            self._keep_graph(key, graphed)
+        else:
+            self._graphs.move_to_end(key)
         return graphed.replay(x, topk_weights, topk_ids, batch)
+
+    def _keep_graph(self, key: tuple, graphed: _GraphedCall) -> None:
+        """Stores a captured graph, dropping the least recently replayed past ``max_graphs``. A drop waits
+        for the stream first (the one host sync of this path, only on eviction): a graph is not destroyed
+        while a replay of it may still run."""
+        self._graphs[key] = graphed
+        if len(self._graphs) > self.max_graphs and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
 
     def _graph_key(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    batch: MoELoRABatchInfo | None) -> tuple | None:

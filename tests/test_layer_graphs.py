@@ -37,12 +37,23 @@ def _inputs(m, device, seed, dtype=BF16):
     return torch.randn(m, H, device=device).to(dtype), weights, ids
 
 
-def test_graph_max_tokens_is_checked():
+def test_graph_bounds_are_checked():
     pool, _, _ = _setup("cpu")
     w13, w2 = make_base(E, H, INTER, BF16)
-    for bad in (0, -3, 1.5, True):
-        with pytest.raises(ValueError, match="graph_max_tokens must be a positive int"):
-            FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, cuda_graphs=True, graph_max_tokens=bad)
+    for name in ("graph_max_tokens", "max_graphs"):
+        for bad in (0, -3, 1.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+                FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, cuda_graphs=True, **{name: bad})
+
+
+def test_least_recently_replayed_graph_is_dropped():
+    pool, graphed, _ = _setup("cpu")
+    graphed.max_graphs = 2
+    graphed._keep_graph("a", "graph a")
+    graphed._keep_graph("b", "graph b")
+    graphed._graphs.move_to_end("a")  # a replayed since b
+    graphed._keep_graph("c", "graph c")
+    assert list(graphed._graphs) == ["a", "c"]
 
 
 def test_cpu_tensors_run_eagerly():
