@@ -213,7 +213,6 @@ def one_token_down_shrink(
         raise ValueError(f"down_a must be (L, E, R, {inter}), got {tuple(down_a.shape)}")
     if token_slots.shape != (1,):
         raise ValueError(f"token_slots must be (1,) for one token, got {tuple(token_slots.shape)}")
-    # The alignment outputs only fill the kernel's signature: align=False leaves them unwritten.
     _launch_pair_shrink(topk_ids, 16, down_a.shape[1], activated, down_a, token_slots, slot_ranks,
                         rank_block=rank_block, out=out, align=False, gated=False, release_next=release_next)
 
@@ -222,8 +221,9 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
                         lora_a: torch.Tensor, token_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
                         rank_block: int, out: torch.Tensor, align: bool, gated: bool,
                         release_next: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    # Without the alignment its outputs only fill the kernel's signature: token_slots stands in for them.
     (sorted_ids, expert_ids, num_post_padded), align_kwargs, num_warps = single_program_align_args(
-        topk_ids, block_size, num_experts)
+        topk_ids, block_size, num_experts, placeholder=None if align else token_slots)
     numel, splits, width = out.shape
     k = x.shape[1]
     expected_width = (2 if gated else 1) * rank_block

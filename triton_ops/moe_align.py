@@ -316,10 +316,12 @@ def _check_align_args(topk_ids: torch.Tensor, block_size: int, num_experts: int)
 
 
 def single_program_align_args(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, placeholder: torch.Tensor | None = None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict, int]:
     """Outputs and keyword arguments of ``align_single_program`` for a batch of at most
-    ``SINGLE_PROGRAM_MAX_PAIRS`` pairs: ((sorted_ids, expert_ids, num_post_padded), kwargs, num_warps)."""
+    ``SINGLE_PROGRAM_MAX_PAIRS`` pairs: ((sorted_ids, expert_ids, num_post_padded), kwargs, num_warps).
+    ``placeholder`` (int32): a launch that does not align (``ALIGN=False``) passes it for every output and
+    workspace pointer instead of allocating them; nothing is written through it."""
     flat_ids = _check_align_args(topk_ids, block_size, num_experts)
     numel = flat_ids.numel()
     if numel > SINGLE_PROGRAM_MAX_PAIRS:
@@ -328,14 +330,18 @@ def single_program_align_args(
     max_padded = max_padded_size(numel, num_experts, block_size)
     max_blocks = cdiv(max_padded, block_size)
     block_e = next_power_of_2(num_experts)
-    outputs = (
-        torch.empty((max_padded,), dtype=torch.int32, device=device),
-        torch.empty((max_blocks,), dtype=torch.int32, device=device),
-        torch.empty((1,), dtype=torch.int32, device=device),
-    )
+    if placeholder is not None:
+        outputs, expert_start = (placeholder,) * 3, placeholder
+    else:
+        outputs = (
+            torch.empty((max_padded,), dtype=torch.int32, device=device),
+            torch.empty((max_blocks,), dtype=torch.int32, device=device),
+            torch.empty((1,), dtype=torch.int32, device=device),
+        )
+        expert_start = torch.empty((num_experts + 1,), dtype=torch.int32, device=device)
     kwargs = dict(
         topk_ids_ptr=flat_ids,
-        expert_start_ptr=torch.empty((num_experts + 1,), dtype=torch.int32, device=device),
+        expert_start_ptr=expert_start,
         sorted_ids_ptr=outputs[0],
         expert_ids_ptr=outputs[1],
         num_post_padded_ptr=outputs[2],
