@@ -398,6 +398,7 @@ class MoELoRAExperts(nn.Module):
         path: str,
         selector: _Selector,
         cuda_graphs: bool = False,
+        graph_max_tokens: int = 64,
     ) -> None:
         super().__init__()
         self.gate_up_proj = original.gate_up_proj
@@ -414,6 +415,7 @@ class MoELoRAExperts(nn.Module):
             FusedMoEWithLoRA(
                 original.gate_up_proj, original.down_proj, pool=pool, layer_id=layer_id,
                 routed_scaling_factor=1.0, activation=activation, path=path, cuda_graphs=cuda_graphs,
+                graph_max_tokens=graph_max_tokens,
             ),
         )
         object.__setattr__(self, "_selector", selector)
@@ -643,6 +645,7 @@ def attach(
     path: str = "auto",
     verify: bool | None = None,
     cuda_graphs: bool = True,
+    graph_max_tokens: int = 64,
 ) -> MoELoRAHandle:
     """Swaps every routed-experts module of a transformers-5 MoE ``model`` for a :class:`MoELoRAExperts`
     and returns the :class:`MoELoRAHandle`.
@@ -657,9 +660,11 @@ def attach(
         path: ``FusedMoEWithLoRA`` path ("auto", "fused", "split", "staged", "torch").
         verify: run each experts module against the §1 formula on random tokens before swapping it;
             ``None`` (default): only for classes not in :data:`KNOWN_EXPERTS_CLASSES`.
-        cuda_graphs: each MoE layer replays its forward from a CUDA graph per token count (up to 512
-            tokens: every decode step after the first two of a batch size), instead of planning and
-            launching its kernels on every call (``FusedMoEWithLoRA(cuda_graphs=True)``); ``False``: eager.
+        cuda_graphs: each MoE layer replays its forward from a CUDA graph per token count of at most
+            ``graph_max_tokens`` (default 64: decode steps, every one after the first two of a batch size;
+            prompts run eagerly, so each prompt length does not keep buffers of its own in every layer),
+            instead of planning and launching its kernels on every call
+            (``FusedMoEWithLoRA(cuda_graphs=True)``); ``False``: eager.
 
     Raises:
         NotImplementedError: a MoE layer that cannot be served exactly (the message says why), or no fused
@@ -732,7 +737,7 @@ def attach(
     for _name, lid, _parent, module, _attr in sites:  # build all before swapping any
         modules[lid] = MoELoRAExperts(
             module, pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens,
         )
     for _name, lid, parent, _module, attr in sites:
         setattr(parent, attr, modules[lid])
