@@ -8,8 +8,9 @@ is exactly Triton's, looks the compiled binary up in the cache's table by that s
 binary's launcher. Of ``JITFunction.run`` it skips what does not depend on the call: the string form of the
 cache key, the knob lookups and the check that the kernel's module constants did not change (here they are
 ``tl.constexpr`` constants). A miss (a specialization's first call) goes through ``kernel[grid]``, which
-compiles or finds the binary, and records it. The Triton interpreter, and a Triton whose ``JITFunction``
-lacks the internals used here, always take ``kernel[grid]``.
+compiles or finds the binary, and records it. The Triton interpreter's kernels (no ``device_caches``)
+always take ``kernel[grid]``. The internals used (``device_caches[device]`` ending in the binder, the
+binary's ``run`` and ``launch_metadata``) are those of Triton 3.6-3.9; the GPU tests run through them.
 
 The cache also holds launch plans (``plans``): decisions that depend only on host-known sizes, computed
 once per key by their owner (``fused_experts``' ``ChunkPlan``).
