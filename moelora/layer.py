@@ -175,6 +175,9 @@ class FusedMoEWithLoRA(nn.Module):
         graphed = self._graphs.get(key)
         if graphed is None:
             if key not in self._graph_keys_seen:  # a one-off shape is not worth a graph: eager first
+                # Keys seen once are only remembered to spot the second call: forgetting them all now and
+                # then bounds the set on a server that sees endless one-off shapes, at worst one more eager
+                # call per key.
                 if len(self._graph_keys_seen) >= 64 * self.max_graphs:
                     self._graph_keys_seen.clear()
                 self._graph_keys_seen.add(key)
