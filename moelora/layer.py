@@ -239,10 +239,20 @@ class FusedMoEWithLoRA(nn.Module):
 
         if self.launch_cache is None:
             self.launch_cache = LaunchCache()
+        cache = self.launch_cache
+        buffers = self.buffers_
+        inputs = [x, topk_weights, topk_ids, self.w13, self.w2]
+        if has_lora:
+            inputs += [batch.token_slots, batch.slot_ranks, batch.slot_scalings, buffers.gate_up_a,
+                       buffers.gate_up_b, buffers.down_a, buffers.down_b]
+        key = self._trace_key(x, topk_weights, topk_ids, batch if has_lora else None, path, inputs)
+        if key is not None:
+            trace = cache.traces.get(key)
+            if trace is not None:
+                return trace.replay(inputs)
 
         lora = None
         if has_lora:
-            buffers = self.buffers_
             lora = MoELoRAInputs(
                 token_slots=batch.token_slots,
                 gate_up_a=buffers.gate_up_a,
@@ -254,7 +264,8 @@ class FusedMoEWithLoRA(nn.Module):
                 max_rank=batch.max_rank,
                 num_adapters=len(batch.slots_used),
             )
-        with self.launch_cache:
+
+        def run() -> torch.Tensor:
             return fused_experts(
                 x, self.w13, self.w2, topk_weights, topk_ids,
                 activation=self.activation,
@@ -263,6 +274,49 @@ class FusedMoEWithLoRA(nn.Module):
                 lora=lora,
                 lora_path=path or "fused",
             )
+
+        with cache:
+            if key is None:
+                return run()
+            with cache.recording(inputs) as recorder:
+                out = run()
+            cache.keep_trace(key, recorder.trace(out))
+            return out
+
+    def _trace_key(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   lora_batch: MoELoRABatchInfo | None, path: str | None,
+                   inputs: list[torch.Tensor]) -> tuple | None:
+        """The key of this call's launch trace (``triton_ops.launch.LaunchTrace``), or None where a call
+        must run through ``fused_experts``: a trace replays the launches recorded for the key with the
+        inputs' pointers put in, so the key holds everything else the launches depend on (shapes, dtypes,
+        the layer's settings, the adapter mix), and a call is traced only where ``fused_experts`` makes
+        nothing but Triton launches: contiguous fp32 routing weights, contiguous inputs, every pointer
+        16-byte aligned as Triton's specialization assumed. ``MOELORA_LAUNCH_TRACE=0`` turns traces off;
+        so does a Triton launch hook (it would see the replay's bare pointers)."""
+        from triton_ops.configs import env_switch
+
+        cache = self.launch_cache
+        if not cache.plan("MOELORA_LAUNCH_TRACE", lambda: env_switch("MOELORA_LAUNCH_TRACE", default=True)):
+            return None
+        from triton_ops.launch import launch_hooks_idle
+
+        if not launch_hooks_idle():
+            return None
+        pointer_bits = 0
+        for tensor in inputs:
+            pointer_bits |= tensor.data_ptr()
+        if (pointer_bits & 15 or topk_weights.dtype != torch.float32 or not x.is_contiguous()
+                or not topk_weights.is_contiguous() or not topk_ids.is_contiguous()):
+            return None
+        lora = None
+        if lora_batch is not None:
+            if not lora_batch.token_slots.is_contiguous():
+                return None
+            lora = (path, lora_batch.max_rank, len(lora_batch.slots_used), self.buffers_.gate_up_a.shape)
+        w13, w2 = self.w13, self.w2
+        return (x.shape, x.dtype, x.device, topk_weights.shape, topk_ids.shape, topk_ids.dtype, lora,
+                w13.shape, w13.stride(), w13.dtype, w2.shape, w2.stride(), self.activation,
+                self.routed_scaling_factor, self.apply_router_weight_on_input)
 
     def extra_repr(self) -> str:
         num_experts, two_i, hidden = self.w13.shape

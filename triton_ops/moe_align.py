@@ -11,7 +11,8 @@ Semantics:  for e = 0 .. E-1 in order, ``sorted_ids`` lists the flat pair indice
 Grid:       numel <= 128: one program does everything (decode: one launch). Otherwise:
             count   (num_chunks,)   per-chunk expert histogram and each pair's rank inside its chunk
             offsets (1,)            chunk prefix per expert, padded expert starts, block->expert map
-            scatter (num_chunks,)   sorted_ids[expert_start[e] + chunk_offset[c, e] + rank] = p
+            scatter (num_chunks,)   sorted_ids[expert_start[e] + chunk_offset[c, e] + rank] = p, and the
+                                    sentinel past num_post_padded (a stripe per program)
 
 Everything is sized from ``numel`` and ``num_experts`` on the host, so nothing syncs with the GPU and
 the three launches can be captured in a CUDA graph. No id is used as an index before it is known to be
@@ -189,9 +190,12 @@ def _scatter_kernel(
     chunk_nulls_ptr,  # (num_chunks,) int32, exclusive prefix over chunks
     expert_start_ptr,  # (E + 1,) int32
     sorted_ids_ptr,  # (max_padded,) int32, out
+    num_post_padded_ptr,  # (1,) int32
     # Sizes
     numel,
     num_experts,
+    max_padded,
+    fill_stripe,  # positions of sorted_ids each program checks for the past-the-end sentinel
     # Meta-parameters
     CHUNK: tl.constexpr,
 ):
@@ -207,6 +211,17 @@ def _scatter_kernel(
     chunk_offset += tl.load(chunk_nulls_ptr + chunk + tl.zeros_like(offs), mask=valid & is_null, other=0)
     start = tl.load(expert_start_ptr + run, mask=valid, other=0)
     tl.store(sorted_ids_ptr + start + chunk_offset + rank, offs.to(tl.int32), mask=valid)
+
+    # Past the padded end: the sentinel, each program over its own stripe (disjoint from the pairs'
+    # positions, all before the end).
+    padded_end = tl.load(num_post_padded_ptr)
+    stripe_start = chunk * fill_stripe
+    stripe_end = tl.minimum(stripe_start + fill_stripe, max_padded)
+    lane = tl.arange(0, CHUNK)
+    for p0 in range(stripe_start, stripe_end, CHUNK):
+        pos = p0 + lane
+        tl.store(sorted_ids_ptr + pos, tl.zeros((CHUNK,), dtype=tl.int32) + numel,
+                 mask=(pos >= padded_end) & (pos < stripe_end))
 
 
 @triton.jit
@@ -392,8 +407,7 @@ def moe_align_block_size(
     block_e = next_power_of_2(num_experts)
     block_b = max(16, min(256, 8192 // block_e))
 
-    # Positions past num_post_padded must hold the sentinel too, so start from it.
-    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
     chunk_nulls = torch.empty((num_chunks,), dtype=torch.int32, device=device)
     pair_rank = torch.empty((numel,), dtype=torch.int32, device=device)
@@ -432,8 +446,11 @@ def moe_align_block_size(
         chunk_nulls_ptr=chunk_nulls,
         expert_start_ptr=expert_start,
         sorted_ids_ptr=sorted_ids,
+        num_post_padded_ptr=num_post_padded,
         numel=numel,
         num_experts=num_experts,
+        max_padded=max_padded,
+        fill_stripe=cdiv(max_padded, num_chunks),
         CHUNK=_CHUNK,
         num_warps=4,
     )
