@@ -26,6 +26,7 @@ thread-safe.
 
 from __future__ import annotations
 
+import array
 import math
 import threading
 import weakref
@@ -94,6 +95,9 @@ class _StagedAdapter:
 
 
 _LOADING = object()  # marks a slot reserved by an asynchronous load that is not visible yet
+
+
+_NAME_TYPES = frozenset((str, type(None)))
 
 
 def _is_int(v: object) -> bool:
@@ -776,9 +780,10 @@ class MoELoRAMemoryPool:
                 f"got {type(adapter_names).__name__}"
             )
         names = tuple(adapter_names)
-        bad_names = [n for n in names if n is not None and not isinstance(n, str)]
-        if bad_names:
-            raise TypeError(f"adapter names must be str or None, got {bad_names!r}")
+        if not set(map(type, names)) <= _NAME_TYPES:  # the exact check only where the quick one fails
+            bad_names = [n for n in names if n is not None and not isinstance(n, str)]
+            if bad_names:
+                raise TypeError(f"adapter names must be str or None, got {bad_names!r}")
         if seq_lens is None:
             lens = (1,) * len(names)
         else:
@@ -831,40 +836,43 @@ class MoELoRAMemoryPool:
         missing = [self._host_tier[n] for n in wanted if n not in self.adapter_slots]
         # Slots of this batch's resident adapters are held while missing ones are brought back from the
         # host tier, so bringing one back can never evict another adapter of the same batch.
-        held: list[int] = []
-        try:
-            for n in wanted:
-                if n in self.adapter_slots:
-                    held.append(self.adapter_slots[n])
+        if missing:
+            held: list[int] = []
+            try:
+                for n in wanted:
+                    if n in self.adapter_slots:
+                        held.append(self.adapter_slots[n])
+                        self._slot_users[held[-1]] += 1
+                for staged in missing:
+                    held.append(self._place(staged))
                     self._slot_users[held[-1]] += 1
-            for staged in missing:
-                held.append(self._place(staged))
-                self._slot_users[held[-1]] += 1
-        finally:
-            for slot in held:
-                self._slot_users[slot] -= 1
+            finally:
+                for slot in held:
+                    self._slot_users[slot] -= 1
         for n in wanted:
             self._recent.move_to_end(n)
         slot_of = self.adapter_slots
         if every_sequence_has_tokens:
-            seq_slots = [-1 if n is None else slot_of[n] for n in names]
+            table = {n: slot_of[n] for n in wanted}
+            table[None] = -1
+            seq_slots = list(map(table.__getitem__, names))
         else:
             seq_slots = [slot_of[n] if n is not None and k > 0 else -1
                          for n, k in zip(names, lens, strict=True)]
         num_tokens = sum(lens)
-        used = tuple(sorted(slot_of[n] for n in wanted))
-        max_rank = max((self.slot_rank_host[s] for s in used), default=0)
-        generations = tuple(self._slot_generation[s] for s in used)
-        slot_names = tuple(self.slot_adapters[s] for s in used)
+        used = tuple(sorted(map(slot_of.__getitem__, wanted)))
+        max_rank = max(map(self.slot_rank_host.__getitem__, used), default=0)
+        generations = tuple(map(self._slot_generation.__getitem__, used))
+        slot_names = tuple(map(self.slot_adapters.__getitem__, used))
 
         # One int per token: per sequence, repeated on the host by torch (not a Python list of M ints).
-        if every_sequence_has_tokens and num_tokens == len(names):  # one token each: decode
-            host = torch.tensor(seq_slots, dtype=torch.int32)
-        else:
-            host = torch.tensor(seq_slots, dtype=torch.int32).repeat_interleave(torch.tensor(lens))
+        host = (torch.frombuffer(array.array("i", seq_slots), dtype=torch.int32) if seq_slots
+                else torch.empty((0,), dtype=torch.int32))
+        if not (every_sequence_has_tokens and num_tokens == len(names)):  # not one token each (decode)
+            host = host.repeat_interleave(torch.tensor(lens))
+        # From pageable memory: the driver stages a host->device copy this small before returning (no
+        # device sync), which costs the host less than pinning a buffer for it.
         on_cuda = self.device.type == "cuda"
-        if on_cuda:
-            host = host.pin_memory()
 
         if out is None:
             device_slots = host.to(self.device, non_blocking=on_cuda)
@@ -886,7 +894,11 @@ class MoELoRAMemoryPool:
             return batch
 
         out.token_slots.copy_(host, non_blocking=on_cuda)
-        out.release()
+        finalizer = out.__dict__.get("_pool_finalizer")
+        holds_same_slots = (finalizer is not None and finalizer.alive and out.slots_used == used
+                            and out.slot_generations == generations)
+        if not holds_same_slots:
+            out.release()
         out.slot_ranks = self.slot_ranks
         out.slot_scalings = self.slot_scalings
         out.has_lora = bool(used)
@@ -896,7 +908,8 @@ class MoELoRAMemoryPool:
         out.seq_lens = lens
         out.slot_generations = generations
         out.slot_adapters = slot_names
-        self._hold(out, used)
+        if not holds_same_slots:
+            self._hold(out, used)
         return out
 
     def _hold(self, batch: MoELoRABatchInfo, slots: tuple[int, ...]) -> None:
