@@ -241,6 +241,13 @@ class FusedMoEWithLoRA(nn.Module):
             self.launch_cache = LaunchCache()
         cache = self.launch_cache
         buffers = self.buffers_
+        # What fused_experts would convert inside, converted here, so the call stays traceable.
+        if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
+            topk_weights = topk_weights.float().contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if not topk_ids.is_contiguous():
+            topk_ids = topk_ids.contiguous()
         inputs = [x, topk_weights, topk_ids, self.w13, self.w2]
         if has_lora:
             inputs += [batch.token_slots, batch.slot_ranks, batch.slot_scalings, buffers.gate_up_a,
@@ -290,9 +297,10 @@ class FusedMoEWithLoRA(nn.Module):
         must run through ``fused_experts``: a trace replays the launches recorded for the key with the
         inputs' pointers put in, so the key holds everything else the launches depend on (shapes, dtypes,
         the layer's settings, the adapter mix), and a call is traced only where ``fused_experts`` makes
-        nothing but Triton launches: contiguous fp32 routing weights, contiguous inputs, every pointer
-        16-byte aligned as Triton's specialization assumed. ``MOELORA_LAUNCH_TRACE=0`` turns traces off;
-        so does a Triton launch hook (it would see the replay's bare pointers)."""
+        nothing but Triton launches: contiguous fp32 routing weights, contiguous inputs (``_forward``
+        converts them first), every pointer 16-byte aligned as Triton's specialization assumed (a
+        misaligned view runs eagerly). ``MOELORA_LAUNCH_TRACE=0`` turns traces off; so does a Triton
+        launch hook (it would see the replay's bare pointers)."""
         from triton_ops.configs import env_switch
 
         cache = self.launch_cache

@@ -124,8 +124,11 @@ def test_replay_reads_adapters_loaded_after_recording_interpreter(monkeypatch):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", ["misaligned_x", "strided_x", "fp16_weights", "strided_ids"])
-def test_calls_a_trace_cannot_serve_run_eagerly_interpreter(case, monkeypatch):
+@pytest.mark.parametrize("case", ["misaligned_x", "strided_x", "bf16_weights", "strided_ids"])
+def test_inputs_a_trace_cannot_take_as_they_are_interpreter(case, monkeypatch):
+    """Strided inputs and other routing-weight dtypes are converted before the trace (as fused_experts
+    would convert them) and replay; a misaligned x (Triton specialized the recorded binaries on aligned
+    pointers) runs eagerly."""
     layer, pool, top_k = _setup(F16, "cpu")
     m = 5
     batch = pool.prepare_batch(["a", "b", None, "a", "b"])
@@ -135,14 +138,14 @@ def test_calls_a_trace_cannot_serve_run_eagerly_interpreter(case, monkeypatch):
         x = torch.empty(x.numel() + 1, dtype=F16)[1:].view_as(x).copy_(x)
     elif case == "strided_x":
         x = torch.empty(m, 2 * x.shape[1], dtype=F16)[:, ::2].copy_(x)
-    elif case == "fp16_weights":
-        weights = weights.half()
+    elif case == "bf16_weights":  # transformers' routers hand the weights over in the model's dtype
+        weights = weights.to(BF16)
     else:
         ids = torch.empty(m, 2 * top_k, dtype=ids.dtype)[:, ::2].copy_(ids)
     calls = _count_eager_calls(monkeypatch)
     got = layer(x, weights, ids, batch)
-    assert len(calls) == 1, "ran through fused_experts"
-    assert len(layer.launch_cache.traces) == 1, "and recorded nothing"
+    assert len(calls) == (1 if case == "misaligned_x" else 0)
+    assert len(layer.launch_cache.traces) == 1, "nothing new recorded"
     ref = _eager(layer, x.contiguous(), weights.float(), ids.contiguous(), batch, monkeypatch)
     assert torch.equal(got, ref)
 
