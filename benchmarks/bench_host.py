@@ -13,7 +13,8 @@ eager decode step when it is not. For each model shape and token count M this ti
 * ``lora_graphed``: the same LoRA call on a second layer with ``cuda_graphs=True`` (replayed from the
   graph it captured on its second call; inputs copied in, a fresh output),
 * ``prepare_batch``: ``pool.prepare_batch(names, seq_lens, out=batch)``, the per-step token -> adapter
-  mapping (host work and one host->device copy).
+  mapping (host work and one host->device copy); every other call gives each sequence the next adapter,
+  so the mapping changes every call (with unchanged names the pool returns the batch at once).
 
 Host method: ``--warmup-calls`` calls first (Triton compiles, caches fill), then for each of ``--calls``
 calls: ``torch.cuda.synchronize()``, ``t0 = time.perf_counter()``, the call, ``t1 = time.perf_counter()``.
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
@@ -202,13 +204,15 @@ def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, graphed: Fus
     topk_weights, topk_ids = make_routing(m, shape, seed + m, device)
     names, seq_lens = batch_layout(m, n_adapters)
     batch = pool.prepare_batch(names, seq_lens)
+    shifted = [adapter_name((int(name[1:]) + 1) % n_adapters) for name in names]
+    name_layouts = itertools.cycle([shifted, names])
 
     fns: dict[str, Callable[[], Any]] = {
         "base": lambda: layer(x, topk_weights, topk_ids, None),
         "lora": lambda: layer(x, topk_weights, topk_ids, batch),
         "lora_graphed": lambda: graphed(x, topk_weights, topk_ids, batch),
         "base_uncached": lambda: fused_experts(x, w13, w2, topk_weights, topk_ids),
-        "prepare_batch": lambda: pool.prepare_batch(names, seq_lens, out=batch),
+        "prepare_batch": lambda: pool.prepare_batch(next(name_layouts), seq_lens, out=batch),
     }
     record: dict[str, Any] = dict(
         model=shape.name, M=m, E=shape.E, top_k=shape.top_k, H=shape.H, I=shape.I,

@@ -816,6 +816,12 @@ class MoELoRAMemoryPool:
     def _prepare_batch_locked(
         self, names: tuple[str | None, ...], lens: tuple[int, ...], out: MoELoRABatchInfo | None
     ) -> MoELoRABatchInfo:
+        if out is not None and out.adapter_names == names and out.seq_lens == lens and self._still_holds(out):
+            # The same mapping as when ``out`` was built, and each of its slots still holds the same
+            # adapter (a decode step whose rows did not change): token_slots already says it all.
+            for name in out.slot_adapters:
+                self._recent.move_to_end(name)
+            return out
         distinct = dict.fromkeys(names)
         distinct.pop(None, None)
         unknown = [n for n in distinct if n not in self.adapter_slots and n not in self._host_tier]
@@ -894,9 +900,7 @@ class MoELoRAMemoryPool:
             return batch
 
         out.token_slots.copy_(host, non_blocking=on_cuda)
-        finalizer = out.__dict__.get("_pool_finalizer")
-        holds_same_slots = (finalizer is not None and finalizer.alive and out.slots_used == used
-                            and out.slot_generations == generations)
+        holds_same_slots = out.slots_used == used and self._still_holds(out)
         if not holds_same_slots:
             out.release()
         out.slot_ranks = self.slot_ranks
@@ -911,6 +915,11 @@ class MoELoRAMemoryPool:
         if not holds_same_slots:
             self._hold(out, used)
         return out
+
+    def _still_holds(self, batch: MoELoRABatchInfo) -> bool:
+        """Whether ``batch`` still counts as a user of its slots and none of them changed since."""
+        finalizer = batch.__dict__.get("_pool_finalizer")
+        return finalizer is not None and finalizer.alive and self.is_current(batch)
 
     def _hold(self, batch: MoELoRABatchInfo, slots: tuple[int, ...]) -> None:
         """Counts ``batch`` as a user of ``slots`` until it is released or garbage collected."""

@@ -560,6 +560,26 @@ def test_prepare_batch_out_in_place():
     assert tensor.tolist() == [-1] * 5
 
 
+def test_prepare_batch_out_unchanged_mapping():
+    """The same names again (a decode step whose rows did not change) keep the batch as it is, still
+    touching its adapters for the LRU; once a slot of it changed, the batch is rebuilt."""
+    pool = _pool_with_abc()
+    batch = pool.prepare_batch(["a", None, "c", "a"])
+    tensor = batch.token_slots
+    state = (tensor.tolist(), batch.slots_used, batch.slot_generations, pool._slot_users[:])
+    pool.prepare_batch(["b"], [1])  # b becomes the most recent
+    again = pool.prepare_batch(["a", None, "c", "a"], out=batch)
+    assert again is batch and (tensor.tolist(), batch.slots_used, batch.slot_generations,
+                                pool._slot_users[:]) == state
+    assert list(pool._recent)[-2:] == ["a", "c"], "the batch's adapters were touched"
+    # c unloaded and loaded again (another slot generation, maybe another slot): the same names rebuild.
+    pool.unload_adapter("c")
+    pool.add_adapter_weights("c", three_adapters()["c"])
+    refreshed = pool.prepare_batch(["a", None, "c", "a"], out=batch)
+    assert pool.is_current(refreshed)
+    assert tensor.tolist() == [pool.slot_of("a"), -1, pool.slot_of("c"), pool.slot_of("a")]
+
+
 # --------------------------------------------------------------------------------------------------
 # Pool construction, queries
 # --------------------------------------------------------------------------------------------------
