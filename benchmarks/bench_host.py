@@ -150,14 +150,18 @@ ORDERS = ("rounds", "blocks")
 
 
 def host_times_us(fns: dict[str, Callable[[], Any]], calls: int, warmup_calls: int, on_gpu: bool,
-                  order: str = "rounds") -> dict[str, list[float]]:
+                  order: str = "rounds", busy_us: float = 0.0) -> dict[str, list[float]]:
     """Host µs of each of ``calls`` calls of every function in ``fns``, after ``warmup_calls`` untimed
     calls of each: the GPU is synchronized before every call, and a call is timed from its start until
     it returns.
 
     ``order="rounds"``: round i times one call of each function in turn (the order rotating by one each
     round), so a drift of the host's speed (clocks, other processes) falls on all of them alike;
-    ``"blocks"``: all calls of one function, then the next's."""
+    ``"blocks"``: all calls of one function, then the next's.
+    ``busy_us``: after each synchronize, the host spins this long before the timed call, as a host running a
+    model step is busy right before a layer call (a thread that waited in the synchronize may find its core
+    clocked down: the first microseconds of the call then run slower).
+"""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -176,6 +180,11 @@ def host_times_us(fns: dict[str, Callable[[], Any]], calls: int, warmup_calls: i
         fn = fns[name]
         sync()
         t0 = time.perf_counter()
+        if busy_us:
+            deadline = t0 + busy_us * 1e-6
+            while time.perf_counter() < deadline:
+                pass
+            t0 = time.perf_counter()
         fn()
         t1 = time.perf_counter()
         times[name].append((t1 - t0) * 1e6)
@@ -196,7 +205,7 @@ def summarize(times_us: Sequence[float]) -> dict[str, float]:
 def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, graphed: FusedMoEWithLoRA,
                 n_adapters: int, *, calls: int,
                 warmup_calls: int, on_gpu: bool, warmup_ms: float, rep_ms: float, seed: int,
-                order: str = "rounds") -> dict[str, Any]:
+                order: str = "rounds", busy_us: float = 0.0) -> dict[str, Any]:
     """One (model, M) record: host µs of the five calls, GPU µs of base and lora (None off the GPU)."""
     pool, device, dtype = layer.pool, layer.w13.device, layer.w13.dtype
     w13, w2 = layer.w13, layer.w2
@@ -219,9 +228,9 @@ def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, graphed: Fus
         dtype=str(dtype).removeprefix("torch."), n_adapters=n_adapters,
         rank=int(pool.slot_rank_host[pool.slot_of(adapter_name(0))]), max_rank=pool.max_rank,
         layout="decode" if seq_lens is None else "prefill", seq_lens=seq_lens,
-        lora_path=layer.resolve_path(x), calls=calls, warmup_calls=warmup_calls, order=order,
+        lora_path=layer.resolve_path(x), calls=calls, warmup_calls=warmup_calls, order=order, busy_us=busy_us,
     )
-    for name, times in host_times_us(fns, calls, warmup_calls, on_gpu, order).items():
+    for name, times in host_times_us(fns, calls, warmup_calls, on_gpu, order, busy_us).items():
         stats = summarize(times)
         record[f"{name}_host_us"] = stats["median"]
         record[f"{name}_host_p10_us"] = stats["p10"]
@@ -289,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--order", choices=ORDERS, default="rounds",
                         help="rounds (default): each round times one call of each of the five in turn, so "
                              "drift falls on all alike; blocks: all calls of one, then the next's")
+    parser.add_argument("--busy-us", type=float, default=0.0,
+                        help="spin the host this many µs after each synchronize, before the timed call "
+                             "(default 0: a host that just waited for the GPU)")
     parser.add_argument("--warmup", type=float, default=25.0, help="GPU timing: warm-up, ms (default 25)")
     parser.add_argument("--rep", type=float, default=100.0,
                         help="GPU timing: measured time, ms (default 100)")
@@ -335,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     info = environment_info(on_gpu)
     settings = dict(dtype=str(dtype).removeprefix("torch."), adapters=n_adapters, rank=rank,
                     max_rank=max_rank, max_loras=MAX_LORAS, calls=calls, warmup_calls=warmup_calls,
-                    order=args.order, warmup_ms=args.warmup, rep_ms=args.rep, seed=args.seed,
-                    dry_run=args.dry_run, M=ms, models=[shape.name for shape in models])
+                    order=args.order, busy_us=args.busy_us, warmup_ms=args.warmup, rep_ms=args.rep,
+                    seed=args.seed, dry_run=args.dry_run, M=ms, models=[shape.name for shape in models])
     print(f"[bench_host] {info['device']}, torch {info['torch']}, triton {info['triton']}"
           + ("; DRY RUN (timings are meaningless)" if args.dry_run else ""), file=sys.stderr, flush=True)
     records = []
@@ -349,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in ms:
             record = bench_point(shape, m, layer, graphed, n_adapters, calls=calls, warmup_calls=warmup_calls,
                                  on_gpu=on_gpu, warmup_ms=args.warmup, rep_ms=args.rep, seed=args.seed,
-                                 order=args.order)
+                                 order=args.order, busy_us=args.busy_us)
             records.append(record)
             print(f"{shape.name} M={m}: host base {record['base_host_us']:.1f} µs, "
                   f"lora {record['lora_host_us']:.1f} µs, uncached {record['base_uncached_host_us']:.1f} µs, "

@@ -64,3 +64,11 @@ def test_bench_host_orders():
     assert bench_host.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 10) == 1.4
     with pytest.raises(ValueError, match="order"):
         bench_host.host_times_us({}, calls=1, warmup_calls=0, on_gpu=False, order="random")
+
+
+def test_bench_host_busy_spin_is_not_timed():
+    """--busy-us spins the host before each timed call; the spin is not part of the call's time."""
+    bench_host = _load_bench_host()
+    times = bench_host.host_times_us({"noop": lambda: None}, calls=5, warmup_calls=0, on_gpu=False,
+                                     busy_us=20_000.0)
+    assert max(times["noop"]) < 10_000.0  # a no-op call, far below the 20 ms spin before it
