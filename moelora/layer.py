@@ -52,6 +52,10 @@ class FusedMoEWithLoRA(nn.Module):
         activation: "silu" (default) or "gelu".
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
         path: "auto", "fused", "split", "staged" or "torch" (see the module docstring).
+        process_group, reduce_results: a tensor- or expert-parallel layer (a pool with a
+            ``moelora.parallel.MoEShard``; w13/w2 the shard's part, ``shard.split_weights``) returns this
+            rank's partial output; with ``reduce_results`` it all-reduces it over ``process_group`` (the
+            ranks that hold the other parts), so every rank returns the whole layer's output.
         cuda_graphs: replay eager calls from CUDA graphs, one per token count and adapter mix (see below).
         graph_max_tokens: calls of more tokens than this always run eagerly (prefill: each prompt length
             would be a graph of its own, with its own intermediate buffers).
@@ -86,8 +90,13 @@ class FusedMoEWithLoRA(nn.Module):
         cuda_graphs: bool = False,
         graph_max_tokens: int = 512,
         max_graphs: int = 32,
+        process_group: object | None = None,
+        reduce_results: bool = False,
     ) -> None:
         super().__init__()
+        if reduce_results and process_group is None:
+            raise ValueError("reduce_results=True needs the process_group to all-reduce over (the group of "
+                             "the tensor- and expert-parallel ranks that share this layer)")
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         for name, value in (("graph_max_tokens", graph_max_tokens), ("max_graphs", max_graphs)):
@@ -118,6 +127,13 @@ class FusedMoEWithLoRA(nn.Module):
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, _GraphedCall] = OrderedDict()
         self._graph_keys_seen: set[tuple] = set()
+        self.process_group = process_group
+        self.reduce_results = bool(reduce_results)
+        # Expert-parallel pool: global expert id -> local index, -1 for another rank's expert, and -1 again
+        # at index E for an id outside [0, E) (clamped to -1 or E before the lookup).
+        self._expert_map = None
+        if pool.expert_map is not None:
+            self._expert_map = torch.cat([pool.expert_map, pool.expert_map.new_full((1,), -1)])
 
     @classmethod
     def from_base(
@@ -214,6 +230,25 @@ class FusedMoEWithLoRA(nn.Module):
                 tuple(topk_weights.shape), lora)
 
     def _forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        batch: MoELoRABatchInfo | None,
+    ) -> torch.Tensor:
+        """This rank's part of the layer (its experts, its I share), summed over the process group with
+        ``reduce_results`` (moelora/parallel.py has the math)."""
+        if self._expert_map is not None:
+            num_experts = self._expert_map.shape[0] - 1
+            topk_ids = self._expert_map[topk_ids.clamp(-1, num_experts)]
+        out = self._local_forward(x, topk_weights, topk_ids, batch)
+        if self.reduce_results:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.process_group)
+        return out
+
+    def _local_forward(
         self,
         x: torch.Tensor,
         topk_weights: torch.Tensor,

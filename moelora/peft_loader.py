@@ -1022,7 +1022,7 @@ def _maybe_zero_components(
     return zero
 
 
-def _pool_slot_bytes(
+def pool_slot_bytes(
     num_experts: int, hidden: int, inter: int, n_layers: int, rank: int, dtype: torch.dtype
 ) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -1357,7 +1357,7 @@ def _read(
         layers=sorted(layers),
         experts_per_layer={lid: sorted(es) for lid, es in sorted(experts_per_layer.items())},
         ignored_keys=ignored,
-        pool_bytes=_pool_slot_bytes(n_exp, hid, inter, len(lids), max_r, dtype),
+        pool_bytes=pool_slot_bytes(n_exp, hid, inter, len(lids), max_r, dtype),
         max_rank=eff_max,
         pool_max_rank=max_r,
         dtype=str(out_dtype).removeprefix("torch."),

@@ -40,7 +40,8 @@ import torch
 
 from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
 from moelora.batch_info import MoELoRABatchInfo
-from moelora.peft_loader import check_adapter_path, read_peft_adapter
+from moelora.parallel import MoEShard
+from moelora.peft_loader import check_adapter_path, pool_slot_bytes, read_peft_adapter
 
 __all__ = ["AdapterLoadError", "LoRALayerBuffers", "MoELoRAMemoryPool"]
 
@@ -130,6 +131,9 @@ class MoELoRAMemoryPool:
             are kept (pinned on CUDA) so a re-load or a batch naming an evicted adapter skips the disk.
         pin_host_memory: stage adapters in pinned host memory (default: on CUDA). Pinned staging makes
             slot copies fastest, but allocating it can stall other threads' CUDA launches.
+        shard: a :class:`moelora.parallel.MoEShard` of a tensor- or expert-parallel rank: ``num_experts``
+            and ``intermediate_size`` stay the model's, the buffers hold the shard's experts and I share,
+            and every adapter (given or read for the whole model) is stored as the shard's part of it.
 
     Attributes:
         layers: layer id -> :class:`LoRALayerBuffers`.
@@ -152,10 +156,24 @@ class MoELoRAMemoryPool:
         device: str | torch.device = "cuda",
         max_cpu_loras: int = 0,
         pin_host_memory: bool | None = None,
+        shard: MoEShard | None = None,
     ) -> None:
         self.num_experts = _check_positive_int("num_experts", num_experts)
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
         self.intermediate_size = _check_positive_int("intermediate_size", intermediate_size)
+        if shard is not None:
+            if not isinstance(shard, MoEShard):
+                raise TypeError(f"shard must be a moelora.parallel.MoEShard, got {type(shard).__name__}")
+            if (shard.num_experts, shard.intermediate_size) != (self.num_experts, self.intermediate_size):
+                raise ValueError(
+                    f"the shard splits E={shard.num_experts}, I={shard.intermediate_size} but the pool is "
+                    f"for E={self.num_experts}, I={self.intermediate_size} (give the pool the model's sizes)")
+            # From here on the pool's sizes are the shard's: what its buffers hold and its layers take.
+            self.num_experts = shard.local_num_experts
+            self.intermediate_size = shard.local_intermediate_size
+        self.shard = shard
+        # Global expert id -> local index (-1: another rank's), for expert-parallel layers.
+        self.expert_map = None
         self.max_loras = _check_positive_int("max_loras", max_loras)
         self.max_rank = _check_positive_int("max_rank", max_rank)
         if dtype not in _POOL_DTYPES:
@@ -176,7 +194,10 @@ class MoELoRAMemoryPool:
             raise ValueError(f"layer_ids must be unique, {dup} appear more than once in {list(ids)!r}")
         self.layer_ids: tuple[int, ...] = tuple(int(i) for i in ids)
 
-        n_slots, e, r, h, i = self.max_loras, self.num_experts, self.max_rank, hidden_size, intermediate_size
+        n_slots, e, r = self.max_loras, self.num_experts, self.max_rank
+        h, i = hidden_size, self.intermediate_size
+        if shard is not None and shard.local_num_experts < shard.num_experts:
+            self.expert_map = shard.expert_map(self.device)
         kw = {"dtype": dtype, "device": self.device}
         self.layers: dict[int, LoRALayerBuffers] = {
             lid: LoRALayerBuffers(
@@ -350,6 +371,8 @@ class MoELoRAMemoryPool:
         """
         if not isinstance(name, str) or not name:
             raise AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
+        if self.shard is not None:
+            layers = self.shard.split_adapter(name, layers)
         staged = self._stage(name, layers)
         with self._lock:
             return self._place(staged)
@@ -404,11 +427,17 @@ class MoELoRAMemoryPool:
                 self._host_tier.move_to_end(name)
                 return cached
 
+        shard = self.shard
         layers, report = read_peft_adapter(
-            path, num_experts=self.num_experts, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, layer_ids=self.layer_ids, max_rank=self.max_rank,
+            path, num_experts=shard.num_experts if shard else self.num_experts, hidden_size=self.hidden_size,
+            intermediate_size=shard.intermediate_size if shard else self.intermediate_size,
+            layer_ids=self.layer_ids, max_rank=self.max_rank,
             dtype=torch.float32, pool_dtype=self.dtype,  # one rounding, after any per-module rescale
         )
+        if shard is not None:
+            layers = shard.split_adapter(name, layers)
+            report.pool_bytes = pool_slot_bytes(self.num_experts, self.hidden_size, self.intermediate_size,
+                                                len(self.layer_ids), self.max_rank, self.dtype)
         staged = self._stage(name, layers)
         staged.source = source
         report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
