@@ -280,3 +280,16 @@ def test_nccl_two_gpus_match_one_gpu(tp, ep, shape, top_k):
             # bf16 partial outputs rounded before the all-reduce: a few bf16 steps of the output scale.
             err = (got.float() - want).abs().max()
             assert err <= 0.02 * scale, f"max error {err} of output scale {scale}"
+
+
+def test_bench_parallel_dry_run():
+    """The benchmark script under torchrun, 2 CPU processes with gloo (torch path), a tiny shape."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "benchmarks" / "bench_parallel.py"), "--dry-run", "--ep", "2"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| tiny | 80 |" in result.stdout and "(0.50) |" in result.stdout  # 1/2 of the LoRA bytes per rank
