@@ -315,6 +315,7 @@ class FusedMoEWithLoRA(nn.Module):
                 routed_scaling_factor=self.routed_scaling_factor,
                 lora=lora,
                 lora_path=path or "fused",
+                sparse_routing=self._expert_map is not None,
             )
 
         with cache:

@@ -293,3 +293,15 @@ def test_bench_parallel_dry_run():
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| tiny | 80 |" in result.stdout and "(0.50) |" in result.stdout  # 1/2 of the LoRA bytes per rank
+
+
+def test_expert_parallel_decode_aligns_one_token():
+    """An expert-parallel layer's token has pairs of other ranks' experts (id -1): aligned, they take null
+    blocks that read nothing, instead of a direct GEMM program each (which would run on expert 0)."""
+    from triton_ops.fused_experts import plan_chunk
+
+    kw = dict(rows=1, top_k=8, num_experts=64, hidden=2048, intermediate=768, dtype=torch.bfloat16,
+              device=torch.device("cpu"), lora=None, lora_path="fused", config=None, combine=True)
+    dense, sparse = plan_chunk(**kw), plan_chunk(**kw, sparse_routing=True)
+    assert dense.direct and dense.fused_sum
+    assert not sparse.direct and not sparse.fused_sum

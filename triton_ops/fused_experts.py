@@ -245,6 +245,7 @@ def fused_experts(
     config: MoEConfig | None = None,
     lora: MoELoRAInputs | None = None,
     lora_path: str = "fused",
+    sparse_routing: bool = False,
 ) -> torch.Tensor:
     """Runs the routed experts of one MoE layer (see the module docstring for the math).
 
@@ -270,6 +271,9 @@ def fused_experts(
             many N tiles would each re-sum a shrink's split-K partials, ``reduce_shrink_splits`` sums them
             once first, or ``pack_shrink_partials`` packs them for ``lora_ext_expand``) or "staged"
             (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
+        sparse_routing: many pairs name experts outside [0, E) (an expert-parallel rank, whose ids of other
+            ranks' experts are -1): one token is aligned too, so those pairs take null blocks that read
+            nothing, instead of a GEMM program each (``decode_direct_pairs``).
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation not in _ACTIVATIONS:
@@ -321,7 +325,8 @@ def fused_experts(
         end = min(start + chunk, num_tokens)
         rows = end - start
         plan = _chunk_plan(rows, top_k, num_experts, hidden, intermediate, x.dtype, x.device, lora=lora,
-                           lora_path=lora_path, config=config, combine=pair_out is not None)
+                           lora_path=lora_path, config=config, combine=pair_out is not None,
+                           sparse_routing=sparse_routing)
         cfg = plan.config
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
@@ -496,9 +501,10 @@ class ChunkPlan:
 
 def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str,
-               config: MoEConfig | None, combine: bool) -> ChunkPlan:
+               config: MoEConfig | None, combine: bool, sparse_routing: bool = False) -> ChunkPlan:
     """The launch decisions of one ``fused_experts`` chunk of ``rows`` tokens (see :class:`ChunkPlan`).
-    ``combine``: the routed pairs' outputs are summed over the top-k (not ``no_combine``, top_k > 1)."""
+    ``combine``: the routed pairs' outputs are summed over the top-k (not ``no_combine``, top_k > 1).
+    ``sparse_routing``: no direct pairs (and so no fused top-k sum): other ranks' pairs are null blocks."""
     split = lora is not None and lora_path == "split"
     staged = lora is not None and lora_path == "staged"
     rank_block = lora_rank_block(lora.max_rank) if lora is not None else 0
@@ -512,8 +518,9 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     if lora is not None and lora_path == "fused":
         cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=elem_bytes)
     pairs = rows * top_k
-    direct = not staged and pairs <= SINGLE_PROGRAM_MAX_PAIRS and decode_direct_pairs(rows)
-    fused_sum = combine and not staged and fused_topk_sum(rows, top_k)
+    direct = (not staged and not sparse_routing and pairs <= SINGLE_PROGRAM_MAX_PAIRS
+              and decode_direct_pairs(rows))
+    fused_sum = combine and not staged and not sparse_routing and fused_topk_sum(rows, top_k)
     dependent_gemm2 = split and direct and one_token_dependent_gemm2(device)
     if lora is None or lora_path == "fused":
         return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum)
@@ -586,16 +593,18 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
 
 def _chunk_plan(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                 device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str, config: MoEConfig | None,
-                combine: bool) -> ChunkPlan:
+                combine: bool, sparse_routing: bool) -> ChunkPlan:
     """``plan_chunk``, made once per key in the active ``LaunchCache`` (its owner's calls repeat it), else
     every call."""
     args = (rows, top_k, num_experts, hidden, intermediate, dtype, device)
-    kwargs = dict(lora=lora, lora_path=lora_path, config=config, combine=combine)
+    kwargs = dict(lora=lora, lora_path=lora_path, config=config, combine=combine,
+                  sparse_routing=sparse_routing)
     cache = active_cache()
     if cache is None:
         return plan_chunk(*args, **kwargs)
     lora_key = None if lora is None else (lora_path, lora_rank_block(lora.max_rank), lora.num_adapters)
-    return cache.plan(("chunk", *args, lora_key, config, combine), lambda: plan_chunk(*args, **kwargs))
+    return cache.plan(("chunk", *args, lora_key, config, combine, sparse_routing),
+                      lambda: plan_chunk(*args, **kwargs))
 
 
 def _with_epilogue_shrink(operands: LoRAOperands, partials: torch.Tensor, *, pack: bool, reduce: bool,
