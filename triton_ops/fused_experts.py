@@ -206,6 +206,23 @@ def fused_topk_sum(num_tokens: int, top_k: int) -> bool:
     return top_k > 1 and num_tokens == 1 and env_switch("MOELORA_FUSED_SUM", default=True)
 
 
+# An expert-parallel rank aligns one token's pairs from this many bytes of base weights per expert: below,
+# the direct programs of other ranks' pairs re-read expert 0 mostly from L2 (50 MB on an H100/H200), and
+# the two launches the alignment adds (alignment, top-k sum) cost more than they save.
+SPARSE_ALIGN_MIN_EXPERT_BYTES = 32 * 1024**2
+
+
+def sparse_routing_aligns(hidden: int, intermediate: int, elem_bytes: int) -> bool:
+    """Whether a token whose pairs often name other ranks' experts (``sparse_routing``) is aligned, so
+    those pairs take null blocks that read nothing, instead of a direct program each that runs on expert 0
+    and stores zeros (``decode_direct_pairs``): where an expert's weights (3 x H x I) outgrow L2, each such
+    program streams expert 0 from memory again. DeepSeek-V3 (88 MB an expert), 2 expert-parallel H200s,
+    M=1: 170 -> 146 µs; Qwen3-30B-A3B (9 MB): 41 -> 47 µs, hence the bound (docs/performance.md, 'Levers':
+    expert-parallel decode). ``MOELORA_SPARSE_ALIGN=0`` / ``=1`` forces it (to compare)."""
+    usual = 3 * hidden * intermediate * elem_bytes >= SPARSE_ALIGN_MIN_EXPERT_BYTES
+    return env_switch("MOELORA_SPARSE_ALIGN", default=usual)
+
+
 @dataclass(frozen=True)
 class MoELoRAInputs:
     """One layer's adapter buffers (DESIGN §2) plus the batch's slot per token.
@@ -272,8 +289,8 @@ def fused_experts(
             once first, or ``pack_shrink_partials`` packs them for ``lora_ext_expand``) or "staged"
             (separate shrink / gate_up+act / down+combine kernels, seed 002's interface).
         sparse_routing: many pairs name experts outside [0, E) (an expert-parallel rank, whose ids of other
-            ranks' experts are -1): one token is aligned too, so those pairs take null blocks that read
-            nothing, instead of a GEMM program each (``decode_direct_pairs``).
+            ranks' experts are -1): where experts are large (``sparse_routing_aligns``) one token is aligned
+            too, so those pairs take null blocks that read nothing, instead of a GEMM program each.
     """
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation not in _ACTIVATIONS:
@@ -504,7 +521,8 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
                config: MoEConfig | None, combine: bool, sparse_routing: bool = False) -> ChunkPlan:
     """The launch decisions of one ``fused_experts`` chunk of ``rows`` tokens (see :class:`ChunkPlan`).
     ``combine``: the routed pairs' outputs are summed over the top-k (not ``no_combine``, top_k > 1).
-    ``sparse_routing``: no direct pairs (and so no fused top-k sum): other ranks' pairs are null blocks."""
+    ``sparse_routing``: where ``sparse_routing_aligns``, no direct pairs (and so no fused top-k sum):
+    other ranks' pairs are null blocks."""
     split = lora is not None and lora_path == "split"
     staged = lora is not None and lora_path == "staged"
     rank_block = lora_rank_block(lora.max_rank) if lora is not None else 0
@@ -518,9 +536,10 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     if lora is not None and lora_path == "fused":
         cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=elem_bytes)
     pairs = rows * top_k
-    direct = (not staged and not sparse_routing and pairs <= SINGLE_PROGRAM_MAX_PAIRS
+    align_sparse = sparse_routing and sparse_routing_aligns(hidden, intermediate, elem_bytes)
+    direct = (not staged and not align_sparse and pairs <= SINGLE_PROGRAM_MAX_PAIRS
               and decode_direct_pairs(rows))
-    fused_sum = combine and not staged and not sparse_routing and fused_topk_sum(rows, top_k)
+    fused_sum = combine and not staged and not align_sparse and fused_topk_sum(rows, top_k)
     dependent_gemm2 = split and direct and one_token_dependent_gemm2(device)
     if lora is None or lora_path == "fused":
         return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum)
