@@ -202,6 +202,41 @@ def markdown(records: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(records: list[dict[str, Any]], out: Path, title: str) -> bool:
+    """Per model: LoRA overhead against M on one GPU and sharded, and the sharded layer's speedup over one
+    GPU (base, LoRA). False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[warn] matplotlib is not installed: no plot written", file=sys.stderr)
+        return False
+    models = list(dict.fromkeys(r["model"] for r in records))
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.2 * len(models)), squeeze=False)
+    for row, model in zip(axes, models, strict=True):
+        rs = [r for r in records if r["model"] == model]
+        ms = [r["M"] for r in rs]
+        row[0].plot(ms, [100 * r["single_overhead"] for r in rs], "o-", label="1 GPU")
+        row[0].plot(ms, [100 * r["sharded_overhead"] for r in rs], "s-", label="sharded")
+        row[0].set_ylabel("LoRA overhead %")
+        row[1].plot(ms, [r["speedup_base"] for r in rs], "o-", label="base")
+        row[1].plot(ms, [r["speedup_lora"] for r in rs], "s-", label="with LoRA")
+        row[1].axhline(1.0, color="grey", lw=0.8)
+        row[1].set_ylabel("speedup over 1 GPU")
+        for ax in row:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens M")
+            ax.set_title(model, fontsize=9)
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -248,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.write_text(json.dumps(dict(device=name, world=world, tp=args.tp, ep=args.ep,
                                                     torch=torch.__version__, records=records), indent=1))
                 args.out.with_suffix(".md").write_text(table)
+                plot(records, args.out.with_suffix(".png"), title.split(":")[0])
     finally:
         dist.destroy_process_group()
     return 0
