@@ -85,8 +85,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("moelora demo: with --model give the adapters too (--adapter NAME=DIR, at least two)",
               file=sys.stderr)
         return 2
+    if args.tp < 1:
+        print(f"moelora demo: --tp must be at least 1, got {args.tp}", file=sys.stderr)
+        return 2
     return run_demo(Path(args.model) if args.model else DEFAULT_MODEL, adapters, device=args.device,
-                    new_tokens=args.new_tokens, check=not args.no_check)
+                    new_tokens=args.new_tokens, check=not args.no_check, tp=args.tp)
 
 
 def _local_model_dir(name: str, adapter_dir: Path) -> Path | None:
@@ -359,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     demo.add_argument("--new-tokens", type=int, default=8)
     demo.add_argument("--no-check", action="store_true", help="skip the comparison with PEFT")
+    demo.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel processes: run under torchrun --nproc-per-node N (transformers' "
+                           "tensor-parallel plan; each rank holds its share of every expert and adapter)")
     demo.set_defaults(func=cmd_demo)
     smoke = sub.add_parser("smoke", help="run the base fused MoE on small shapes and check it")
     smoke.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

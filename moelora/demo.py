@@ -113,6 +113,55 @@ def run_demo(
     check: bool = True,
     tol: float = 1e-4,
     seed: int = 0,
+    tp: int = 1,
+) -> int:
+    """Runs the demo (module docstring); returns the exit code. ``tp`` > 1: under ``torchrun
+    --nproc-per-node tp``, the model is loaded with transformers' tensor-parallel plan
+    (``DistributedConfig(tp_size=tp)``), every rank serves the same requests and checks them against PEFT
+    run in its own process, unsharded; rank 0 prints."""
+    if tp > 1:
+        return _run_tensor_parallel(model_dir, adapters, device=device, new_tokens=new_tokens,
+                                    prompt_len=prompt_len, check=check, tol=tol, seed=seed, tp=tp)
+    return _run(model_dir, adapters, device=device, new_tokens=new_tokens, prompt_len=prompt_len,
+                check=check, tol=tol, seed=seed)
+
+
+def _run_tensor_parallel(model_dir: Path, adapters: dict[str, Path] | None, *, device: str, tp: int,
+                         **kwargs) -> int:
+    import contextlib
+    import os
+
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", 1)) != tp:
+        raise SystemExit(f"moelora demo --tp {tp}: run it under torchrun --nproc-per-node {tp}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        quiet = dist.get_rank() != 0
+        with contextlib.redirect_stdout(open(os.devnull, "w")) if quiet else contextlib.nullcontext():
+            code = _run(model_dir, adapters, device=device, tp=tp, **kwargs)
+        failed = torch.tensor([code], dtype=torch.int64)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        return int(failed.item())
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(
+    model_dir: Path,
+    adapters: dict[str, Path] | None,
+    *,
+    device: str,
+    new_tokens: int,
+    prompt_len: int,
+    check: bool,
+    tol: float,
+    seed: int,
+    tp: int = 1,
 ) -> int:
     import warnings
 
@@ -132,10 +181,20 @@ def run_demo(
     resident, hot = names[:-1][:3], names[-1]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"moelora demo: {model_dir.name} on {device}, adapters {names} (pool of {len(resident)} slots)")
+    where = device if tp == 1 else f"{tp} {device} processes, tensor parallel"
+    print(f"moelora demo: {model_dir.name} on {where}, adapters {names} (pool of {len(resident)} slots)")
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)
+    if tp > 1:
+        try:
+            from transformers.distributed import DistributedConfig
+        except ImportError as err:
+            raise SystemExit("moelora demo --tp needs a transformers with transformers.distributed."
+                             "DistributedConfig (5.24 has it)") from err
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, distributed_config=DistributedConfig(tp_size=tp)).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)
     handle = mi.attach(model, max_loras=len(resident), max_rank=64, max_cpu_loras=len(names))
     timings = {"load model + attach": time.perf_counter() - t0}
     for n in resident:

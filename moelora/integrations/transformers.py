@@ -70,6 +70,7 @@ from torch import nn
 
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.layer import PATHS, FusedMoEWithLoRA
+from moelora.parallel import MoEShard
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
 
@@ -223,6 +224,37 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
     if w13.dtype != w2.dtype or w13.device != w2.device:
         raise NotImplementedError(f"{where}: gate_up_proj and down_proj differ in dtype or device")
     return _activation_of(name, module)
+
+
+def _tensor_parallel_of(name: str, module: nn.Module) -> tuple[int, int, object] | None:
+    """(tp rank, tp size, process group) of an experts module that transformers sharded with its tensor-
+    parallel plan (``packed_colwise`` gate_up_proj: each rank its rows of gate, then of up; ``rowwise``
+    down_proj: its columns), None for plain tensors. Raises NotImplementedError for any other sharding."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor shards nothing
+        return None
+    w13, w2 = module.gate_up_proj, module.down_proj
+    if not isinstance(w13, DTensor) and not isinstance(w2, DTensor):
+        return None
+    where = f"experts module {name!r} ({type(module).__name__})"
+    if not (isinstance(w13, DTensor) and isinstance(w2, DTensor)) or w13.device_mesh.ndim != 1:
+        raise NotImplementedError(f"{where}: its expert tensors are sharded over a mesh of "
+                                  f"{getattr(getattr(w13, 'device_mesh', None), 'ndim', 0)} dims or only in "
+                                  "part; moelora serves transformers' 1-D tensor-parallel plan")
+    mesh = w13.device_mesh
+    size, rank = mesh.size(), mesh.get_local_rank()
+    e, two_i, h = w13.shape
+    local13, local2 = w13.to_local(), w2.to_local()
+    placements = (tuple(getattr(p, "dim", None) for p in w13.placements),
+                  tuple(getattr(p, "dim", None) for p in w2.placements))
+    if (placements != ((1,), (2,)) or two_i % (2 * size) or tuple(local13.shape) != (e, two_i // size, h)
+            or tuple(local2.shape) != (e, h, two_i // 2 // size)):
+        raise NotImplementedError(
+            f"{where}: sharded as {w13.placements} / {w2.placements} with local shapes "
+            f"{tuple(local13.shape)} / {tuple(local2.shape)}; moelora serves transformers' tensor-parallel "
+            "plan (packed_colwise gate_up_proj, rowwise down_proj)")
+    return rank, size, mesh.get_group()
 
 
 def _verify_math(name: str, module: nn.Module, activation: str) -> None:
@@ -399,6 +431,7 @@ class MoELoRAExperts(nn.Module):
         selector: _Selector,
         cuda_graphs: bool = False,
         graph_max_tokens: int = 64,
+        tensor_parallel: tuple[int, int, object] | None = None,
     ) -> None:
         super().__init__()
         self.gate_up_proj = original.gate_up_proj
@@ -409,13 +442,19 @@ class MoELoRAExperts(nn.Module):
         # Not registered as submodules: the original stays out of the module tree (and state_dict), and
         # the layer holds the same Parameters (its own registration of them must not add state_dict keys).
         object.__setattr__(self, "original", original)
+        w13, w2, parallel = original.gate_up_proj, original.down_proj, {}
+        if tensor_parallel is not None:
+            # This rank's rows of gate and up and columns of down (views of the DTensors' local shards); the
+            # layer all-reduces its partial output over the tensor-parallel group, as the plan's own
+            # moe_tp_experts does for the original module.
+            w13, w2 = w13.to_local().detach(), w2.to_local().detach()
+            parallel = dict(process_group=tensor_parallel[2], reduce_results=True)
         object.__setattr__(
             self,
             "layer",
             FusedMoEWithLoRA(
-                original.gate_up_proj, original.down_proj, pool=pool, layer_id=layer_id,
-                routed_scaling_factor=1.0, activation=activation, path=path, cuda_graphs=cuda_graphs,
-                graph_max_tokens=graph_max_tokens,
+                w13, w2, pool=pool, layer_id=layer_id, routed_scaling_factor=1.0, activation=activation,
+                path=path, cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens, **parallel,
             ),
         )
         object.__setattr__(self, "_selector", selector)
@@ -439,6 +478,8 @@ class MoELoRAExperts(nn.Module):
                 f"MoELoRAExperts.forward takes (hidden_states, top_k_index, top_k_weights) only, got extra "
                 f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
             )
+        hidden_states, top_k_index, top_k_weights = (t.to_local() if hasattr(t, "to_local") else t
+                                                     for t in (hidden_states, top_k_index, top_k_weights))
         x = hidden_states.reshape(num_tokens, hidden)
         out = self.layer(
             x, top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1), batch
@@ -689,13 +730,21 @@ def attach(
         )
     sites: list[tuple[str, int, nn.Module, nn.Module, str]] = []
     activations: dict[int, str] = {}
+    parallel: dict[int, tuple[int, int, object] | None] = {}
     for name, lid, module in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         activations[lid] = _check_supported(name, module, parent)
-        if verify or (verify is None and type(module).__name__ not in KNOWN_EXPERTS_CLASSES):
+        parallel[lid] = _tensor_parallel_of(name, module)
+        if parallel[lid] is None and (
+                verify or (verify is None and type(module).__name__ not in KNOWN_EXPERTS_CLASSES)):
             _verify_math(name, module, activations[lid])
         sites.append((name, lid, parent, module, attr))
+    layouts = {(p[0], p[1]) if p else None for p in parallel.values()}
+    if len(layouts) > 1:
+        raise NotImplementedError(f"MoE layers sharded differently ({sorted(map(str, layouts))}); one pool "
+                                  "holds one layout")
+    tensor_parallel = next(iter(parallel.values()))
 
     first = found[0][2]
     w13_first = first.gate_up_proj
@@ -715,17 +764,26 @@ def attach(
     num_experts, two_i, hidden = shape
     layer_ids = [lid for _, lid, _ in found]
 
+    shard = None
+    if tensor_parallel is not None:
+        shard = MoEShard(num_experts, two_i // 2, tp_rank=tensor_parallel[0], tp_size=tensor_parallel[1])
     owns_pool = pool is None
     if pool is None:
         pool = MoELoRAMemoryPool(
             num_experts=num_experts, hidden_size=hidden, intermediate_size=two_i // 2, layer_ids=layer_ids,
             max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device, max_cpu_loras=max_cpu_loras,
+            shard=shard,
         )
     else:
         got = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
-        want = (num_experts, hidden, two_i // 2)
-        if got != want:
-            raise ValueError(f"the pool has (E, H, I) = {got}, the model's experts {want}")
+        want = (num_experts, hidden, two_i // 2) if shard is None else (
+            shard.local_num_experts, hidden, shard.local_intermediate_size)
+        def layout(s: MoEShard | None) -> tuple | None:
+            return None if s is None else (s.tp_rank, s.tp_size, s.experts)
+
+        if got != want or layout(pool.shard) != layout(shard):
+            raise ValueError(f"the pool has (E, H, I) = {got} (shard {pool.shard}), the model's experts on "
+                             f"this rank {want} (shard {shard})")
         missing = [lid for lid in layer_ids if lid not in pool.layer_ids]
         if missing:
             raise ValueError(
@@ -737,7 +795,7 @@ def attach(
     for _name, lid, _parent, module, _attr in sites:  # build all before swapping any
         modules[lid] = MoELoRAExperts(
             module, pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector,
-            cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens,
+            cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens, tensor_parallel=tensor_parallel,
         )
     for _name, lid, parent, _module, attr in sites:
         setattr(parent, attr, modules[lid])
