@@ -85,11 +85,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("moelora demo: with --model give the adapters too (--adapter NAME=DIR, at least two)",
               file=sys.stderr)
         return 2
-    if args.tp < 1:
-        print(f"moelora demo: --tp must be at least 1, got {args.tp}", file=sys.stderr)
+    if args.tp < 1 or args.ep not in (1, args.tp):
+        print(f"moelora demo: --tp must be at least 1 and --ep 1 or equal to --tp, got --tp {args.tp} --ep "
+              f"{args.ep}", file=sys.stderr)
         return 2
     return run_demo(Path(args.model) if args.model else DEFAULT_MODEL, adapters, device=args.device,
-                    new_tokens=args.new_tokens, check=not args.no_check, tp=args.tp)
+                    new_tokens=args.new_tokens, check=not args.no_check, tp=args.tp, ep=args.ep)
 
 
 def _local_model_dir(name: str, adapter_dir: Path) -> Path | None:
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel processes: run under torchrun --nproc-per-node N (transformers' "
                            "tensor-parallel plan; each rank holds its share of every expert and adapter)")
+    demo.add_argument("--ep", type=int, default=1,
+                      help="with --tp N: N shards the experts by expert instead (transformers' "
+                           "expert-parallel plan over the same ranks)")
     demo.set_defaults(func=cmd_demo)
     smoke = sub.add_parser("smoke", help="run the base fused MoE on small shapes and check it")
     smoke.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

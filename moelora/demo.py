@@ -114,14 +114,19 @@ def run_demo(
     tol: float = 1e-4,
     seed: int = 0,
     tp: int = 1,
+    ep: int = 1,
 ) -> int:
     """Runs the demo (module docstring); returns the exit code. ``tp`` > 1: under ``torchrun
     --nproc-per-node tp``, the model is loaded with transformers' tensor-parallel plan
-    (``DistributedConfig(tp_size=tp)``), every rank serves the same requests and checks them against PEFT
-    run in its own process, unsharded; rank 0 prints."""
+    (``DistributedConfig(tp_size=tp)``; with ``ep == tp`` also its expert-parallel plan over the same
+    ranks), every rank serves the same requests and checks them against PEFT run in its own process,
+    unsharded; rank 0 prints."""
+    if ep not in (1, tp):
+        raise SystemExit(f"moelora demo: --ep must be 1 or equal to --tp ({tp}): the expert-parallel ranks "
+                         "are the tensor-parallel ones (they hold the same batch)")
     if tp > 1:
         return _run_tensor_parallel(model_dir, adapters, device=device, new_tokens=new_tokens,
-                                    prompt_len=prompt_len, check=check, tol=tol, seed=seed, tp=tp)
+                                    prompt_len=prompt_len, check=check, tol=tol, seed=seed, tp=tp, ep=ep)
     return _run(model_dir, adapters, device=device, new_tokens=new_tokens, prompt_len=prompt_len,
                 check=check, tol=tol, seed=seed)
 
@@ -162,6 +167,7 @@ def _run(
     tol: float,
     seed: int,
     tp: int = 1,
+    ep: int = 1,
 ) -> int:
     import warnings
 
@@ -181,7 +187,8 @@ def _run(
     resident, hot = names[:-1][:3], names[-1]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    where = device if tp == 1 else f"{tp} {device} processes, tensor parallel"
+    where = device if tp == 1 else f"{tp} {device} processes, tensor parallel" + (
+        ", experts expert-parallel" if ep > 1 else "")
     print(f"moelora demo: {model_dir.name} on {where}, adapters {names} (pool of {len(resident)} slots)")
 
     t0 = time.perf_counter()
@@ -192,7 +199,8 @@ def _run(
             raise SystemExit("moelora demo --tp needs a transformers with transformers.distributed."
                              "DistributedConfig (5.24 has it)") from err
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, distributed_config=DistributedConfig(tp_size=tp)).eval()
+            str(model_dir), dtype=torch.float32,
+            distributed_config=DistributedConfig(tp_size=tp, **({"ep_size": ep} if ep > 1 else {}))).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)
     handle = mi.attach(model, max_loras=len(resident), max_rank=64, max_cpu_loras=len(names))

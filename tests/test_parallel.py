@@ -313,18 +313,21 @@ def test_expert_parallel_decode_aligns_one_token():
     assert plan_chunk(**kw, sparse_routing=True).direct
 
 
-def test_demo_tensor_parallel_under_torchrun():
-    """``torchrun --nproc-per-node 2 -m moelora demo --tp 2``: transformers loads the tiny Qwen3-MoE with
-    its tensor-parallel plan (gloo), attach() serves each rank's share of every expert and adapter, and
-    every request of the mixed batches (with hot-loads and an eviction) matches PEFT run unsharded."""
+@pytest.mark.parametrize("ep", ["1", "2"])  # experts by I share (packed_colwise/rowwise), or by expert
+def test_demo_tensor_parallel_under_torchrun(ep):
+    """``torchrun --nproc-per-node 2 -m moelora demo --tp 2 [--ep 2]``: transformers loads the tiny
+    Qwen3-MoE with its tensor-parallel (and expert-parallel) plan (gloo), attach() serves each rank's share
+    of every expert and adapter, and every request of the mixed batches (with hot-loads and an eviction)
+    matches PEFT run unsharded."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "moelora", "demo", "--tp", "2", "--device", "cpu"],
+         "moelora", "demo", "--tp", "2", "--ep", ep, "--device", "cpu"],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "2 cpu processes, tensor parallel" in result.stdout
+    assert ("experts expert-parallel" in result.stdout) == (ep == "2")
     assert "all requests match PEFT" in result.stdout and "✗" not in result.stdout

@@ -28,10 +28,12 @@ Other classes with the same structure are accepted after a numerical check of th
 that formula at attach time. Refused, with a :class:`NotImplementedError` that says why: transposed
 or interleaved ``gate_up_proj`` layouts (gpt-oss, Aria), expert biases, a custom gating function
 (``_apply_gate`` overridden: gpt-oss' clamped SwiGLU, DeepSeek-V4, ...), experts without a gate
-(Nemotron-H), a norm after each expert, expert parallelism, activations other than SiLU/GELU,
+(Nemotron-H), a norm after each expert, expert parallelism across ranks that hold different batches
+(transformers' all-to-all), activations other than SiLU/GELU,
 quantised or meta-device expert weights, experts spread over several devices or dtypes, MoE layers of
 different shapes in one model, transformers-4 per-expert ``nn.Linear`` experts, and a model that PEFT
-already wraps (attach to the plain base model).
+already wraps (attach to the plain base model). A model loaded with transformers' tensor-parallel plan, or its
+expert-parallel plan over the tensor-parallel ranks, is served shard by shard (``_sharding_of``).
 
 Adapter per token. Inside a ``handle.adapters(names)`` context the hidden states an experts module
 receives are the model's ``(B, S, H)`` activations flattened batch-major: ``B*S`` rows at prefill,
@@ -190,7 +192,6 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
         "has_bias": (True, "has expert biases"),
         "has_gate": (False, "has no gate projection (up -> act -> down)"),
         "has_post_expert_norm": (True, "applies a norm after each expert"),
-        "_is_expert_parallel": (True, "is sharded for expert parallelism"),
     }
     reasons = [why for attr, (bad, why) in flags.items() if getattr(module, attr, not bad) == bad]
     if not getattr(module, "has_bias", False) and any(
@@ -226,11 +227,19 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
     return _activation_of(name, module)
 
 
-def _tensor_parallel_of(name: str, module: nn.Module) -> tuple[int, int, object] | None:
-    """(tp rank, tp size, process group) of an experts module that transformers sharded with its tensor-
-    parallel plan (``packed_colwise`` gate_up_proj: each rank its rows of gate, then of up; ``rowwise``
-    down_proj: its columns), None for plain tensors. Raises NotImplementedError for any other sharding."""
+def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoEShard, object] | None:
+    """(this rank's :class:`MoEShard`, the process group to all-reduce over) of an experts module that
+    transformers sharded with one of its plans, None for plain tensors:
+
+    - tensor parallel (``packed_colwise`` gate_up_proj: each rank its rows of gate, then of up; ``rowwise``
+      down_proj: its columns; ``moe_tp_experts`` all-reduces over the tp group);
+    - expert parallel (``grouped_gemm``: contiguous experts per rank) where the expert-parallel ranks hold
+      the same batch (the ep group is the model's tp group): transformers then runs each rank's experts on
+      the whole batch and all-reduces (``AllReduceEP``), which is what a moelora expert-parallel layer does.
+
+    Raises NotImplementedError for any other sharding (an all-to-all expert-parallel layout among them)."""
     try:
+        from torch.distributed import get_process_group_ranks
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without DTensor shards nothing
         return None
@@ -241,20 +250,33 @@ def _tensor_parallel_of(name: str, module: nn.Module) -> tuple[int, int, object]
     if not (isinstance(w13, DTensor) and isinstance(w2, DTensor)) or w13.device_mesh.ndim != 1:
         raise NotImplementedError(f"{where}: its expert tensors are sharded over a mesh of "
                                   f"{getattr(getattr(w13, 'device_mesh', None), 'ndim', 0)} dims or only in "
-                                  "part; moelora serves transformers' 1-D tensor-parallel plan")
+                                  "part; moelora serves transformers' 1-D tensor- or expert-parallel plans")
     mesh = w13.device_mesh
-    size, rank = mesh.size(), mesh.get_local_rank()
+    size, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     e, two_i, h = w13.shape
-    local13, local2 = w13.to_local(), w2.to_local()
+    i = two_i // 2
+    local13, local2 = tuple(w13.to_local().shape), tuple(w2.to_local().shape)
     placements = (tuple(getattr(p, "dim", None) for p in w13.placements),
                   tuple(getattr(p, "dim", None) for p in w2.placements))
-    if (placements != ((1,), (2,)) or two_i % (2 * size) or tuple(local13.shape) != (e, two_i // size, h)
-            or tuple(local2.shape) != (e, h, two_i // 2 // size)):
-        raise NotImplementedError(
-            f"{where}: sharded as {w13.placements} / {w2.placements} with local shapes "
-            f"{tuple(local13.shape)} / {tuple(local2.shape)}; moelora serves transformers' tensor-parallel "
-            "plan (packed_colwise gate_up_proj, rowwise down_proj)")
-    return rank, size, mesh.get_group()
+    if placements == ((1,), (2,)) and i % size == 0 and local13 == (e, two_i // size, h) \
+            and local2 == (e, h, i // size):
+        return MoEShard(e, i, tp_rank=rank, tp_size=size), group
+    if placements == ((0,), (0,)) and e % size == 0 and local13 == (e // size, two_i, h) \
+            and local2 == (e // size, h, i):
+        model_mesh = getattr(model, "_device_mesh", None)
+        tp_ranks = None
+        if model_mesh is not None and "tp" in (getattr(model_mesh, "mesh_dim_names", None) or ()):
+            tp_ranks = get_process_group_ranks(model_mesh["tp"].get_group())
+        if tp_ranks != get_process_group_ranks(group):
+            raise NotImplementedError(
+                f"{where}: expert parallel across ranks that hold different batches (transformers moves the "
+                "tokens with an all-to-all there); moelora serves expert parallelism where the expert-"
+                "parallel ranks are the tensor-parallel ones (ep_size == tp_size), combined by all-reduce")
+        return MoEShard(e, i, ep_rank=rank, ep_size=size), group
+    raise NotImplementedError(
+        f"{where}: sharded as {w13.placements} / {w2.placements} with local shapes {local13} / {local2}; "
+        "moelora serves transformers' tensor-parallel plan (packed_colwise gate_up_proj, rowwise down_proj) "
+        "and its expert-parallel plan (grouped_gemm)")
 
 
 def _verify_math(name: str, module: nn.Module, activation: str) -> None:
@@ -431,7 +453,7 @@ class MoELoRAExperts(nn.Module):
         selector: _Selector,
         cuda_graphs: bool = False,
         graph_max_tokens: int = 64,
-        tensor_parallel: tuple[int, int, object] | None = None,
+        process_group: object | None = None,
     ) -> None:
         super().__init__()
         self.gate_up_proj = original.gate_up_proj
@@ -443,12 +465,12 @@ class MoELoRAExperts(nn.Module):
         # the layer holds the same Parameters (its own registration of them must not add state_dict keys).
         object.__setattr__(self, "original", original)
         w13, w2, parallel = original.gate_up_proj, original.down_proj, {}
-        if tensor_parallel is not None:
-            # This rank's rows of gate and up and columns of down (views of the DTensors' local shards); the
-            # layer all-reduces its partial output over the tensor-parallel group, as the plan's own
-            # moe_tp_experts does for the original module.
+        if process_group is not None:
+            # This rank's part of gate/up and down (views of the DTensors' local shards, its I share or its
+            # experts); the layer all-reduces its partial output over the group, as the plan's own
+            # moe_tp_experts / AllReduceEP does for the original module.
             w13, w2 = w13.to_local().detach(), w2.to_local().detach()
-            parallel = dict(process_group=tensor_parallel[2], reduce_results=True)
+            parallel = dict(process_group=process_group, reduce_results=True)
         object.__setattr__(
             self,
             "layer",
@@ -735,16 +757,20 @@ def attach(
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         activations[lid] = _check_supported(name, module, parent)
-        parallel[lid] = _tensor_parallel_of(name, module)
+        parallel[lid] = _sharding_of(name, module, model)
+        if parallel[lid] is None and getattr(module, "_is_expert_parallel", False):
+            raise NotImplementedError(f"experts module {name!r} ({type(module).__name__}) is marked "
+                                      "expert-parallel but its tensors are not DTensors moelora can read the "
+                                      "shard of")
         if parallel[lid] is None and (
                 verify or (verify is None and type(module).__name__ not in KNOWN_EXPERTS_CLASSES)):
             _verify_math(name, module, activations[lid])
         sites.append((name, lid, parent, module, attr))
-    layouts = {(p[0], p[1]) if p else None for p in parallel.values()}
+    layouts = {p[0] if p else None for p in parallel.values()}
     if len(layouts) > 1:
         raise NotImplementedError(f"MoE layers sharded differently ({sorted(map(str, layouts))}); one pool "
                                   "holds one layout")
-    tensor_parallel = next(iter(parallel.values()))
+    sharding = next(iter(parallel.values()))
 
     first = found[0][2]
     w13_first = first.gate_up_proj
@@ -764,9 +790,7 @@ def attach(
     num_experts, two_i, hidden = shape
     layer_ids = [lid for _, lid, _ in found]
 
-    shard = None
-    if tensor_parallel is not None:
-        shard = MoEShard(num_experts, two_i // 2, tp_rank=tensor_parallel[0], tp_size=tensor_parallel[1])
+    shard, group = sharding if sharding is not None else (None, None)
     owns_pool = pool is None
     if pool is None:
         pool = MoELoRAMemoryPool(
@@ -795,7 +819,7 @@ def attach(
     for _name, lid, _parent, module, _attr in sites:  # build all before swapping any
         modules[lid] = MoELoRAExperts(
             module, pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector,
-            cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens, tensor_parallel=tensor_parallel,
+            cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens, process_group=group,
         )
     for _name, lid, parent, _module, attr in sites:
         setattr(parent, attr, modules[lid])
