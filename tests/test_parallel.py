@@ -331,3 +331,52 @@ def test_demo_tensor_parallel_under_torchrun(ep):
     assert "2 cpu processes, tensor parallel" in result.stdout
     assert ("experts expert-parallel" in result.stdout) == (ep == "2")
     assert "all requests match PEFT" in result.stdout and "✗" not in result.stdout
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A one-process gloo group and its 1-D CPU device mesh (DTensors need a mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_attach_reads_transformers_sharding(one_rank_mesh):
+    """``_sharding_of`` turns the DTensor layouts of transformers' tensor- and expert-parallel plans into a
+    MoEShard and refuses every other layout with its reason."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from moelora.integrations.transformers import _sharding_of
+
+    def experts(w13, w2):
+        module = nn.Module()
+        module.gate_up_proj, module.down_proj = w13, w2
+        return module
+
+    model = nn.Module()
+    w13, w2 = torch.randn(4, 8, 6), torch.randn(4, 6, 4)
+    assert _sharding_of("e", experts(w13, w2), model) is None  # plain tensors: not sharded
+
+    def dt(t, *placements):
+        return distribute_tensor(t, one_rank_mesh, list(placements))
+
+    shard, group = _sharding_of("e", experts(dt(w13, Shard(1)), dt(w2, Shard(2))), model)
+    assert (shard.num_experts, shard.intermediate_size, shard.tp_size, shard.ep_size) == (4, 4, 1, 1)
+    assert group is not None
+    with pytest.raises(NotImplementedError, match="sharded as"):
+        _sharding_of("e", experts(dt(w13, Replicate()), dt(w2, Replicate())), model)
+    with pytest.raises(NotImplementedError, match="only in part"):
+        _sharding_of("e", experts(dt(w13, Shard(1)), w2), model)
+    # Expert parallel: served only where the expert-parallel ranks are the model's tensor-parallel ranks.
+    by_expert = experts(dt(w13, Shard(0)), dt(w2, Shard(0)))
+    with pytest.raises(NotImplementedError, match="hold different batches"):
+        _sharding_of("e", by_expert, model)
+    model._device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    shard, _ = _sharding_of("e", by_expert, model)
+    assert shard.experts == (0, 1, 2, 3) and shard.ep_size == 1
