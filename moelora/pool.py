@@ -798,8 +798,9 @@ class MoELoRAMemoryPool:
             out: an earlier batch info to update in place (same total token count required): its
                 ``token_slots`` tensor keeps its address, e.g. for CUDA-graph replay.
 
-        The slot ids are built on the host and sent with a single host->device copy (pinned,
-        non-blocking on CUDA); nothing is read back from the device.
+        The slot ids are built on the host and sent with a single non-blocking host->device copy;
+        nothing is read back from the device. With ``out=`` and the same names and lengths as ``out`` was
+        built with, while its slots still hold the same adapters, ``out`` is returned as it is.
         """
         if isinstance(adapter_names, (str, bytes)):
             raise ValueError("adapter_names must be a sequence with one entry per sequence, not a str")
@@ -815,6 +816,7 @@ class MoELoRAMemoryPool:
                 raise TypeError(f"adapter names must be str or None, got {bad_names!r}")
         if seq_lens is None:
             lens = (1,) * len(names)
+            num_tokens = len(names)
         else:
             if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Iterable):
                 raise TypeError(f"seq_lens must be a sequence of ints, got {type(seq_lens).__name__}")
@@ -825,25 +827,27 @@ class MoELoRAMemoryPool:
             if bad:
                 raise ValueError(f"seq_lens must be non-negative ints, got {bad!r}")
             lens = tuple(int(n) for n in lens)
+            num_tokens = sum(lens)
         if out is not None:
             if not isinstance(out, MoELoRABatchInfo):
                 raise TypeError(
                     f"out must be a MoELoRABatchInfo from prepare_batch, got {type(out).__name__}")
             if out.pool is not self:
                 raise ValueError("out= was built by another pool; in-place updates need a batch of this pool")
-            if out.num_tokens != sum(lens) or out.token_slots.numel() != sum(lens):
+            if out.num_tokens != num_tokens or out.token_slots.numel() != num_tokens:
                 raise ValueError(
-                    f"out= holds {out.token_slots.numel()} tokens but this batch has {sum(lens)}; "
+                    f"out= holds {out.token_slots.numel()} tokens but this batch has {num_tokens}; "
                     "in-place update needs the same token count"
                 )
             if out.token_slots.device != self.slot_ranks.device:
                 raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
 
         with self._lock:
-            return self._prepare_batch_locked(names, lens, out)
+            return self._prepare_batch_locked(names, lens, num_tokens, out)
 
     def _prepare_batch_locked(
-        self, names: tuple[str | None, ...], lens: tuple[int, ...], out: MoELoRABatchInfo | None
+        self, names: tuple[str | None, ...], lens: tuple[int, ...], num_tokens: int,
+        out: MoELoRABatchInfo | None
     ) -> MoELoRABatchInfo:
         if out is not None and out.adapter_names == names and out.seq_lens == lens and self._still_holds(out):
             # The same mapping as when ``out`` was built, and each of its slots still holds the same
@@ -890,18 +894,17 @@ class MoELoRAMemoryPool:
         if every_sequence_has_tokens:
             table = {n: slot_of[n] for n in wanted}
             table[None] = -1
-            seq_slots = list(map(table.__getitem__, names))
+            seq_slots = array.array("i", map(table.__getitem__, names))
         else:
-            seq_slots = [slot_of[n] if n is not None and k > 0 else -1
-                         for n, k in zip(names, lens, strict=True)]
-        num_tokens = sum(lens)
+            seq_slots = array.array("i", (slot_of[n] if n is not None and k > 0 else -1
+                                          for n, k in zip(names, lens, strict=True)))
         used = tuple(sorted(map(slot_of.__getitem__, wanted)))
         max_rank = max(map(self.slot_rank_host.__getitem__, used), default=0)
         generations = tuple(map(self._slot_generation.__getitem__, used))
         slot_names = tuple(map(self.slot_adapters.__getitem__, used))
 
         # One int per token: per sequence, repeated on the host by torch (not a Python list of M ints).
-        host = (torch.frombuffer(array.array("i", seq_slots), dtype=torch.int32) if seq_slots
+        host = (torch.frombuffer(seq_slots, dtype=torch.int32) if seq_slots
                 else torch.empty((0,), dtype=torch.int32))
         if not (every_sequence_has_tokens and num_tokens == len(names)):  # not one token each (decode)
             host = host.repeat_interleave(torch.tensor(lens))
