@@ -15,15 +15,21 @@ from triton_ops.launch import LaunchCache, active_cache, launch
 F16, BF16 = torch.float16, torch.bfloat16
 
 
-def _layer_and_batch(dtype, device, m, *, hidden=48, inter=40, experts=6, top_k=2, path="split"):
+def layer_with_adapters(dtype, device, *, hidden=48, inter=40, experts=6, path="split"):
+    """A layer (pool layer 3) whose pool holds adapters "a" and "b": ranks that differ per adapter (16, 5)."""
     pool = make_pool(dtype, max_loras=4, max_rank=16, num_experts=experts, hidden=hidden, inter=inter,
                      layer_ids=(3,), device=device)
-    # Ranks that differ per adapter (16, 5) and tokens with no adapter (None).
     for name, rank in (("a", 16), ("b", 5)):
         pool.add_adapter_weights(name, make_adapter(rank, 2.0, dtype, layers=(3,), num_experts=experts,
                                                     hidden=hidden, inter=inter))
     w13, w2 = make_base(experts, hidden, inter, dtype, device)
-    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, path=path)
+    return FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, path=path)
+
+
+def _layer_and_batch(dtype, device, m, *, hidden=48, inter=40, experts=6, top_k=2, path="split"):
+    layer = layer_with_adapters(dtype, device, hidden=hidden, inter=inter, experts=experts, path=path)
+    pool = layer.pool
+    # Tokens with no adapter (None) beside both adapters.
     names = [("a", "b", None)[i % 3] for i in range(m)]
     batch = pool.prepare_batch(names)
     weights, ids = make_routing(m, experts, top_k, device=device)

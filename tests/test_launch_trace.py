@@ -9,7 +9,8 @@ import importlib
 
 import pytest
 import torch
-from test_lora_layer import make_adapter, make_base, make_pool, make_routing
+from test_launch_cache import layer_with_adapters
+from test_lora_layer import make_adapter, make_routing
 
 from moelora.layer import FusedMoEWithLoRA
 from triton_ops.launch import LaunchCache
@@ -20,15 +21,9 @@ fused_experts_module = importlib.import_module("triton_ops.fused_experts")
 
 
 def _setup(dtype, device, *, hidden=48, inter=40, experts=6, top_k=2, path="split"):
-    pool = make_pool(dtype, max_loras=4, max_rank=16, num_experts=experts, hidden=hidden, inter=inter,
-                     layer_ids=(3,), device=device)
-    # Ranks that differ per adapter (16, 5); tokens with no adapter come from the batches below.
-    for name, rank in (("a", 16), ("b", 5)):
-        pool.add_adapter_weights(name, make_adapter(rank, 2.0, dtype, layers=(3,), num_experts=experts,
-                                                    hidden=hidden, inter=inter))
-    w13, w2 = make_base(experts, hidden, inter, dtype, device)
-    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, path=path)
-    return layer, pool, top_k
+    # Adapters of ranks 16 and 5; tokens with no adapter come from the batches below.
+    layer = layer_with_adapters(dtype, device, hidden=hidden, inter=inter, experts=experts, path=path)
+    return layer, layer.pool, top_k
 
 
 def _inputs(m, layer, top_k, dtype, device, seed):
