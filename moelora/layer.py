@@ -333,8 +333,8 @@ class FusedMoEWithLoRA(nn.Module):
         must run through ``fused_experts``: a trace replays the launches recorded for the key with the
         inputs' pointers put in, so the key holds everything else the launches depend on (shapes, dtypes,
         the layer's settings, the adapter mix), and a call is traced only where ``fused_experts`` makes
-        nothing but Triton launches: contiguous fp32 routing weights, contiguous inputs (``_forward``
-        converts them first), every pointer 16-byte aligned as Triton's specialization assumed (a
+        nothing but Triton launches: contiguous fp32 routing weights, contiguous inputs (``_local_forward``
+        converts them before asking), every pointer 16-byte aligned as Triton's specialization assumed (a
         misaligned view runs eagerly). ``MOELORA_LAUNCH_TRACE=0`` turns traces off; so does a Triton
         launch hook (it would see the replay's bare pointers)."""
         from triton_ops.configs import env_switch
@@ -349,8 +349,7 @@ class FusedMoEWithLoRA(nn.Module):
         pointer_bits = 0
         for tensor in inputs:
             pointer_bits |= tensor.data_ptr()
-        if (pointer_bits & 15 or topk_weights.dtype != torch.float32 or not x.is_contiguous()
-                or not topk_weights.is_contiguous() or not topk_ids.is_contiguous()):
+        if pointer_bits & 15:
             return None
         lora = None
         if lora_batch is not None:
