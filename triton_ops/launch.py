@@ -232,7 +232,7 @@ class _Recorder:
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         self.inputs = list(inputs)
         self.extents = [(t.data_ptr(), t.data_ptr() + _extent_bytes(t)) for t in self.inputs]
-        # Intermediate buffers by storage pointer: (bytes, first-seen order).
+        # Intermediate buffers: storage pointer -> the most bytes seen at it (dicts keep first-seen order).
         self.storages: dict[int, int] = {}
         self.launches: list[tuple[Any, tuple[int, int, int], list[Any], list[tuple[int, Any, int]],
                                   list[str] | None, list[tuple]]] = []

@@ -247,10 +247,14 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
     if not isinstance(w13, DTensor) and not isinstance(w2, DTensor):
         return None
     where = f"experts module {name!r} ({type(module).__name__})"
-    if not (isinstance(w13, DTensor) and isinstance(w2, DTensor)) or w13.device_mesh.ndim != 1:
+    if not (isinstance(w13, DTensor) and isinstance(w2, DTensor)):
+        raise NotImplementedError(f"{where}: only one of gate_up_proj and down_proj is sharded (a "
+                                  "DTensor); moelora serves transformers' tensor- or expert-parallel plans, "
+                                  "which shard both")
+    if w13.device_mesh.ndim != 1:
         raise NotImplementedError(f"{where}: its expert tensors are sharded over a mesh of "
-                                  f"{getattr(getattr(w13, 'device_mesh', None), 'ndim', 0)} dims or only in "
-                                  "part; moelora serves transformers' 1-D tensor- or expert-parallel plans")
+                                  f"{w13.device_mesh.ndim} dims; moelora serves transformers' 1-D tensor- or "
+                                  "expert-parallel plans")
     mesh = w13.device_mesh
     size, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     e, two_i, h = w13.shape
