@@ -73,6 +73,7 @@ from moelora.bench import (  # noqa: E402
     make_weights,
 )
 from moelora.layer import FusedMoEWithLoRA  # noqa: E402
+from moelora.parallel import MoEShard  # noqa: E402
 from moelora.pool import MoELoRAMemoryPool  # noqa: E402
 from triton_ops.fused_experts import fused_experts  # noqa: E402
 
@@ -92,14 +93,16 @@ DRY_RUN = dict(M=[1, 5], adapters=2, rank=4, max_rank=8, calls=3, warmup_calls=1
 
 
 def make_pool(shape: ModelShape, n_adapters: int, rank: int, max_rank: int, dtype: torch.dtype,
-              device: torch.device, seed: int) -> MoELoRAMemoryPool:
-    """A one-layer pool (layer id 0) holding adapters ``a0 .. a{n-1}`` of rank ``rank`` on every expert.
+              device: torch.device, seed: int, *, max_loras: int = MAX_LORAS,
+              shard: MoEShard | None = None) -> MoELoRAMemoryPool:
+    """A one-layer pool (layer id 0) holding adapters ``a0 .. a{n-1}`` of rank ``rank`` on every expert
+    (with ``shard``: a tensor- or expert-parallel rank's part of each).
 
     Each adapter draws one A and one B per projection shape; expert e uses them with its own scaling
     (``SCALING * (1 + e / E)``), which the pool folds into that expert's B, so experts differ without
     E x 6 random tensors per adapter."""
-    pool = MoELoRAMemoryPool(shape.E, shape.H, shape.I, [LAYER_ID], max_loras=MAX_LORAS, max_rank=max_rank,
-                             dtype=dtype, device=device)
+    pool = MoELoRAMemoryPool(shape.E, shape.H, shape.I, [LAYER_ID], max_loras=max_loras, max_rank=max_rank,
+                             dtype=dtype, device=device, shard=shard)
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*dims: int) -> torch.Tensor:

@@ -38,9 +38,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moelora.adapter_weights import LoRAProjection, ReferenceLoRA  # noqa: E402
-from moelora.bench import DECODE_MAX_TOKENS, DRY_RUN_MODEL, MODELS, ModelShape, make_routing  # noqa: E402
+import bench_host  # noqa: E402
+
+from moelora.bench import DRY_RUN_MODEL, MODELS, ModelShape, make_routing  # noqa: E402
 from moelora.layer import FusedMoEWithLoRA  # noqa: E402
 from moelora.parallel import MoEShard  # noqa: E402
 from moelora.pool import MoELoRAMemoryPool  # noqa: E402
@@ -49,41 +51,14 @@ ADAPTERS, RANK, MAX_LORAS, MAX_RANK = 4, 16, 4, 16
 FLUSH_BYTES = 256 * 1024**2
 
 
-def adapter(shape: ModelShape, rank: int, seed: int) -> dict[int, ReferenceLoRA]:
-    """One random A/B per projection shape; expert e scales it by 1 + e/E (content does not matter)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*dims: int) -> torch.Tensor:
-        return torch.randn(*dims, generator=gen).mul_(0.01)
-
-    gate = (rnd(rank, shape.H), rnd(shape.I, rank))
-    up = (rnd(rank, shape.H), rnd(shape.I, rank))
-    down = (rnd(rank, shape.I), rnd(shape.H, rank))
-    lora = ReferenceLoRA()
-    for e in range(shape.E):
-        s = 2.0 * (1.0 + e / shape.E)
-        lora.gate[e], lora.up[e], lora.down[e] = (LoRAProjection(*gate, s), LoRAProjection(*up, s),
-                                                  LoRAProjection(*down, s))
-    return {0: lora}
-
-
 def make_pool(shape: ModelShape, shard: MoEShard | None, dtype: torch.dtype,
               device: torch.device) -> MoELoRAMemoryPool:
-    pool = MoELoRAMemoryPool(shape.E, shape.H, shape.I, [0], max_loras=MAX_LORAS, max_rank=MAX_RANK,
-                             dtype=dtype, device=device, shard=shard)
-    for index in range(ADAPTERS):
-        pool.add_adapter_weights(f"a{index}", adapter(shape, RANK, seed=index))
-    return pool
+    return bench_host.make_pool(shape, ADAPTERS, RANK, MAX_RANK, dtype, device, seed=0, max_loras=MAX_LORAS,
+                                shard=shard)
 
 
 def pool_bytes(pool: MoELoRAMemoryPool) -> int:
     return sum(t.nbytes for buffers in pool.layers.values() for t in vars(buffers).values())
-
-
-def batch_names(m: int) -> tuple[list[str], list[int] | None]:
-    if m <= DECODE_MAX_TOKENS:
-        return [f"a{t % ADAPTERS}" for t in range(m)], None
-    return [f"a{i}" for i in range(ADAPTERS)], [m // ADAPTERS + (i < m % ADAPTERS) for i in range(ADAPTERS)]
 
 
 def timed_us(fns: list[Any], replays: int, on_gpu: bool) -> list[float]:
@@ -152,7 +127,7 @@ def bench_shape(shape: ModelShape, ms: list[int], tp: int, ep: int, replays: int
     for m in ms:
         x = torch.randn(m, shape.H, generator=gen, device=device, dtype=torch.float32).to(dtype)
         weights, ids = make_routing(m, shape, seed=m, device=device)
-        names, lens = batch_names(m)
+        names, lens = bench_host.batch_layout(m, ADAPTERS)
         record: dict[str, Any] = dict(model=shape.name, M=m, E=shape.E, top_k=shape.top_k, H=shape.H,
                                       I=shape.I, tp=tp, ep=ep, rank=RANK, adapters=ADAPTERS, replays=replays)
         if rank == 0:
