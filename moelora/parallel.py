@@ -101,10 +101,6 @@ class MoEShard:
         share = self.local_intermediate_size
         return slice(self.tp_rank * share, (self.tp_rank + 1) * share)
 
-    @property
-    def is_sharded(self) -> bool:
-        return self.tp_size > 1 or self.local_num_experts < self.num_experts
-
     def expert_map(self, device: torch.device | str) -> torch.Tensor:
         """(E,) int32: the local index of each global expert on this rank, -1 for another rank's."""
         table = torch.full((self.num_experts,), -1, dtype=torch.int32)
