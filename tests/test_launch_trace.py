@@ -223,9 +223,14 @@ def test_untraceable_recordings():
 # 1: direct decode pairs; 7: one-program alignment with the decode shrink; 300: three-launch alignment,
 # the prefill shrinks and their split sums (odd: partial blocks).
 @pytest.mark.parametrize("m", [1, 7, 300])
-def test_replay_matches_eager_on_new_inputs_gpu(path, m, monkeypatch):
+# Replays through the native launcher (one C call per replay) and through Triton's launcher.
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_replay_matches_eager_on_new_inputs_gpu(path, m, native, monkeypatch):
+    monkeypatch.setenv("MOELORA_NATIVE_LAUNCH", native)
     layer, pool, top_k = _setup(BF16, "cuda", hidden=2048, inter=768, experts=16, top_k=6, path=path)
     _check_replays(layer, pool, top_k, BF16, "cuda", m, monkeypatch, names_of=lambda step: _mix(step, m))
+    (trace,) = layer.launch_cache.traces.values()
+    assert (trace.native_plan is not None) == (native == "1"), "every binary of the layer launches natively"
     calls = _count_eager_calls(monkeypatch)
     for step in range(2):  # the base call (no adapter) has a trace of its own
         x, weights, ids = _inputs(m, layer, top_k, BF16, "cuda", seed=10 + step)
@@ -234,8 +239,10 @@ def test_replay_matches_eager_on_new_inputs_gpu(path, m, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_replay_inside_cuda_graph_capture_gpu(monkeypatch):
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_replay_inside_cuda_graph_capture_gpu(native, monkeypatch):
     """A replay queued while a stream is captured is recorded by the capture like any launch."""
+    monkeypatch.setenv("MOELORA_NATIVE_LAUNCH", native)
     layer, pool, top_k = _setup(BF16, "cuda", hidden=2048, inter=768, experts=16, top_k=6)
     batch = pool.prepare_batch(["a", "b", None, "a"])
     x, weights, ids = _inputs(4, layer, top_k, BF16, "cuda", seed=0)

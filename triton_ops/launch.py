@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import triton
 
+from triton_ops import native_launch
+
 _ACTIVE: contextvars.ContextVar[LaunchCache | None] = contextvars.ContextVar("moelora_launch_cache",
                                                                              default=None)
 
@@ -183,6 +185,27 @@ class LaunchTrace:
         self.num_inputs = num_inputs
         self.device = device
         self.interpreted = bool(launches) and launches[0].names is not None
+        # The native launcher's plan (``triton_ops.native_launch``), where it can launch every binary.
+        self.native, self.native_plan = None, None
+        if not self.interpreted and native_launch.enabled():
+            self.native = native_launch.load()
+            if self.native is not None:
+                self.native_plan = native_launch.build_plan(
+                    [(traced.binary, traced.grid, traced.args, self._native_sources(traced))
+                     for traced in launches])
+
+    def _native_sources(self, traced: _TracedLaunch) -> list[tuple[int, int, int]]:
+        """``traced.pointers`` against the native replay's bases: the inputs, the intermediate buffer's
+        start (each buffer's offset folded into the pointer's), the output."""
+        num_inputs, num_buffers = self.num_inputs, len(self.buffer_offsets)
+        resolved = []
+        for position, source, offset in traced.pointers:
+            if num_inputs <= source < num_inputs + num_buffers:
+                source, offset = num_inputs, self.buffer_offsets[source - num_inputs] + offset
+            elif source == num_inputs + num_buffers:
+                source = num_inputs + 1
+            resolved.append((position, source, offset))
+        return resolved
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(inputs) != self.num_inputs:
@@ -194,13 +217,18 @@ class LaunchTrace:
         if self.interpreted:
             self._replay_interpreted(inputs, buffer, output)
             return output
+        driver = triton.runtime.driver.active
+        stream = driver.get_current_stream(driver.get_current_device())
+        if self.native_plan is not None:
+            self.native.replay(self.native_plan, (*[tensor.data_ptr() for tensor in inputs],
+                                                  0 if buffer is None else buffer.data_ptr(),
+                                                  output.data_ptr()), stream)
+            return output
         bases = [tensor.data_ptr() for tensor in inputs]
         if buffer is not None:
             start = buffer.data_ptr()
             bases.extend(start + offset for offset in self.buffer_offsets)
         bases.append(output.data_ptr())
-        driver = triton.runtime.driver.active
-        stream = driver.get_current_stream(driver.get_current_device())
         for traced in self.launches:
             args = traced.args.copy()
             for position, source, offset in traced.pointers:
