@@ -150,10 +150,31 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 ORDERS = ("rounds", "blocks")
+WAITS = ("sync", "spin")
+
+
+def gpu_wait(wait: str, on_gpu: bool) -> Callable[[], None]:
+    """How the host waits for the GPU before a timed call: ``"sync"``, ``torch.cuda.synchronize()``;
+    ``"spin"``, polling an event recorded on the current stream until it completes, so the thread keeps
+    running on its core the whole time (a host issuing the next layer's work never sleeps in the driver)."""
+    if wait not in WAITS:
+        raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+    if not on_gpu:
+        return lambda: None
+    if wait == "sync":
+        return torch.cuda.synchronize
+
+    def spin() -> None:
+        event = torch.cuda.Event()
+        event.record()
+        while not event.query():
+            pass
+
+    return spin
 
 
 def host_times_us(fns: dict[str, Callable[[], Any]], calls: int, warmup_calls: int, on_gpu: bool,
-                  order: str = "rounds", busy_us: float = 0.0) -> dict[str, list[float]]:
+                  order: str = "rounds", busy_us: float = 0.0, wait: str = "sync") -> dict[str, list[float]]:
     """Host µs of each of ``calls`` calls of every function in ``fns``, after ``warmup_calls`` untimed
     calls of each: the GPU is synchronized before every call, and a call is timed from its start until
     it returns.
@@ -164,10 +185,11 @@ def host_times_us(fns: dict[str, Callable[[], Any]], calls: int, warmup_calls: i
     ``busy_us``: after each synchronize, the host spins this long before the timed call, as a host running a
     model step is busy right before a layer call (a thread that waited in the synchronize may find its core
     clocked down: the first microseconds of the call then run slower).
+    ``wait``: how the host waits for the GPU before each call (:func:`gpu_wait`).
 """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    sync = gpu_wait(wait, on_gpu)
     for fn in fns.values():
         for _ in range(warmup_calls):
             fn()
@@ -208,7 +230,7 @@ def summarize(times_us: Sequence[float]) -> dict[str, float]:
 def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, graphed: FusedMoEWithLoRA,
                 n_adapters: int, *, calls: int,
                 warmup_calls: int, on_gpu: bool, warmup_ms: float, rep_ms: float, seed: int,
-                order: str = "rounds", busy_us: float = 0.0) -> dict[str, Any]:
+                order: str = "rounds", busy_us: float = 0.0, wait: str = "sync") -> dict[str, Any]:
     """One (model, M) record: host µs of the five calls, GPU µs of base and lora (None off the GPU)."""
     pool, device, dtype = layer.pool, layer.w13.device, layer.w13.dtype
     w13, w2 = layer.w13, layer.w2
@@ -232,8 +254,9 @@ def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, graphed: Fus
         rank=int(pool.slot_rank_host[pool.slot_of(adapter_name(0))]), max_rank=pool.max_rank,
         layout="decode" if seq_lens is None else "prefill", seq_lens=seq_lens,
         lora_path=layer.resolve_path(x), calls=calls, warmup_calls=warmup_calls, order=order, busy_us=busy_us,
+        wait=wait,
     )
-    for name, times in host_times_us(fns, calls, warmup_calls, on_gpu, order, busy_us).items():
+    for name, times in host_times_us(fns, calls, warmup_calls, on_gpu, order, busy_us, wait).items():
         stats = summarize(times)
         record[f"{name}_host_us"] = stats["median"]
         record[f"{name}_host_p10_us"] = stats["p10"]
@@ -257,10 +280,14 @@ def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+_WAIT_WORDS = {"sync": ", torch.cuda.synchronize() before each",
+               "spin": ", a spin on a CUDA event before each"}
+
+
 def markdown(records: list[dict[str, Any]], info: dict[str, str], settings: dict[str, Any]) -> str:
     lines = [
         f"Host time of one eager call (median of {settings['calls']} calls"
-        f"{'' if settings['dry_run'] else ', torch.cuda.synchronize() before each'}) on {info['device']}; "
+        f"{'' if settings['dry_run'] else _WAIT_WORDS[settings.get('wait', 'sync')]}) on {info['device']}; "
         f"torch {info['torch']}, triton {info['triton']}, python {info['python']}; "
         f"{settings['dtype']}, {settings['adapters']} adapters of rank {settings['rank']} "
         f"(max_rank {settings['max_rank']})",
@@ -304,6 +331,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--busy-us", type=float, default=0.0,
                         help="spin the host this many µs after each synchronize, before the timed call "
                              "(default 0: a host that just waited for the GPU)")
+    parser.add_argument("--wait", choices=WAITS, default="sync",
+                        help="how the host waits for the GPU before each timed call: sync (default), "
+                             "torch.cuda.synchronize(); spin, polling a CUDA event (the thread never sleeps)")
     parser.add_argument("--warmup", type=float, default=25.0, help="GPU timing: warm-up, ms (default 25)")
     parser.add_argument("--rep", type=float, default=100.0,
                         help="GPU timing: measured time, ms (default 100)")
@@ -350,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     info = environment_info(on_gpu)
     settings = dict(dtype=str(dtype).removeprefix("torch."), adapters=n_adapters, rank=rank,
                     max_rank=max_rank, max_loras=MAX_LORAS, calls=calls, warmup_calls=warmup_calls,
-                    order=args.order, busy_us=args.busy_us, warmup_ms=args.warmup, rep_ms=args.rep,
+                    order=args.order, busy_us=args.busy_us, wait=args.wait, warmup_ms=args.warmup,
+                    rep_ms=args.rep,
                     seed=args.seed, dry_run=args.dry_run, M=ms, models=[shape.name for shape in models])
     print(f"[bench_host] {info['device']}, torch {info['torch']}, triton {info['triton']}"
           + ("; DRY RUN (timings are meaningless)" if args.dry_run else ""), file=sys.stderr, flush=True)
@@ -364,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in ms:
             record = bench_point(shape, m, layer, graphed, n_adapters, calls=calls, warmup_calls=warmup_calls,
                                  on_gpu=on_gpu, warmup_ms=args.warmup, rep_ms=args.rep, seed=args.seed,
-                                 order=args.order, busy_us=args.busy_us)
+                                 order=args.order, busy_us=args.busy_us, wait=args.wait)
             records.append(record)
             print(f"{shape.name} M={m}: host base {record['base_host_us']:.1f} µs, "
                   f"lora {record['lora_host_us']:.1f} µs, uncached {record['base_uncached_host_us']:.1f} µs, "

@@ -843,11 +843,11 @@ class MoELoRAMemoryPool:
                 raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
 
         with self._lock:
-            return self._prepare_batch_locked(names, lens, num_tokens, out)
+            return self._prepare_batch_locked(names, lens, num_tokens, out, one_token_each=seq_lens is None)
 
     def _prepare_batch_locked(
         self, names: tuple[str | None, ...], lens: tuple[int, ...], num_tokens: int,
-        out: MoELoRABatchInfo | None
+        out: MoELoRABatchInfo | None, *, one_token_each: bool = False
     ) -> MoELoRABatchInfo:
         if out is not None and out.adapter_names == names and out.seq_lens == lens and self._still_holds(out):
             # The same mapping as when ``out`` was built, and each of its slots still holds the same
@@ -864,7 +864,7 @@ class MoELoRAMemoryPool:
                 f"host tier: {list(self._host_tier)}"
             )
         # A name with no tokens takes no slot (it may stay in the host tier).
-        every_sequence_has_tokens = min(lens, default=1) > 0
+        every_sequence_has_tokens = one_token_each or min(lens, default=1) > 0
         if every_sequence_has_tokens:
             wanted = list(distinct)
         else:
@@ -894,7 +894,7 @@ class MoELoRAMemoryPool:
         if every_sequence_has_tokens:
             table = {n: slot_of[n] for n in wanted}
             table[None] = -1
-            seq_slots = array.array("i", map(table.__getitem__, names))
+            seq_slots = array.array("i", [table[n] for n in names])
         else:
             seq_slots = array.array("i", (slot_of[n] if n is not None and k > 0 else -1
                                           for n, k in zip(names, lens, strict=True)))
@@ -932,7 +932,11 @@ class MoELoRAMemoryPool:
             return batch
 
         out.token_slots.copy_(host, non_blocking=on_cuda)
-        holds_same_slots = out.slots_used == used and self._still_holds(out)
+        # out's slots are this batch's, unchanged since out was built (its generations are the current
+        # ones), and out still counts as their user: its hold stays.
+        finalizer = out.__dict__.get("_pool_finalizer")
+        holds_same_slots = (out.slots_used == used and out.slot_generations == generations
+                            and finalizer is not None and finalizer.alive)
         if not holds_same_slots:
             out.release()
         out.slot_ranks = self.slot_ranks

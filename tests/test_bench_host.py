@@ -72,3 +72,14 @@ def test_bench_host_busy_spin_is_not_timed():
     times = bench_host.host_times_us({"noop": lambda: None}, calls=5, warmup_calls=0, on_gpu=False,
                                      busy_us=20_000.0)
     assert max(times["noop"]) < 10_000.0  # a no-op call, far below the 20 ms spin before it
+
+
+def test_bench_host_wait_choices():
+    """--wait picks how the host waits for the GPU before each call; off the GPU both do nothing."""
+    bench_host = _load_bench_host()
+    for wait in bench_host.WAITS:
+        times = bench_host.host_times_us({"noop": lambda: None}, calls=2, warmup_calls=0, on_gpu=False,
+                                         wait=wait)
+        assert len(times["noop"]) == 2
+    with pytest.raises(ValueError, match="wait must be one of"):
+        bench_host.gpu_wait("sleep", on_gpu=False)
