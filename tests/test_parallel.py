@@ -297,6 +297,50 @@ def test_bench_parallel_dry_run():
     assert "| tiny | 80 |" in result.stdout and "(0.50) |" in result.stdout  # 1/2 of the LoRA bytes per rank
 
 
+def test_bench_ep_dispatch_dry_run(tmp_path):
+    """The all-reduce vs all-to-all communication benchmark under torchrun, 2 CPU processes with gloo."""
+    import subprocess
+
+    out = tmp_path / "ep.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "benchmarks" / "bench_ep_dispatch.py"), "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    records = json.loads(out.read_text())["records"]
+    assert [r["M"] for r in records] == [1, 8, 80]
+    for r in records:
+        assert 1.0 <= r["ranks_per_token"] <= 2.0
+        # A ring all-reduce sends (P-1)/P of the tensor twice; the gather + reduce-scatter the same.
+        assert r["allreduce_bytes"] == r["M"] * r["H"] * 4  # fp32 dry run, P = 2
+        kinds = ("allreduce", "replicated_a2a", "gather_rs", "sharded_a2a")
+        assert all(r[f"{kind}_us"] > 0 for kind in kinds)
+    assert "| tiny | 80 |" in out.with_suffix(".md").read_text()
+
+
+def test_ep_dispatch_splits():
+    """Dispatch rows: a token travels once to each other rank holding one of its experts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ep_dispatch",
+                                                  ROOT / "benchmarks" / "bench_ep_dispatch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # 8 experts on 2 ranks (0-3 on rank 0); 5 tokens, owners 0, 0, 0, 1, 1.
+    ids = torch.tensor([[0, 1], [0, 5], [6, 7], [2, 3], [4, 0]])
+    owners = bench.token_owners(5, 2)
+    assert owners.tolist() == [0, 0, 0, 1, 1]
+    mask = bench.destination_mask(ids, 8, 2)
+    assert mask.tolist() == [[True, False], [True, True], [False, True], [True, False], [True, True]]
+    # Rank 0 sends tokens 1 and 2 to rank 1; rank 1 sends tokens 3 and 4 to rank 0.
+    assert bench.a2a_splits(mask, owners, 0) == ([0, 2], [0, 2])
+    send1, recv1 = bench.a2a_splits(mask, owners, 1)
+    assert send1 == [2, 0] and recv1 == [2, 0]
+    assert bench.token_owners(1, 2).tolist() == [0]  # one token: rank 1 owns none
+
+
 def test_expert_parallel_decode_aligns_one_token():
     """An expert-parallel layer's token has pairs of other ranks' experts (id -1): aligned, they take null
     blocks that read nothing, instead of a direct GEMM program each (which would run on expert 0)."""
