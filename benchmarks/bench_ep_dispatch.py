@@ -21,9 +21,9 @@ contiguous blocks over the ranks), two deployments:
   each token to the ranks that hold one of its experts (once per rank; the row carries the hidden state,
   the top-k ids and weights and the adapter slot) and the all-to-all combine of the result rows.
 
-Bytes are what one rank sends (rank 0's); times are rank 0's CUDA-event times of the collectives, eager,
-each after a barrier, median of ``--reps``. The split sizes of the all-to-alls are computed on the host
-before timing.
+Bytes are what one rank sends (rank 0's). Times are ``bench_parallel.timed_us``'s: each variant captured
+in a CUDA graph (so no rank waits for another's host), the four replayed in turn, rank 0's CUDA-event
+time, median of ``--reps``. The split sizes of the all-to-alls are computed on the host before capture.
 
 Writes a markdown table to stdout and, with ``--out``, JSON plus the table as .md beside it (rank 0).
 """
@@ -33,10 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +41,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_parallel import timed_us  # noqa: E402
 
 from moelora.bench import DRY_RUN_MODEL, MODELS, ModelShape, make_routing  # noqa: E402
 
@@ -76,28 +76,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def timed(fn: Callable[[], Any], reps: int, on_gpu: bool, group: Any) -> float:
-    """Median µs of ``fn`` on rank 0's clock (CUDA events on GPU), each call after a barrier."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier(group=group)
-        if on_gpu:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, on_gpu: bool) -> None:
     if on_gpu:
         _reduce_scatter(out, full, group=group)
@@ -119,7 +97,6 @@ def bench_point(shape: ModelShape, m: int, reps: int, dtype: torch.dtype, device
 
     # Replicated tokens.
     full = torch.randn(m, h, device=device).to(dtype)
-    allreduce_us = timed(lambda: dist.all_reduce(full, group=group), reps, on_gpu, group)
     # Sparse reduce-scatter: partial rows of tokens with an expert here go to their owner.
     rs_send = [int(((owners == d) & mask[:, rank]).sum()) if d != rank else 0 for d in range(world)]
     rs_recv = [int(((owners == rank) & mask[:, s]).sum()) if s != rank else 0 for s in range(world)]
@@ -134,7 +111,6 @@ def bench_point(shape: ModelShape, m: int, reps: int, dtype: torch.dtype, device
         dist.all_to_all_single(rs_out, rs_in, rs_recv, rs_send, group=group)
         _all_gather(gathered, mine, group=group)
 
-    replicated_a2a_us = timed(sparse_reduce_then_gather, reps, on_gpu, group)
 
     # Sharded tokens.
     x_local = torch.randn(max_local, h, device=device).to(dtype)
@@ -146,7 +122,6 @@ def bench_point(shape: ModelShape, m: int, reps: int, dtype: torch.dtype, device
         _all_gather(x_all, x_local, group=group)
         reduce_scatter(out_local, out_all, group, on_gpu)
 
-    gather_rs_us = timed(gather_then_reduce_scatter, reps, on_gpu, group)
     send, recv = a2a_splits(mask, owners, rank)
     dispatch_in = torch.randn(sum(send), row, device=device).to(dtype)
     dispatch_out = torch.empty(sum(recv), row, device=device, dtype=dtype)
@@ -157,7 +132,9 @@ def bench_point(shape: ModelShape, m: int, reps: int, dtype: torch.dtype, device
         dist.all_to_all_single(dispatch_out, dispatch_in, recv, send, group=group)
         dist.all_to_all_single(combine_out, combine_in, send, recv, group=group)
 
-    sharded_a2a_us = timed(dispatch_combine, reps, on_gpu, group)
+    allreduce_us, replicated_a2a_us, gather_rs_us, sharded_a2a_us = timed_us(
+        [lambda: dist.all_reduce(full, group=group), sparse_reduce_then_gather, gather_then_reduce_scatter,
+         dispatch_combine], reps, on_gpu)
 
     row_bytes, h_bytes = row * itemsize, h * itemsize
     return dict(
@@ -228,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             name = torch.cuda.get_device_name(device) if on_gpu else "cpu (dry run)"
             world = dist.get_world_size()
             title = (f"Expert-parallel communication on {world} x {name}: the layer's all-reduce against "
-                     f"all-to-all dispatch/combine of routed tokens; rank 0's CUDA-event µs, median of "
+                     f"all-to-all dispatch/combine of routed tokens; CUDA graphs, rank 0's µs, median of "
                      f"{reps}; KiB sent by rank 0")
             table = markdown(records, title)
             print(table)
