@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,6 +283,29 @@ def test_nccl_two_gpus_match_one_gpu(tp, ep, shape, top_k):
             # bf16 partial outputs rounded before the all-reduce: a few bf16 steps of the output scale.
             err = (got.float() - want).abs().max()
             assert err <= 0.02 * scale, f"max error {err} of output scale {scale}"
+
+
+@pytest.mark.gpu
+# One token and five (10 pairs): expert-parallel decode batches that align.
+@pytest.mark.parametrize("m", [1, 5])
+def test_expert_parallel_aligned_decode_gpu(m):
+    """Experts past L2 (DeepSeek-V3's H and I) align an expert-parallel rank's decode tokens (other ranks'
+    pairs in null blocks), the gate/up shrink inside the alignment's launch. The two ranks' outputs, summed,
+    equal the whole layer's."""
+    from triton_ops.fused_experts import plan_chunk
+
+    hidden, inter = 7168, 2048
+    plan = plan_chunk(m, 2, 2, hidden, inter, torch.bfloat16, torch.device("cuda"),
+                      lora=SimpleNamespace(max_rank=8, num_adapters=2), lora_path="split", config=None,
+                      combine=True, sparse_routing=True)
+    assert not plan.direct and plan.decode_shrink
+    case = make_case(num_experts=4, hidden=hidden, inter=inter, m=m, top_k=2, dtype=torch.bfloat16,
+                     device="cuda")
+    want = whole_layer_output(case, path="split").float()
+    got = sum(shard_output(case, shard, path="split").float() for shard in shards(4, inter, 1, 2))
+    scale = want.abs().max()
+    # Each rank's bf16 output is rounded before the sum: a few bf16 steps of the output scale.
+    assert (got - want).abs().max() <= 0.02 * scale
 
 
 def test_bench_parallel_dry_run():
