@@ -14,13 +14,18 @@ Pairs of tokens with slot ``-1`` are not touched at all: such a token gets exact
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import LoRALayerBuffers
 
-__all__ = ["moe_lora_forward_torch"]
+if TYPE_CHECKING:
+    from triton_ops.fp8 import BlockFp8Weights
+
+__all__ = ["dequantize_fp8_blocks", "fp8_group_roundtrip", "moe_lora_forward_torch", "quantize_fp8_blocks"]
 
 _ACTIVATIONS = ("silu", "gelu")
 
@@ -49,6 +54,53 @@ def _check_buffers(buffers: LoRALayerBuffers, num_experts: int, hidden: int, int
                 f"LoRA buffer {name} must be {shape} for these base weights, got {tuple(buf.shape)}"
             )
     return r
+
+
+def fp8_group_roundtrip(v: torch.Tensor, group: int) -> torch.Tensor:
+    """``v`` (n, K) quantized to float8_e4m3fn per row and group of ``group`` columns and scaled back, in
+    ``v``'s dtype: what a block-scaled GEMM multiplies (``triton_ops.fp8``'s activation quantization)."""
+    from triton_ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+
+    n, k = v.shape
+    padded = F.pad(v.float(), (0, -k % group)).view(n, -1, group)
+    scale = padded.abs().amax(dim=2, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    q = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).view(n, -1)[:, :k].to(v.dtype)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int],
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight`` (..., N, K) float8_e4m3fn times its block scales ``scale`` (..., cdiv(N, bn), cdiv(K, bk)),
+    in ``dtype``."""
+    block_n, block_k = block_shape
+    n, k = weight.shape[-2:]
+    full = scale.to(dtype).repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)
+    return weight.to(dtype) * full[..., :n, :k]
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block_shape: tuple[int, int] = (128, 128)
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (..., N, K) as float8_e4m3fn with one fp32 scale per (block_n, block_k) block (the
+    checkpoints' ``weight_scale_inv`` layout): scale = amax(block) / 448."""
+    from triton_ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+
+    block_n, block_k = block_shape
+    n, k = weight.shape[-2:]
+    lead = weight.shape[:-2]
+    padded = F.pad(weight.float(), (0, -k % block_k, 0, -n % block_n))
+    blocks = padded.view(*lead, padded.shape[-2] // block_n, block_n, padded.shape[-1] // block_k, block_k)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX) / FP8_MAX
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(padded.shape)[..., :n, :k].contiguous(), scale.contiguous()
+
+
+def _expert_weight(weight: torch.Tensor, e: int, fp8: BlockFp8Weights | None, scale_name: str,
+                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Expert ``e``'s weight in ``dtype`` on ``device``, dequantized when block-scaled."""
+    if fp8 is None:
+        return weight[e].to(device=device, dtype=dtype)
+    scale = getattr(fp8, scale_name)[e]
+    return dequantize_fp8_blocks(weight[e], scale, fp8.block_shape, dtype).to(device)
 
 
 def _shrink(v: torch.Tensor, a: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -83,6 +135,7 @@ def moe_lora_forward_torch(
     routed_scaling_factor: float = 1.0,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    fp8: BlockFp8Weights | None = None,
 ) -> torch.Tensor:
     """MoE layer output with per-token LoRA adapters from the pool, ``(M, H)`` in ``x.dtype``.
 
@@ -101,11 +154,23 @@ def moe_lora_forward_torch(
     (float64 if ``x`` is float64) on ``x``'s device; inputs are checked as on the Triton path.
 
     Shapes: ``x (M, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H, I)``, ``topk_weights/topk_ids (M, k)``.
+
+    ``fp8``: the block scales of float8_e4m3fn ``w13`` / ``w2``. The base products then use the
+    dequantized weights and x and h as the Triton path quantizes them (per token and ``block_k`` group;
+    h rounded to x's dtype first, as the Triton path stores it); the LoRA terms read x and h unquantized.
     """
     # Imported here: the triton_ops package loads its kernels, which must wait for TRITON_INTERPRET.
+    from triton_ops.fp8 import FP8_DTYPE
     from triton_ops.moe_inputs import FLOAT_DTYPES, check_moe_inputs
 
-    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, float_dtypes=(*FLOAT_DTYPES, torch.float64))
+    block_scaled = fp8 is not None or FP8_DTYPE in (w13.dtype, w2.dtype)
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, float_dtypes=(*FLOAT_DTYPES, torch.float64),
+                     weight_dtype=FP8_DTYPE if block_scaled else None)
+    if block_scaled:
+        if fp8 is None:
+            raise ValueError("float8_e4m3fn expert weights need their block scales: pass "
+                             "fp8=BlockFp8Weights(w13_scale, w2_scale, block_shape)")
+        fp8.check(w13, w2)
     m, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     activation = activation.lower()
@@ -126,6 +191,9 @@ def moe_lora_forward_torch(
         return out.to(x.dtype)
 
     xf = x.to(cdtype)
+    x_base = xf  # what the base GEMM1 multiplies
+    if block_scaled:
+        x_base = fp8_group_roundtrip(x, fp8.block_shape[1]).to(cdtype)
     flat_ids = topk_ids.reshape(-1).to(device=dev, dtype=torch.long)
     flat_w = topk_weights.reshape(-1).to(device=dev, dtype=cdtype)
     flat_tok = torch.arange(m, device=dev).repeat_interleave(top_k)
@@ -152,11 +220,11 @@ def moe_lora_forward_torch(
         start += n
         tok = flat_tok[pairs]
         w = flat_w[pairs]
-        xin = xf[tok]
+        xin, xin_base = xf[tok], x_base[tok]
         if apply_router_weight_on_input:
-            xin = xin * w[:, None]
+            xin, xin_base = xin * w[:, None], xin_base * w[:, None]
 
-        gu = xin @ w13[e].to(device=dev, dtype=cdtype).T  # (n, 2I), all pairs of expert e at once
+        gu = xin_base @ _expert_weight(w13, e, fp8, "w13_scale", cdtype, dev).T  # (n, 2I), all pairs at once
 
         sel = None
         if pair_slots is not None:
@@ -180,7 +248,10 @@ def moe_lora_forward_torch(
             gu[sel] = gu[sel] + torch.cat([d_gate, d_up], dim=1) * scale  # before the activation
 
         h = _activation(activation, gu[:, :inter]) * gu[:, inter:]
-        y = h @ w2[e].to(device=dev, dtype=cdtype).T  # (n, H)
+        h_base = h
+        if block_scaled:
+            h_base = fp8_group_roundtrip(h.to(x.dtype), fp8.block_shape[1]).to(cdtype)
+        y = h_base @ _expert_weight(w2, e, fp8, "w2_scale", cdtype, dev).T  # (n, H)
 
         if sel is not None:
             assert buffers is not None

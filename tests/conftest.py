@@ -19,6 +19,32 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 
 
+def _round_fp8_like_the_gpu() -> None:
+    """Triton's interpreter rounds float -> float8_e4m3fn without carrying a round-up into the exponent
+    (``interpreter._convert_float``: 127.6 becomes 64, not 128), where the GPU's conversion rounds to
+    nearest even. FP8 kernels are tested against PyTorch's conversion, which the GPU's matches, so under the
+    interpreter that one conversion goes through PyTorch. Every other conversion is the interpreter's."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+    sources = {tl.float32: (np.float32, torch.float32), tl.float16: (np.float16, torch.float16)}
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in sources:
+            np_dtype, torch_dtype = sources[input_dtype]
+            values = torch.from_numpy(np.ascontiguousarray(input).view(np_dtype).copy())
+            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert_float
+
+
+if INTERPRET:
+    _round_fp8_like_the_gpu()
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA with compiled Triton (TRITON_INTERPRET unset)")
     skip_interp = pytest.mark.skip(reason="runs Triton kernels on CPU tensors: set TRITON_INTERPRET=1")

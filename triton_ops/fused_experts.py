@@ -35,6 +35,7 @@ from triton_ops.decode_shrink import (
     one_token_down_shrink,
     one_token_down_splits,
 )
+from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, quantize_fp8_groups
 from triton_ops.fused_moe import (
     _ACTIVATIONS,
     LONG_K_SLOT_GROUP_MIN_K,
@@ -263,6 +264,7 @@ def fused_experts(
     lora: MoELoRAInputs | None = None,
     lora_path: str = "fused",
     sparse_routing: bool = False,
+    fp8: BlockFp8Weights | None = None,
 ) -> torch.Tensor:
     """Runs the routed experts of one MoE layer (see the module docstring for the math).
 
@@ -291,8 +293,23 @@ def fused_experts(
         sparse_routing: many pairs name experts outside [0, E) (an expert-parallel rank, whose ids of other
             ranks' experts are -1): where experts are large (``sparse_routing_aligns``) one token is aligned
             too, so those pairs take null blocks that read nothing, instead of a GEMM program each.
+        fp8: the block scales of float8_e4m3fn ``w13`` / ``w2`` (``triton_ops.fp8``): both GEMMs then
+            read x and the activated intermediate quantized per token and ``block_k`` group (one launch
+            each), while the LoRA shrinks read them unquantized; lora_path "split" or "staged".
     """
-    check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    block_scaled = fp8 is not None or FP8_DTYPE in (w13.dtype, w2.dtype)
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, weight_dtype=FP8_DTYPE if block_scaled else None)
+    if block_scaled:
+        if fp8 is None:
+            raise ValueError("float8_e4m3fn expert weights need their block scales: pass "
+                             "fp8=BlockFp8Weights(w13_scale, w2_scale, block_shape)")
+        if not isinstance(fp8, BlockFp8Weights):
+            raise TypeError(f"fp8 must be a triton_ops.fp8.BlockFp8Weights, got {type(fp8).__name__}")
+        fp8.check(w13, w2)
+        if lora is not None and lora_path == "fused":
+            raise ValueError("FP8 experts take lora_path 'split' or 'staged': the fused path's shrink rides "
+                             "on the GEMM's a tiles, the FP8 copy of x, and the LoRA must read x itself "
+                             "(DESIGN §1)")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     if inplace and no_combine:
@@ -337,13 +354,21 @@ def fused_experts(
         # fp32 and computed with the gated tiles, so rows without an adapter see exactly the activation
         # input of the base path's fused epilogue and come out bit for bit equal to it (DESIGN §1).
         gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=torch.float32, device=x.device)
+    scale_block_n, scale_block_k = fp8.block_shape if block_scaled else (0, 0)
+    gemm1_fp8 = gemm2_fp8 = {}
+    if block_scaled:
+        # The GEMMs' copies of x and of the activated intermediate; the LoRA shrinks read the originals.
+        x_q, x_scale = quantize_fp8_groups(x, scale_block_k)
+        h_q = torch.empty((chunk * top_k, intermediate), dtype=FP8_DTYPE, device=x.device)
+        h_scale = torch.empty((chunk * top_k, cdiv(intermediate, scale_block_k)), dtype=torch.float32,
+                              device=x.device)
 
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         rows = end - start
         plan = _chunk_plan(rows, top_k, num_experts, hidden, intermediate, x.dtype, x.device, lora=lora,
                            lora_path=lora_path, config=config, combine=pair_out is not None,
-                           sparse_routing=sparse_routing)
+                           sparse_routing=sparse_routing, scale_block_k=scale_block_k)
         cfg = plan.config
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
@@ -374,6 +399,11 @@ def fused_experts(
                 top_k=top_k)
 
         chunk_activated = activated[: rows * top_k]
+        gemm1_a = x[start:end]
+        if block_scaled:
+            gemm1_a = x_q[start:end]
+            gemm1_fp8 = dict(a_scale=x_scale[start:end], b_scale=fp8.w13_scale, scale_block_n=scale_block_n)
+            gemm2_fp8 = dict(a_scale=h_scale[:pairs], b_scale=fp8.w2_scale, scale_block_n=scale_block_n)
         gemm1_lora = gemm2_lora = None
         if lora is not None:
             common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
@@ -400,15 +430,16 @@ def fused_experts(
                                                reduce=plan.reduce_gate_up, release_next=plan.gate_up_overlap,
                                                dtype=x.dtype)
         if staged:
-            invoke_fused_moe_kernel(x[start:end], w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
-                                    a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align)
+            invoke_fused_moe_kernel(gemm1_a, w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
+                                    a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align,
+                                    **gemm1_fp8)
             moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, chunk_slots,
                                lora.slot_ranks, lora.slot_scalings, **align, block_m=cfg.block_m, top_k=top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
                                out=chunk_activated)
         else:
             invoke_fused_moe_kernel(
-                x[start:end],
+                gemm1_a,
                 w13,
                 chunk_activated,
                 topk_weights=gemm1_weights,
@@ -419,7 +450,13 @@ def fused_experts(
                 zero_counters=topk_sum,
                 late_wait=plan.gemm1_late_wait,
                 **align,
+                **gemm1_fp8,
             )
+        gemm2_a = chunk_activated
+        if block_scaled:
+            # Before the down shrink's launch: a GEMM2 launched early (late_wait) reads h_q before its wait.
+            gemm2_a, _ = quantize_fp8_groups(chunk_activated, scale_block_k, out=h_q[:pairs],
+                                             scales=h_scale[:pairs])
 
         if plan.down_gemv:
             one_token_down_shrink(chunk_activated, lora.down_a, chunk_ids, chunk_slots, lora.slot_ranks,
@@ -440,7 +477,7 @@ def fused_experts(
         else:
             target = pair_out[: rows * top_k]
         invoke_fused_moe_kernel(
-            chunk_activated,
+            gemm2_a,
             w2,
             target,
             topk_weights=None if apply_router_weight_on_input else chunk_weights,
@@ -452,6 +489,7 @@ def fused_experts(
             late_wait=plan.gemm2_late_wait,
             dependent=plan.dependent_gemm2,
             **align,
+            **gemm2_fp8,
         )
         if pair_out is not None and topk_sum is None:
             moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
@@ -518,11 +556,13 @@ class ChunkPlan:
 
 def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str,
-               config: MoEConfig | None, combine: bool, sparse_routing: bool = False) -> ChunkPlan:
+               config: MoEConfig | None, combine: bool, sparse_routing: bool = False,
+               scale_block_k: int = 0) -> ChunkPlan:
     """The launch decisions of one ``fused_experts`` chunk of ``rows`` tokens (see :class:`ChunkPlan`).
     ``combine``: the routed pairs' outputs are summed over the top-k (not ``no_combine``, top_k > 1).
     ``sparse_routing``: where ``sparse_routing_aligns``, no direct pairs (and so no fused top-k sum):
-    other ranks' pairs are null blocks."""
+    other ranks' pairs are null blocks. ``scale_block_k``: block-scaled FP8 GEMMs, whose K step is the
+    scale group (``triton_ops.fp8``)."""
     split = lora is not None and lora_path == "split"
     staged = lora is not None and lora_path == "staged"
     rank_block = lora_rank_block(lora.max_rank) if lora is not None else 0
@@ -535,6 +575,9 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
                              rank_block=rank_block if split else 0, num_adapters=num_adapters if split else 0)
     if lora is not None and lora_path == "fused":
         cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=elem_bytes)
+    if scale_block_k:
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=scale_block_k),
+                      gemm2=replace(cfg.gemm2, block_k=scale_block_k))
     pairs = rows * top_k
     align_sparse = sparse_routing and sparse_routing_aligns(hidden, intermediate, elem_bytes)
     direct = (not staged and not align_sparse and pairs <= SINGLE_PROGRAM_MAX_PAIRS
@@ -587,7 +630,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         down_splits = down_shrink_splits
 
     overlap_through_sum = overlap_through_split_sum(pairs, rank_block)
-    pack_gate_up = split and not decode_shrink and lora_ext_expand(
+    pack_gate_up = split and not decode_shrink and not scale_block_k and lora_ext_expand(
         cfg.gemm1, gated=True, num_adapters=num_adapters, K=hidden, elem_bytes=elem_bytes)
     reduce_gate_up = (split and not decode_shrink and not pack_gate_up
                       and reduce_splits_pays(gate_up_splits, gemm1_n_tiles))
@@ -595,7 +638,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
                        and (overlap_through_sum or not (reduce_gate_up or pack_gate_up)))
     pack_down = reduce_down = down_overlap = False
     if split and not down_in_gemm1 and not down_gemv:
-        pack_down = not decode_shrink and lora_ext_expand(
+        pack_down = not decode_shrink and not scale_block_k and lora_ext_expand(
             cfg.gemm2, gated=False, num_adapters=num_adapters, K=intermediate, elem_bytes=elem_bytes)
         reduce_down = not decode_shrink and not pack_down and reduce_splits_pays(
             down_splits, cdiv(hidden, cfg.gemm2.block_n))
@@ -612,17 +655,17 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
 
 def _chunk_plan(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                 device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str, config: MoEConfig | None,
-                combine: bool, sparse_routing: bool) -> ChunkPlan:
+                combine: bool, sparse_routing: bool, scale_block_k: int = 0) -> ChunkPlan:
     """``plan_chunk``, made once per key in the active ``LaunchCache`` (its owner's calls repeat it), else
     every call."""
     args = (rows, top_k, num_experts, hidden, intermediate, dtype, device)
     kwargs = dict(lora=lora, lora_path=lora_path, config=config, combine=combine,
-                  sparse_routing=sparse_routing)
+                  sparse_routing=sparse_routing, scale_block_k=scale_block_k)
     cache = active_cache()
     if cache is None:
         return plan_chunk(*args, **kwargs)
     lora_key = None if lora is None else (lora_path, lora_rank_block(lora.max_rank), lora.num_adapters)
-    return cache.plan(("chunk", *args, lora_key, config, combine, sparse_routing),
+    return cache.plan(("chunk", *args, lora_key, config, combine, sparse_routing, scale_block_k),
                       lambda: plan_chunk(*args, **kwargs))
 
 

@@ -51,6 +51,7 @@ from triton_ops.configs import (
     env_switch,
     pipeline_smem_bytes,
 )
+from triton_ops.fp8 import FP8_DTYPE
 from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import active_cache, launch, planned
 from triton_ops.lora_epilogues import (
@@ -152,16 +153,22 @@ def _gemm_k_loop(
     col_valid,  # (BLOCK_N,)
     la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (INLINE_SHRINK)
     offs_k,  # (BLOCK_K,)
-    K, stride_ak, stride_bk, stride_la_k, lora_up_offset,
+    a_scale_ptrs,  # (BLOCK_M,) the rows' FP8 scales of group 0 (BLOCK_SCALED)
+    b_scale_ptrs,  # (BLOCK_N,) the columns' weight scales of group 0 (BLOCK_SCALED)
+    up_scale_ptrs,  # (BLOCK_N,) the up columns' (BLOCK_SCALED and GATED)
+    K, stride_ak, stride_bk, stride_la_k, lora_up_offset, stride_ask, stride_bsk,
     acc, acc_up, shrink_gate, shrink_up,  # fp32 accumulators, returned updated
     GATED: tl.constexpr,
     INLINE_SHRINK: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); with INLINE_SHRINK (LORA_FUSED)
-    the block's main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``."""
+    the block's main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``.
+    With BLOCK_SCALED (FP8 a and b, ``triton_ops.fp8``; BLOCK_K is the scale group) each K step's dot is
+    multiplied by its rows' and columns' scales as it is added."""
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
@@ -170,13 +177,25 @@ def _gemm_k_loop(
             k_valid = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        acc = _dot(a, b, acc, FP32_IEEE)
+        if BLOCK_SCALED:
+            a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
+            b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
+            acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+            a_scale_ptrs += stride_ask
+            b_scale_ptrs += stride_bsk
+        else:
+            acc = _dot(a, b, acc, FP32_IEEE)
         if GATED:
             if EVEN_K:
                 b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
             else:
                 b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-            acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
+            if BLOCK_SCALED:
+                up_scale = tl.load(up_scale_ptrs, mask=col_valid, other=0.0)
+                acc_up += tl.dot(a, b_up) * (a_scale[:, None] * up_scale[None, :])
+                up_scale_ptrs += stride_bsk
+            else:
+                acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
             up_ptrs += BLOCK_K * stride_bk
         if INLINE_SHRINK:
             if EVEN_K:
@@ -202,6 +221,11 @@ def _fused_moe_kernel(
     stride_be, stride_bn, stride_bk,
     c_ptr,  # (numel, N) same dtype, row per routed pair (2N with the raw gated output)
     stride_cm, stride_cn,
+    # Block-scaled FP8 (BLOCK_SCALED): a and b float8_e4m3fn, c in the activations' dtype
+    a_scale_ptr,  # (rows, cdiv(K, BLOCK_K)) fp32 per-row group scales of a
+    stride_asm, stride_ask,
+    b_scale_ptr,  # (E, cdiv(N or 2N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)) fp32 weight block scales
+    stride_bse, stride_bsn, stride_bsk,
     N, K, num_experts,
     scale,  # multiplies every output row (rsf on GEMM2)
     # Routed pairs: the alignment's blocks, or with DIRECT_PAIRS the flat topk_ids in all three pointers
@@ -246,6 +270,8 @@ def _fused_moe_kernel(
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,  # rows of b per weight scale block (BLOCK_SCALED)
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -343,10 +369,15 @@ def _fused_moe_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if LORA != LORA_FUSED:  # nothing rides along the loop: placeholders it passes through
         la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
+    a_scale_ptrs = a_scale_ptr + a_row * stride_asm
+    b_scale_base = b_scale_ptr + expert * stride_bse
+    b_scale_ptrs = b_scale_base + (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
+    up_scale_ptrs = b_scale_base + ((offs_n + N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
     acc, acc_up, main_gate, main_up = _gemm_k_loop(
-        a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, K, stride_ak,
-        stride_bk, stride_la_k, lora_up_offset, acc, acc_up, main_gate, main_up, GATED=GATED,
-        INLINE_SHRINK=LORA == LORA_FUSED, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
+        a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, a_scale_ptrs,
+        b_scale_ptrs, up_scale_ptrs, K, stride_ak, stride_bk, stride_la_k, lora_up_offset, stride_ask,
+        stride_bsk, acc, acc_up, main_gate, main_up, GATED=GATED, INLINE_SHRINK=LORA == LORA_FUSED,
+        BLOCK_SCALED=BLOCK_SCALED, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
     )
 
     # ---- epilogue: the LoRA delta (lora_epilogues), then routed weight, activation and store ----
@@ -699,9 +730,17 @@ def invoke_fused_moe_kernel(
     topk_sum: TopkSumOperands | None = None,
     late_wait: bool = False,
     dependent: bool = False,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    scale_block_n: int = 0,
 ) -> None:
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
     gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync.
+
+    Block-scaled FP8 (``triton_ops.fp8``): a and b float8_e4m3fn, ``a_scale`` (rows, cdiv(K, block_k))
+    and ``b_scale`` (E, cdiv(b.shape[1], scale_block_n), cdiv(K, block_k)) fp32, ``config.block_k`` the
+    scale group block_k; c in the activations' dtype. LoRA then needs its shrink precomputed
+    (``lora.shrunk`` or ``lora.packed``): the K-loop's a is the FP8 copy, which a LoRA shrink must not read.
 
     Rows come from the alignment (``sorted_ids``, ``expert_ids``, ``num_post_padded``) or, for one decode
     token, from ``direct_ids``: its flat (top_k,) topk_ids, each pair a block of its own. ``topk_sum``
@@ -721,6 +760,9 @@ def invoke_fused_moe_kernel(
     out_n = c.shape[1] // 2 if activation == "gated_raw" else c.shape[1]
     _check_gemm_args(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, direct_ids, config,
                      activation, out_n, lora, zero_counters, topk_sum, late_wait)
+    block_scaled = a.dtype == FP8_DTYPE or b.dtype == FP8_DTYPE
+    if block_scaled:
+        _check_block_scaled(a, b, a_scale, b_scale, scale_block_n, config, lora)
     activation_code = ACTIVATION_NONE
     if gated:
         activation_code = ACTIVATION_GATED_RAW if activation == "gated_raw" else _ACTIVATIONS[activation]
@@ -763,11 +805,20 @@ def invoke_fused_moe_kernel(
         stride_bk=b.stride(2),
         stride_cm=c.stride(0),
         stride_cn=c.stride(1),
+        a_scale_ptr=a_scale if block_scaled else c,
+        stride_asm=a_scale.stride(0) if block_scaled else 0,
+        stride_ask=a_scale.stride(1) if block_scaled else 0,
+        b_scale_ptr=b_scale if block_scaled else c,
+        stride_bse=b_scale.stride(0) if block_scaled else 0,
+        stride_bsn=b_scale.stride(1) if block_scaled else 0,
+        stride_bsk=b_scale.stride(2) if block_scaled else 0,
         stride_om=topk_sum.out.stride(0) if topk_sum is not None else 0,
         stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
         **_lora_kernel_args(lora, epilogue, c, b, gated=gated),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
+        BLOCK_SCALED=block_scaled,
+        SCALE_BLOCK_N=scale_block_n if block_scaled else 1,
         FP32_IEEE=a.dtype == torch.float32,
         EVEN_K=K % config.block_k == 0 and planned("MOELORA_EVEN_K",
                                                     lambda: env_switch("MOELORA_EVEN_K", default=True)),
@@ -1001,6 +1052,29 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
                 f"LoRA buffers A {tuple(lora.lora_a.shape)} / B {tuple(lora.lora_b.shape)} do not match the "
                 f"GEMM: expected A (L, E, {expected_a_rows}, {K}) and B (L, E, {b.shape[1]}, R)"
             )
+
+
+def _check_block_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None,
+                        b_scale: torch.Tensor | None, scale_block_n: int, config: GemmConfig,
+                        lora: LoRAOperands | None) -> None:
+    """Raises ValueError/TypeError saying what a block-scaled FP8 GEMM expected."""
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        raise TypeError(f"a block-scaled GEMM takes float8_e4m3fn a and b, got {a.dtype} and {b.dtype}")
+    if a_scale is None or b_scale is None or scale_block_n <= 0:
+        raise ValueError("FP8 a and b need a_scale, b_scale and scale_block_n")
+    group_k, K = config.block_k, a.shape[1]
+    if tuple(a_scale.shape) != (a.shape[0], cdiv(K, group_k)):
+        raise ValueError(f"a_scale must be (rows, cdiv(K, block_k)) = {(a.shape[0], cdiv(K, group_k))} with "
+                         f"config.block_k = the scale group {group_k}, got {tuple(a_scale.shape)}")
+    want = (b.shape[0], cdiv(b.shape[1], scale_block_n), cdiv(K, group_k))
+    if tuple(b_scale.shape) != want:
+        raise ValueError(f"b_scale must be (E, cdiv(N, {scale_block_n}), cdiv(K, {group_k})) = {want}, "
+                         f"got {tuple(b_scale.shape)}")
+    if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+        raise TypeError(f"FP8 scales must be float32, got {a_scale.dtype} and {b_scale.dtype}")
+    if lora is not None and lora.shrunk is None and lora.packed is None:
+        raise ValueError("an FP8 GEMM's LoRA needs its shrink precomputed from the unquantized input "
+                         "(lora.shrunk or lora.packed): the K-loop's a is the FP8 copy (DESIGN §1)")
 
 
 def _fits_one_wave(programs: int, device: torch.device) -> bool:

@@ -15,8 +15,10 @@ def check_moe_inputs(
     topk_ids: torch.Tensor,
     *,
     float_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    weight_dtype: torch.dtype | None = None,
 ) -> None:
     """Raises ValueError/TypeError that say what was expected for inconsistent MoE inputs.
+    ``weight_dtype``: the experts' dtype where it is not x's (block-scaled FP8 weights).
 
     Expert ids are not range-checked (that would read the device): a pair whose id is outside
     ``[0, E)`` contributes nothing on every path."""
@@ -44,8 +46,10 @@ def check_moe_inputs(
     if x.dtype not in float_dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in float_dtypes)
         raise TypeError(f"x must be one of {names}, got {x.dtype}")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise TypeError(f"w13 and w2 must have x's dtype {x.dtype}, got {w13.dtype} and {w2.dtype}")
+    want = x.dtype if weight_dtype is None else weight_dtype
+    if w13.dtype != want or w2.dtype != want:
+        whose = "x's dtype" if weight_dtype is None else "dtype"
+        raise TypeError(f"w13 and w2 must have {whose} {want}, got {w13.dtype} and {w2.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids must be (num_tokens={x.shape[0]}, top_k), got {tuple(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape:

@@ -1,0 +1,154 @@
+"""Block-scaled FP8 base experts (``triton_ops.fp8``) with LoRA in the activations' dtype.
+
+The reference is the PyTorch path with ``fp8=``: fp32 products of the dequantized weights with x and h
+quantized the same way (per token and ``block_k`` group), the LoRA terms on the unquantized x and h. The
+Triton path differs from it in accumulation order and in h's value before quantization (fp32 sums in
+another order, then rounded to x's dtype): where that flips h's FP8 rounding, one term of a GEMM2 row moves
+by one FP8 step (2^-3 of it). Tolerance: 1 % of the output's largest magnitude; a wrong scale block or a
+LoRA term lost is tens of percent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelora.pool import MoELoRAMemoryPool
+from moelora.torch_path import (
+    dequantize_fp8_blocks,
+    fp8_group_roundtrip,
+    moe_lora_forward_torch,
+    quantize_fp8_blocks,
+)
+from triton_ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, BlockFp8Weights, quantize_fp8_groups
+from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+
+F16 = torch.float16
+
+
+@pytest.mark.interpreter
+# 1 and 33 rows (past one 16-row block); K 128 (one group), 200 (a partial second group); groups 64, 128.
+@pytest.mark.parametrize("rows,k,group", [(1, 128, 128), (33, 200, 128), (5, 200, 64)])
+@pytest.mark.parametrize("dtype", [F16, torch.float32])
+def test_quantize_groups_matches_torch_interpreter(rows, k, group, dtype):
+    x = (torch.randn(rows, k) * 3).to(dtype)
+    x[0, :group] = 0  # an all-zero group: a tiny scale, zeros out
+    q, scales = quantize_fp8_groups(x, group)
+    groups = -(-k // group)
+    assert q.dtype == FP8_DTYPE and scales.shape == (rows, groups)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(rows, groups, group)
+    want_scales = padded.abs().amax(dim=2).clamp_min(MIN_AMAX) / FP8_MAX
+    want_q = (padded / want_scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(rows, -1)[:, :k]
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.float(), want_q.float())
+    assert torch.equal(q[0, :group].float(), torch.zeros(group))
+
+
+def test_weight_blocks_roundtrip():
+    w = torch.randn(3, 200, 136)
+    q, scale = quantize_fp8_blocks(w, (128, 128))
+    assert q.dtype == FP8_DTYPE and scale.shape == (3, 2, 2)
+    back = dequantize_fp8_blocks(q, scale, (128, 128))
+    # e4m3 keeps 3 mantissa bits: every element within 2^-4 of its block's largest magnitude.
+    blocks_max = w.abs().amax()
+    assert (back - w).abs().max() <= blocks_max / 16
+
+
+E, H, INTER = 4, 200, 136  # H: a partial K group; INTER: the up rows start inside a scale block
+ADAPTERS = {"a": 8, "b": 3}  # ranks that differ per adapter
+
+
+def _case(m, top_k, seed=0):
+    torch.manual_seed(seed)
+    w13 = torch.randn(E, 2 * INTER, H) / H**0.5
+    w2 = torch.randn(E, H, INTER) / INTER**0.5
+    w13_q, w13_s = quantize_fp8_blocks(w13)
+    w2_q, w2_s = quantize_fp8_blocks(w2)
+    fp8 = BlockFp8Weights(w13_s, w2_s, (128, 128))
+    x = torch.randn(m, H).to(F16)
+    logits = torch.randn(m, E)
+    logits[:, E - 1] = float("-inf")  # an expert no token picks
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return x, w13_q, w2_q, fp8, weights.float().contiguous(), ids.to(torch.int32).contiguous()
+
+
+def _pool_and_batch(m):
+    from test_lora_layer import make_adapter
+
+    pool = MoELoRAMemoryPool(E, H, INTER, [0], max_loras=4, max_rank=8, dtype=F16, device="cpu")
+    for name, rank in ADAPTERS.items():
+        pool.add_adapter_weights(name, make_adapter(rank, 2.0, F16, layers=(0,), num_experts=E, hidden=H,
+                                                    inter=INTER))
+    names = [("a", None, "b")[t % 3] for t in range(m)]  # tokens with no adapter
+    return pool, pool.prepare_batch(names)
+
+
+def _lora_inputs(pool, batch):
+    buffers = pool.layer(0)
+    return MoELoRAInputs(token_slots=batch.token_slots, gate_up_a=buffers.gate_up_a,
+                         gate_up_b=buffers.gate_up_b, down_a=buffers.down_a, down_b=buffers.down_b,
+                         slot_ranks=batch.slot_ranks,
+                         slot_scalings=batch.slot_scalings, max_rank=batch.max_rank,
+                         num_adapters=len(batch.slots_used))
+
+
+def _close(got, want):
+    scale = want.float().abs().max()
+    err = (got.float() - want.float()).abs().max()
+    assert err <= 0.01 * scale, f"max error {err:.4g} against output scale {scale:.4g}"
+
+
+@pytest.mark.interpreter
+# 1 token: direct pairs, fused top-k sum; 5: the one-program alignment and the decode shrinks; 67: the
+# three-launch alignment and the prefill shrinks. Top-k 1 and 2.
+@pytest.mark.parametrize("m,top_k", [(1, 2), (5, 2), (67, 2), (5, 1)])
+@pytest.mark.parametrize("path", [None, "split", "staged"])
+def test_fp8_experts_match_torch_path_interpreter(m, top_k, path):
+    x, w13, w2, fp8, weights, ids = _case(m, top_k)
+    pool, batch = _pool_and_batch(m)
+    lora = None if path is None else _lora_inputs(pool, batch)
+    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
+    want = moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0) if path else None,
+                                  batch if path else None, fp8=fp8)
+    _close(got, want)
+    if path is not None:  # the adapters show: not the base output
+        base = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8)
+        assert (want.float() - base.float()).abs().max() > 0.1 * base.float().abs().max()
+
+
+def test_fp8_torch_path_is_the_dequantized_layer():
+    """The FP8 torch path equals the bf16-free math it states: dequantized weights, x and h rounded
+    through FP8 per group."""
+    x, w13, w2, fp8, weights, ids = _case(3, 2)
+    got = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8).float()
+    w13_d = dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape)
+    w2_d = dequantize_fp8_blocks(w2, fp8.w2_scale, fp8.block_shape)
+    xq = fp8_group_roundtrip(x, 128).float()
+    want = torch.zeros(3, H)
+    for t in range(3):
+        for j in range(2):
+            e = int(ids[t, j])
+            gu = w13_d[e] @ xq[t]
+            h = torch.nn.functional.silu(gu[:INTER]) * gu[INTER:]
+            hq = fp8_group_roundtrip(h.to(F16)[None], 128).float()[0]
+            want[t] += weights[t, j] * (w2_d[e] @ hq)
+    torch.testing.assert_close(got, want.to(F16).float(), rtol=2e-3, atol=2e-3)
+
+
+def test_fp8_refusals():
+    x, w13, w2, fp8, weights, ids = _case(3, 2)
+    with pytest.raises(ValueError, match="need their block scales"):
+        fused_experts(x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="need their block scales"):
+        moe_lora_forward_torch(x, w13, w2, weights, ids, None, None)
+    bad = BlockFp8Weights(fp8.w13_scale[:, :1], fp8.w2_scale, (128, 128))
+    with pytest.raises(ValueError, match=r"w13_scale must be \(E, cdiv\(N, 128\), cdiv\(K, 128\)\)"):
+        fused_experts(x, w13, w2, weights, ids, fp8=bad)
+    with pytest.raises(TypeError, match="must have dtype torch.float8_e4m3fn"):
+        fused_experts(x, w13.float().to(F16), w2.float().to(F16), weights, ids, fp8=fp8)
+    with pytest.raises(ValueError, match="block_k must be 32, 64, 128"):
+        fused_experts(x, w13, w2, weights, ids, fp8=BlockFp8Weights(fp8.w13_scale, fp8.w2_scale, (128, 100)))
+    with pytest.raises(TypeError, match="BlockFp8Weights"):
+        fused_experts(x, w13, w2, weights, ids, fp8=(fp8.w13_scale, fp8.w2_scale))
+    pool, batch = _pool_and_batch(3)
+    with pytest.raises(ValueError, match="lora_path 'split' or 'staged'"):
+        fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=_lora_inputs(pool, batch), lora_path="fused")
