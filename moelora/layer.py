@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from torch import nn
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
+
+if TYPE_CHECKING:
+    from triton_ops.fp8 import BlockFp8Weights
 
 PATHS = ("auto", "fused", "split", "staged", "torch")
 
@@ -52,6 +56,9 @@ class FusedMoEWithLoRA(nn.Module):
         activation: "silu" (default) or "gelu".
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
         path: "auto", "fused", "split", "staged" or "torch" (see the module docstring).
+        fp8: block scales of float8_e4m3fn ``w13``/``w2`` (``triton_ops.fp8.BlockFp8Weights``): the base
+            GEMMs run W8A8 (x and h quantized per token and 128-column group), the LoRA stays in the pool's
+            dtype and reads x and h unquantized; path "fused" is refused (its shrink reads the GEMM's x).
         process_group, reduce_results: a tensor- or expert-parallel layer (a pool with a
             ``moelora.parallel.MoEShard``; w13/w2 the shard's part, ``shard.split_weights``) returns this
             rank's partial output; with ``reduce_results`` it all-reduces it over ``process_group`` (the
@@ -92,6 +99,7 @@ class FusedMoEWithLoRA(nn.Module):
         max_graphs: int = 32,
         process_group: object | None = None,
         reduce_results: bool = False,
+        fp8: BlockFp8Weights | None = None,
     ) -> None:
         super().__init__()
         if reduce_results and process_group is None:
@@ -108,7 +116,17 @@ class FusedMoEWithLoRA(nn.Module):
         expected_w2 = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
         if tuple(w2.shape) != expected_w2:
             raise ValueError(f"w2 must be (E, H, I) = {expected_w2} to match the pool, got {tuple(w2.shape)}")
-        if w13.dtype != pool.dtype or w2.dtype != pool.dtype:
+        if fp8 is not None or torch.float8_e4m3fn in (w13.dtype, w2.dtype):
+            from triton_ops.fp8 import BlockFp8Weights
+
+            if not isinstance(fp8, BlockFp8Weights):
+                raise ValueError("float8_e4m3fn w13/w2 need their block scales: pass "
+                                 "fp8=triton_ops.fp8.BlockFp8Weights(w13_scale, w2_scale, block_shape)")
+            fp8.check(w13, w2)
+            if path == "fused":
+                raise ValueError("FP8 experts take path 'auto', 'split', 'staged' or 'torch': the fused "
+                                 "path's LoRA shrink would read the FP8 copy of x (DESIGN §1)")
+        elif w13.dtype != pool.dtype or w2.dtype != pool.dtype:
             raise TypeError(f"w13/w2 must have the pool's dtype {pool.dtype}, got {w13.dtype}/{w2.dtype}")
         if w13.device.type != torch.device(pool.device).type or w2.device.type != w13.device.type:
             raise ValueError(f"w13/w2 are on {w13.device}/{w2.device} but the pool is on {pool.device}")
@@ -117,6 +135,7 @@ class FusedMoEWithLoRA(nn.Module):
         self.layer_id = layer_id
         self.w13 = w13
         self.w2 = w2
+        self.fp8 = fp8
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.activation = activation
         self.apply_router_weight_on_input = apply_router_weight_on_input
@@ -267,7 +286,7 @@ class FusedMoEWithLoRA(nn.Module):
                 x, self.w13, self.w2, topk_weights, topk_ids,
                 self.buffers_ if has_lora else None, batch if has_lora else None,
                 routed_scaling_factor=self.routed_scaling_factor, activation=self.activation,
-                apply_router_weight_on_input=self.apply_router_weight_on_input,
+                apply_router_weight_on_input=self.apply_router_weight_on_input, fp8=self.fp8,
             )
         from triton_ops.fused_experts import MoELoRAInputs, fused_experts
         from triton_ops.launch import LaunchCache
@@ -284,6 +303,8 @@ class FusedMoEWithLoRA(nn.Module):
         if not topk_ids.is_contiguous():
             topk_ids = topk_ids.contiguous()
         inputs = [x, topk_weights, topk_ids, self.w13, self.w2]
+        if self.fp8 is not None:
+            inputs += [self.fp8.w13_scale, self.fp8.w2_scale]
         if has_lora:
             inputs += [batch.token_slots, batch.slot_ranks, batch.slot_scalings, buffers.gate_up_a,
                        buffers.gate_up_b, buffers.down_a, buffers.down_b]
@@ -316,6 +337,7 @@ class FusedMoEWithLoRA(nn.Module):
                 lora=lora,
                 lora_path=path or "fused",
                 sparse_routing=self._expert_map is not None,
+                fp8=self.fp8,
             )
 
         with cache:
@@ -359,7 +381,8 @@ class FusedMoEWithLoRA(nn.Module):
         w13, w2 = self.w13, self.w2
         return (x.shape, x.dtype, x.device, topk_weights.shape, topk_ids.shape, topk_ids.dtype, lora,
                 w13.shape, w13.stride(), w13.dtype, w2.shape, w2.stride(), self.activation,
-                self.routed_scaling_factor, self.apply_router_weight_on_input)
+                self.routed_scaling_factor, self.apply_router_weight_on_input,
+                None if self.fp8 is None else self.fp8.block_shape)
 
     def extra_repr(self) -> str:
         num_experts, two_i, hidden = self.w13.shape

@@ -152,3 +152,46 @@ def test_fp8_refusals():
     pool, batch = _pool_and_batch(3)
     with pytest.raises(ValueError, match="lora_path 'split' or 'staged'"):
         fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=_lora_inputs(pool, batch), lora_path="fused")
+
+
+def _fp8_layer(path, device="cpu", dtype=F16):
+    from test_lora_layer import make_adapter
+
+    from moelora.layer import FusedMoEWithLoRA
+
+    x, w13, w2, fp8, weights, ids = _case(7, 2)
+    pool = MoELoRAMemoryPool(E, H, INTER, [0], max_loras=4, max_rank=8, dtype=dtype, device=device)
+    for name, rank in ADAPTERS.items():
+        pool.add_adapter_weights(name, make_adapter(rank, 2.0, dtype, layers=(0,), num_experts=E, hidden=H,
+                                                    inter=INTER))
+    move = dict(device=device)
+    fp8 = BlockFp8Weights(fp8.w13_scale.to(**move), fp8.w2_scale.to(**move), fp8.block_shape)
+    layer = FusedMoEWithLoRA(w13.to(**move), w2.to(**move), pool=pool, layer_id=0, path=path, fp8=fp8)
+    batch = pool.prepare_batch([("a", None, "b")[t % 3] for t in range(7)])
+    return layer, x.to(device=device, dtype=dtype), weights.to(**move), ids.to(**move), batch
+
+
+@pytest.mark.interpreter
+def test_fp8_layer_matches_torch_path_interpreter():
+    """The layer with FP8 experts: the Triton split path (a trace recorded, then replayed) against the
+    layer's own PyTorch path."""
+    from moelora.layer import FusedMoEWithLoRA
+
+    layer, x, weights, ids, batch = _fp8_layer("split")
+    torch_layer = FusedMoEWithLoRA(layer.w13, layer.w2, pool=layer.pool, layer_id=0, path="torch",
+                                   fp8=layer.fp8)
+    want = torch_layer(x, weights, ids, batch)
+    for _ in range(2):  # records, then replays
+        _close(layer(x, weights, ids, batch), want)
+    assert len(layer.launch_cache.traces) == 1
+
+
+def test_fp8_layer_refusals():
+    x, w13, w2, fp8, weights, ids = _case(3, 2)
+    pool = MoELoRAMemoryPool(E, H, INTER, [0], max_loras=2, max_rank=8, dtype=F16, device="cpu")
+    from moelora.layer import FusedMoEWithLoRA
+
+    with pytest.raises(ValueError, match="need their block scales"):
+        FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0)
+    with pytest.raises(ValueError, match="path 'auto', 'split', 'staged' or 'torch'"):
+        FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, fp8=fp8, path="fused")
