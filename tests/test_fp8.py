@@ -195,3 +195,96 @@ def test_fp8_layer_refusals():
         FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0)
     with pytest.raises(ValueError, match="path 'auto', 'split', 'staged' or 'torch'"):
         FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, fp8=fp8, path="fused")
+
+
+def _gpu_case(m, num_experts, hidden, inter, top_k, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
+    w13_q, w13_s = quantize_fp8_blocks(w13)
+    w2_q, w2_s = quantize_fp8_blocks(w2)
+    x = torch.randn(m, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = torch.randn(m, num_experts, device="cuda", generator=gen)
+    logits[:, 0] = float("-inf")  # an expert no token picks
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return x, w13_q, w2_q, BlockFp8Weights(w13_s, w2_s), weights.float().contiguous(), ids.to(torch.int32)
+
+
+def _gpu_lora(m, num_experts, hidden, inter, seed=1):
+    """Slots 0-2 hold ranks 16, 5 and 9; tokens use them and none (-1) in turn."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    slots, rank = 4, 16
+
+    def rnd(*dims, fan_in):
+        return (torch.randn(*dims, device="cuda", generator=gen) / fan_in**0.5).to(torch.bfloat16)
+
+    ranks = (16, 5, 9, 0)
+    token_slots = torch.tensor([(0, -1, 1, 2)[t % 4] for t in range(m)], device="cuda", dtype=torch.int32)
+    gate_up_a, gate_up_b = rnd(slots, num_experts, 2 * rank, hidden, fan_in=hidden), rnd(
+        slots, num_experts, 2 * inter, rank, fan_in=rank)
+    down_a, down_b = rnd(slots, num_experts, rank, inter, fan_in=inter), rnd(
+        slots, num_experts, hidden, rank, fan_in=rank)
+    for slot, r in enumerate(ranks):  # the pool's layout: rank columns past a slot's rank are zeros
+        gate_up_a[slot, :, r:rank] = 0
+        gate_up_a[slot, :, rank + r:] = 0
+        gate_up_b[slot, :, :, r:] = 0
+        down_a[slot, :, r:] = 0
+        down_b[slot, :, :, r:] = 0
+    return MoELoRAInputs(
+        token_slots=token_slots, gate_up_a=gate_up_a, gate_up_b=gate_up_b, down_a=down_a, down_b=down_b,
+        slot_ranks=torch.tensor(ranks, device="cuda", dtype=torch.int32),
+        slot_scalings=torch.full((slots,), 2.0, device="cuda"), max_rank=rank, num_adapters=3)
+
+
+def _torch_reference(x, w13, w2, fp8, weights, ids, lora):
+    """The PyTorch path's FP8 math with the same LoRA buffers (a pool layer's layout)."""
+    from types import SimpleNamespace
+
+    from moelora.pool import LoRALayerBuffers
+
+    if lora is None:
+        return moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8)
+    buffers = LoRALayerBuffers(gate_up_a=lora.gate_up_a, gate_up_b=lora.gate_up_b, down_a=lora.down_a,
+                               down_b=lora.down_b)
+    batch = SimpleNamespace(num_tokens=x.shape[0], token_slots=lora.token_slots, has_lora=True,
+                            slot_scalings=lora.slot_scalings)
+    return moe_lora_forward_torch(x, w13, w2, weights, ids, buffers, batch, fp8=fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [
+    (16, 2048, 768, 8),  # Qwen3-30B-A3B's expert sizes and top-8
+    (8, 7168, 2048, 8),  # DeepSeek-V3's
+])
+# 1: direct pairs, fused top-k sum; 7: one-program alignment, decode shrinks; 300: prefill (odd).
+@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("path", [None, "split", "staged"])
+def test_fp8_experts_match_torch_path_gpu(shape, m, path):
+    num_experts, hidden, inter, top_k = shape
+    x, w13, w2, fp8, weights, ids = _gpu_case(m, num_experts, hidden, inter, top_k)
+    lora = None if path is None else _gpu_lora(m, num_experts, hidden, inter)
+    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
+    # bf16 output on top of the FP8 flips the module docstring allows: 1 % of the output scale.
+    _close(got, _torch_reference(x, w13, w2, fp8, weights, ids, lora))
+
+
+@pytest.mark.gpu
+def test_fp8_experts_in_cuda_graph_gpu():
+    x, w13, w2, fp8, weights, ids = _gpu_case(4, 16, 2048, 768, 8)
+    lora = _gpu_lora(4, 16, 2048, 768)
+
+    def call():
+        return fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path="split")
+
+    eager = call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
