@@ -81,17 +81,32 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block_shape
 def quantize_fp8_blocks(weight: torch.Tensor, block_shape: tuple[int, int] = (128, 128)
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` (..., N, K) as float8_e4m3fn with one fp32 scale per (block_n, block_k) block (the
-    checkpoints' ``weight_scale_inv`` layout): scale = amax(block) / 448."""
-    from triton_ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+    checkpoints' ``weight_scale_inv`` layout): scale = amax(block) / 448. One (N, K) matrix at a time, so
+    the fp32 working copy is one matrix's, not the whole tensor's."""
+    from triton_ops.fp8 import FP8_DTYPE
 
     block_n, block_k = block_shape
     n, k = weight.shape[-2:]
     lead = weight.shape[:-2]
+    out = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scales = torch.empty((*lead, -(-n // block_n), -(-k // block_k)), dtype=torch.float32,
+                         device=weight.device)
+    flat_w, flat_out = weight.reshape(-1, n, k), out.view(-1, n, k)
+    flat_scales = scales.view(-1, *scales.shape[-2:])
+    for i in range(flat_w.shape[0]):
+        flat_out[i], flat_scales[i] = _quantize_matrix(flat_w[i], block_n, block_k)
+    return out, scales
+
+
+def _quantize_matrix(weight: torch.Tensor, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from triton_ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+
+    n, k = weight.shape
     padded = F.pad(weight.float(), (0, -k % block_k, 0, -n % block_n))
-    blocks = padded.view(*lead, padded.shape[-2] // block_n, block_n, padded.shape[-1] // block_k, block_k)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX) / FP8_MAX
-    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(padded.shape)[..., :n, :k].contiguous(), scale.contiguous()
+    blocks = padded.view(padded.shape[0] // block_n, block_n, padded.shape[1] // block_k, block_k)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(MIN_AMAX) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(padded.shape)[:n, :k], scale
 
 
 def _expert_weight(weight: torch.Tensor, e: int, fp8: BlockFp8Weights | None, scale_name: str,

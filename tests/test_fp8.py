@@ -91,10 +91,10 @@ def _lora_inputs(pool, batch):
                          num_adapters=len(batch.slots_used))
 
 
-def _close(got, want):
+def _close(got, want, tolerance=0.01):
     scale = want.float().abs().max()
     err = (got.float() - want.float()).abs().max()
-    assert err <= 0.01 * scale, f"max error {err:.4g} against output scale {scale:.4g}"
+    assert err <= tolerance * scale, f"max error {err:.4g} against output scale {scale:.4g}"
 
 
 @pytest.mark.interpreter
@@ -264,8 +264,9 @@ def test_fp8_experts_match_torch_path_gpu(shape, m, path):
     x, w13, w2, fp8, weights, ids = _gpu_case(m, num_experts, hidden, inter, top_k)
     lora = None if path is None else _gpu_lora(m, num_experts, hidden, inter)
     got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
-    # bf16 output on top of the FP8 flips the module docstring allows: 1 % of the output scale.
-    _close(got, _torch_reference(x, w13, w2, fp8, weights, ids, lora))
+    # bf16 outputs: each side rounds to bf16 (2^-8 relative, so up to 0.8 % of the output scale apart near
+    # its largest values), on top of the FP8 flips of the module docstring: 2 %.
+    _close(got, _torch_reference(x, w13, w2, fp8, weights, ids, lora), tolerance=0.02)
 
 
 @pytest.mark.gpu
