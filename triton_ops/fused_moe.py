@@ -7,6 +7,9 @@ Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]
                                   dots as the gated epilogue, so rows without an adapter match it bit for bit)
             with w_p^m = topk_weights[p] when MUL_ROUTED_WEIGHT else 1, s = scale * w_p^m, and
             a_row_div = top_k for GEMM1 (rows of x) and 1 for GEMM2 (rows of the intermediate).
+            With BLOCK_SCALED (float8_e4m3fn a and B, ``triton_ops.fp8``) B[e] @ a is the block-scaled
+            product: each BLOCK_K step (= the scale group) adds its dot times a_scale[row, g] and
+            b_scale[e, n // SCALE_BLOCK_N, g].
 Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
             consecutive programs reuse the same weight tiles from L2.
 
