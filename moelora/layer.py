@@ -159,12 +159,16 @@ class FusedMoEWithLoRA(nn.Module):
         cls, base: nn.Module, *, pool: MoELoRAMemoryPool, layer_id: int, **kwargs
     ) -> FusedMoEWithLoRA:
         """Wrap a base fused-MoE module, sharing its weights: SGLang/vLLM style (``w13_weight``,
-        ``w2_weight``) or transformers 5 experts (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I))."""
+        ``w2_weight``) or transformers 5 experts (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)).
+        FP8 experts (float8_e4m3fn weights with ``<name>_scale_inv`` block scales and ``block_size``, as
+        transformers' fine-grained ``FP8Experts`` holds them) come with their scales as ``fp8=``."""
         for w13_name, w2_name in (("w13_weight", "w2_weight"), ("gate_up_proj", "down_proj"), ("w13", "w2")):
             w13 = getattr(base, w13_name, None)
             w2 = getattr(base, w2_name, None)
             if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
                 kwargs.setdefault("routed_scaling_factor", getattr(base, "routed_scaling_factor", 1.0) or 1.0)
+                if torch.float8_e4m3fn in (w13.dtype, w2.dtype) and "fp8" not in kwargs:
+                    kwargs["fp8"] = fp8_scales_of(base, w13_name, w2_name)
                 return cls(w13.data, w2.data, pool=pool, layer_id=layer_id, **kwargs)
         raise TypeError(
             f"{type(base).__name__} has no (w13_weight, w2_weight), (gate_up_proj, down_proj) or (w13, w2) "
@@ -388,6 +392,24 @@ class FusedMoEWithLoRA(nn.Module):
         num_experts, two_i, hidden = self.w13.shape
         return (f"layer_id={self.layer_id}, experts={num_experts}, hidden={hidden}, "
                 f"intermediate={two_i // 2}, rsf={self.routed_scaling_factor}, path={self.path}")
+
+
+def fp8_scales_of(base: nn.Module, w13_name: str, w2_name: str) -> BlockFp8Weights:
+    """The block scales of ``base``'s float8_e4m3fn experts: ``<name>_scale_inv`` (fp32, or power-of-two
+    UE8M0 read as fp32) and ``block_size``; ValueError where they are missing or not per-block."""
+    from triton_ops.fp8 import BlockFp8Weights
+
+    where = type(base).__name__
+    scales = [getattr(base, f"{name}_scale_inv", None) for name in (w13_name, w2_name)]
+    if not all(isinstance(scale, torch.Tensor) for scale in scales):
+        raise ValueError(f"{where}: float8_e4m3fn experts need {w13_name}_scale_inv and {w2_name}_scale_inv "
+                         "block scales")
+    block_size = getattr(base, "block_size", None)
+    if block_size is None or len(block_size) != 2:
+        raise ValueError(f"{where}: only block-scaled FP8 experts are served (block_size (block_n, block_k), "
+                         f"got {block_size!r}); per-tensor or per-channel scales are not")
+    return BlockFp8Weights(scales[0].data.float().contiguous(), scales[1].data.float().contiguous(),
+                           (int(block_size[0]), int(block_size[1])))
 
 
 class _GraphedCall:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moelora.integrations import attach
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import (
     dequantize_fp8_blocks,
@@ -289,3 +290,124 @@ def test_fp8_experts_in_cuda_graph_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_from_base_reads_transformers_fp8_experts():
+    """transformers' fine-grained ``FP8Experts`` (weights, ``*_scale_inv`` block scales, ``block_size``):
+    ``from_base`` serves them with their scales; the layer's output is the dequantized experts' math."""
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    from moelora.layer import FusedMoEWithLoRA
+
+    hidden, inter, experts = 256, 128, 4
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                            hidden_act="silu")
+    module = FP8Experts(config, block_size=(128, 128))
+    torch.manual_seed(0)
+    for name, (n, k) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+        q, scale = quantize_fp8_blocks(torch.randn(experts, n, k) / k**0.5)
+        getattr(module, name).data.copy_(q)
+        getattr(module, f"{name}_scale_inv").data.copy_(scale)
+    pool = MoELoRAMemoryPool(experts, hidden, inter, [0], max_loras=2, max_rank=8, dtype=torch.bfloat16,
+                             device="cpu")
+    layer = FusedMoEWithLoRA.from_base(module, pool=pool, layer_id=0, path="torch")
+    assert layer.fp8 is not None and layer.fp8.block_shape == (128, 128)
+    assert layer.w13.data_ptr() == module.gate_up_proj.data_ptr()  # shared, not copied
+    x = torch.randn(3, hidden).to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(3, experts), -1).topk(2, dim=-1)
+    got = layer(x, weights, ids.to(torch.int32))
+    scales = BlockFp8Weights(module.gate_up_proj_scale_inv.data, module.down_proj_scale_inv.data)
+    want = moe_lora_forward_torch(x, module.gate_up_proj.data, module.down_proj.data, weights, ids, None,
+                                  None, fp8=scales)
+    assert torch.equal(got, want)  # the module's own scales reached the layer
+    # The dequantized experts, x and h rounded through FP8 per group: the same within bf16 rounding.
+    w13 = dequantize_fp8_blocks(module.gate_up_proj.data, module.gate_up_proj_scale_inv.data, (128, 128))
+    w2 = dequantize_fp8_blocks(module.down_proj.data, module.down_proj_scale_inv.data, (128, 128))
+    xq = fp8_group_roundtrip(x, 128).float()
+    ref = torch.zeros(3, hidden)
+    for t in range(3):
+        for j in range(2):
+            e = int(ids[t, j])
+            gu = w13[e] @ xq[t]
+            h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            hq = fp8_group_roundtrip(h.to(torch.bfloat16)[None], 128).float()[0]
+            ref[t] += weights[t, j] * (w2[e] @ hq)
+    _close(got, ref, tolerance=0.02)  # bf16 output against fp32 (and h's FP8 flips)
+    module.block_size = None
+    with pytest.raises(ValueError, match="only block-scaled FP8 experts"):
+        FusedMoEWithLoRA.from_base(module, pool=pool, layer_id=0)
+
+
+FP8_TWIN_BLOCK = (32, 32)  # the tiny model's H = 64 and I = 32: two K groups in GEMM1, gate/up blocks apart
+
+
+def _fp8_tiny_qwen3_and_twin():
+    """The tiny Qwen3-MoE of ``adapters/`` with its experts as transformers' ``FP8Experts`` (weights
+    quantized per 32 x 32 block), and its dequantized twin: the same model with the plain experts holding
+    the dequantized weights."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    import adapters.make_adapters as mk
+    from moelora.integrations.transformers import find_experts_modules
+
+    model, twin = mk.load_tiny_qwen3_moe(), mk.load_tiny_qwen3_moe()
+    for (name, _, module), (_, _, twin_module) in zip(find_experts_modules(model), find_experts_modules(twin),
+                                                        strict=True):
+        fp8_module = FP8Experts(model.config, block_size=FP8_TWIN_BLOCK).eval()
+        for pname in ("gate_up_proj", "down_proj"):
+            q, scale = quantize_fp8_blocks(getattr(module, pname).data, FP8_TWIN_BLOCK)
+            getattr(fp8_module, pname).data.copy_(q)
+            getattr(fp8_module, f"{pname}_scale_inv").data.copy_(scale)
+            getattr(twin_module, pname).data.copy_(dequantize_fp8_blocks(q, scale, FP8_TWIN_BLOCK))
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, fp8_module)
+    return model, twin, mk
+
+
+def test_attach_fp8_model_matches_peft_on_dequantized_twin():
+    """``attach()`` on a model whose experts are transformers' FP8Experts: a mixed batch (two fixture
+    adapters, a base row) against PEFT on the dequantized twin, per row. They differ by the activation
+    quantization alone: x and h of 3 layers' 6 GEMMs rounded to e4m3 per 32-column group, each element
+    within 2^-4 of itself (3 mantissa bits). Through the model that gave 0.5-3.0 % of a row's logit
+    scale; tolerance 5 %. The adapters move their rows by 28 % and 99 % of it."""
+    model, twin, mk = _fp8_tiny_qwen3_and_twin()
+    handle = attach(model, max_loras=4, max_rank=16, path="torch")
+    try:
+        assert all(module.layer.fp8 is not None for module in handle.modules.values())
+        assert handle.pool.dtype == torch.float32  # the model's own dtype, not the experts' FP8
+        for name in ("chat", "math"):
+            handle.load_adapter(name, mk.ADAPTERS_DIR / name)
+        rows = ["chat", None, "math"]
+        ids = torch.randint(1, 128, (len(rows), 6), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            with handle.adapters(rows):
+                logits = model(input_ids=ids).logits
+            base_logits = model(input_ids=ids).logits  # outside the context: FP8 base through the layer
+            for row, name in enumerate(rows):
+                ref = twin if name is None else mk.load_tiny_qwen3_moe_peft(name, base=_fresh_twin())
+                want = ref(input_ids=ids[row : row + 1]).logits[0]
+                _close(logits[row], want, tolerance=0.05)
+                if name is not None:  # the adapter shows through the FP8 rounding
+                    assert (want - twin(input_ids=ids[row : row + 1]).logits[0]).abs().max() > \
+                        0.1 * want.abs().max()
+            _close(base_logits[1], twin(input_ids=ids[1:2]).logits[0], tolerance=0.05)
+    finally:
+        handle.detach()
+
+
+def _fresh_twin():
+    return _fp8_tiny_qwen3_and_twin()[1]
+
+
+def test_attach_refuses_fp8_experts_without_block_scales():
+    model, _, _ = _fp8_tiny_qwen3_and_twin()
+    for module in model.modules():
+        if type(module).__name__ == "FP8Experts":
+            module.block_size = None
+    with pytest.raises(NotImplementedError, match="only block-scaled FP8 experts"):
+        attach(model, path="torch")

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.batch_info import MoELoRABatchInfo
-from moelora.layer import PATHS, FusedMoEWithLoRA
+from moelora.layer import PATHS, FusedMoEWithLoRA, fp8_scales_of
 from moelora.parallel import MoEShard
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
@@ -89,8 +89,12 @@ __all__ = [
 #: checked against PEFT in tests/test_integrations.py. Other classes of the same structure are checked
 #: numerically at attach time.
 KNOWN_EXPERTS_CLASSES = frozenset(
-    {"Qwen3MoeExperts", "Qwen2MoeExperts", "OlmoeExperts", "MixtralExperts", "DeepseekV3Experts"}
+    {"Qwen3MoeExperts", "Qwen2MoeExperts", "OlmoeExperts", "MixtralExperts", "DeepseekV3Experts",
+     "FP8Experts"}
 )
+# FP8Experts (transformers' fine-grained FP8) overrides _apply_gate for these variants; without them it is
+# the plain act(gate) * up.
+_FP8_GATE_VARIANTS = ("gate_softcap", "up_softcap", "swiglu_alpha", "swiglu_limit", "limit")
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
@@ -200,7 +204,9 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
         reasons.append("has expert biases")
     default_gate = _default_apply_gate()
     custom_gate = getattr(type(module), "_apply_gate", default_gate)
-    if default_gate is not None and custom_gate is not default_gate:
+    fp8_plain_gate = cls == "FP8Experts" and all(getattr(module, a, None) is None
+                                                 for a in _FP8_GATE_VARIANTS)
+    if default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate:
         reasons.append("overrides _apply_gate (a custom gated activation, e.g. a clamped SwiGLU)")
     if reasons:
         raise NotImplementedError(
@@ -214,17 +220,30 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             f"{where}: gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} are not "
             "(E, 2I, H) and (E, H, I)"
         )
+    fp8 = w13.dtype == torch.float8_e4m3fn and w2.dtype == torch.float8_e4m3fn
+    if fp8:
+        try:
+            fp8_scales_of(module, "gate_up_proj", "down_proj").check(w13, w2)
+        except (ValueError, TypeError) as exc:
+            raise NotImplementedError(f"{where}: {exc}") from exc
     for pname, t in (("gate_up_proj", w13), ("down_proj", w2)):
-        if t.dtype not in _POOL_DTYPES:
+        if t.dtype not in _POOL_DTYPES and not fp8:
             raise NotImplementedError(
                 f"{where}: {pname} has dtype {t.dtype} (quantised?); float32, float16 and bfloat16 are "
-                "supported"
+                "supported, and float8_e4m3fn with block scales (transformers' fine-grained FP8)"
             )
         if t.device.type == "meta":
             raise NotImplementedError(f"{where}: {pname} is on the meta device (offloaded?); load it first")
     if w13.dtype != w2.dtype or w13.device != w2.device:
         raise NotImplementedError(f"{where}: gate_up_proj and down_proj differ in dtype or device")
     return _activation_of(name, module)
+
+
+def _activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in beside its FP8 experts: its input embeddings' (else bfloat16)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = getattr(getattr(embeddings, "weight", None), "dtype", None)
+    return dtype if dtype in _POOL_DTYPES else torch.bfloat16
 
 
 def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoEShard, object] | None:
@@ -475,6 +494,9 @@ class MoELoRAExperts(nn.Module):
             # moe_tp_experts / AllReduceEP does for the original module.
             w13, w2 = w13.to_local().detach(), w2.to_local().detach()
             parallel = dict(process_group=process_group, reduce_results=True)
+        if w13.dtype == torch.float8_e4m3fn:
+            # transformers runs FP8 experts through its hub kernels; the layer serves base rows too.
+            parallel["fp8"] = fp8_scales_of(original, "gate_up_proj", "down_proj")
         object.__setattr__(
             self,
             "layer",
@@ -497,7 +519,7 @@ class MoELoRAExperts(nn.Module):
         hidden = hidden_states.shape[-1]
         num_tokens = hidden_states.numel() // hidden if hidden else 0
         batch = self._selector.batch_for(num_tokens)
-        if batch is None or not batch.has_lora:
+        if (batch is None or not batch.has_lora) and self.layer.fp8 is None:
             return self.original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         if args or kwargs:
             raise TypeError(
@@ -508,7 +530,8 @@ class MoELoRAExperts(nn.Module):
                                                      for t in (hidden_states, top_k_index, top_k_weights))
         x = hidden_states.reshape(num_tokens, hidden)
         out = self.layer(
-            x, top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1), batch
+            x, top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1),
+            batch if batch is not None and batch.has_lora else None,
         )
         return out.reshape(hidden_states.shape)
 
@@ -779,6 +802,10 @@ def attach(
     first = found[0][2]
     w13_first = first.gate_up_proj
     shape, dtype, device = tuple(w13_first.shape), w13_first.dtype, w13_first.device
+    fp8 = dtype == torch.float8_e4m3fn
+    if fp8 and sharding is not None:
+        raise NotImplementedError("FP8 experts sharded by a tensor- or expert-parallel plan are not served "
+                                  "yet (their block scales would need sharding too)")
     for name, _, module in found[1:]:
         w13 = module.gate_up_proj
         if tuple(w13.shape) != shape:
@@ -799,8 +826,8 @@ def attach(
     if pool is None:
         pool = MoELoRAMemoryPool(
             num_experts=num_experts, hidden_size=hidden, intermediate_size=two_i // 2, layer_ids=layer_ids,
-            max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device, max_cpu_loras=max_cpu_loras,
-            shard=shard,
+            max_loras=max_loras, max_rank=max_rank, dtype=_activation_dtype(model) if fp8 else dtype,
+            device=device, max_cpu_loras=max_cpu_loras, shard=shard,
         )
     else:
         got = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
