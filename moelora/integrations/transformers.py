@@ -89,11 +89,12 @@ __all__ = [
 #: checked against PEFT in tests/test_integrations.py. Other classes of the same structure are checked
 #: numerically at attach time.
 KNOWN_EXPERTS_CLASSES = frozenset(
-    {"Qwen3MoeExperts", "Qwen2MoeExperts", "OlmoeExperts", "MixtralExperts", "DeepseekV3Experts",
-     "FP8Experts"}
+    {"Qwen3MoeExperts", "Qwen2MoeExperts", "OlmoeExperts", "MixtralExperts", "DeepseekV3Experts"}
 )
-# FP8Experts (transformers' fine-grained FP8) overrides _apply_gate for these variants; without them it is
-# the plain act(gate) * up.
+# transformers' fine-grained FP8 experts: any family's experts, quantized. Not run to verify the math (its
+# forward needs transformers' hub kernels); _check_supported reads its scales and gate variants instead.
+_FP8_EXPERTS_CLASS = "FP8Experts"
+# FP8Experts overrides _apply_gate for these variants; without them it is the plain act(gate) * up.
 _FP8_GATE_VARIANTS = ("gate_softcap", "up_softcap", "swiglu_alpha", "swiglu_limit", "limit")
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -204,7 +205,7 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
         reasons.append("has expert biases")
     default_gate = _default_apply_gate()
     custom_gate = getattr(type(module), "_apply_gate", default_gate)
-    fp8_plain_gate = cls == "FP8Experts" and all(getattr(module, a, None) is None
+    fp8_plain_gate = cls == _FP8_EXPERTS_CLASS and all(getattr(module, a, None) is None
                                                  for a in _FP8_GATE_VARIANTS)
     if default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate:
         reasons.append("overrides _apply_gate (a custom gated activation, e.g. a clamped SwiGLU)")
@@ -749,7 +750,8 @@ def attach(
         max_loras, max_rank, max_cpu_loras: sizes of the created pool (ignored with ``pool``).
         path: ``FusedMoEWithLoRA`` path ("auto", "fused", "split", "staged", "torch").
         verify: run each experts module against the §1 formula on random tokens before swapping it;
-            ``None`` (default): only for classes not in :data:`KNOWN_EXPERTS_CLASSES`.
+            ``None`` (default): only for classes not in :data:`KNOWN_EXPERTS_CLASSES` and not
+            transformers' ``FP8Experts`` (whose forward needs transformers' hub kernels to run).
         cuda_graphs: each MoE layer replays its forward from a CUDA graph per token count of at most
             ``graph_max_tokens`` (default 64: decode steps, every one after the first two of a batch size;
             prompts run eagerly, so each prompt length does not keep buffers of its own in every layer),
@@ -789,8 +791,8 @@ def attach(
             raise NotImplementedError(f"experts module {name!r} ({type(module).__name__}) is marked "
                                       "expert-parallel but its tensors are not DTensors moelora can read the "
                                       "shard of")
-        if parallel[lid] is None and (
-                verify or (verify is None and type(module).__name__ not in KNOWN_EXPERTS_CLASSES)):
+        known = type(module).__name__ in KNOWN_EXPERTS_CLASSES or type(module).__name__ == _FP8_EXPERTS_CLASS
+        if parallel[lid] is None and (verify or (verify is None and not known)):
             _verify_math(name, module, activations[lid])
         sites.append((name, lid, parent, module, attr))
     layouts = {p[0] if p else None for p in parallel.values()}
