@@ -1,6 +1,7 @@
 """Tune the fused MoE GEMM launch configs on the current GPU and write them as JSON.
 
     python benchmarks/tune_moe.py --models deepseek-v2-lite qwen3-30b-a3b --M 1 16 64 256 1024 4096
+    python benchmarks/tune_moe.py --dtype fp8 --models qwen3-30b-a3b deepseek-v3    # block-scaled FP8
 
 For each model shape and token count M, the two GEMMs are tuned apart (they share BLOCK_SIZE_M, since
 one alignment feeds both): every candidate BLOCK_SIZE_M is aligned once, then each GEMM's candidates
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moelora.bench import cold_l2_time_ms, graph_time_us  # noqa: E402
+from moelora.torch_path import quantize_fp8_blocks  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     GemmConfig,
     MoEConfig,
@@ -42,6 +44,7 @@ from triton_ops.configs import (  # noqa: E402
     default_moe_config,
     device_name,
 )
+from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, quantize_fp8_groups  # noqa: E402
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
 from triton_ops.fused_moe import invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.moe_align import moe_align_block_size  # noqa: E402
@@ -55,7 +58,9 @@ MODELS = {
 }
 
 
-def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int) -> list[GemmConfig]:
+def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int,
+               block_k: int | None = None) -> list[GemmConfig]:
+    """``block_k``: only this BLOCK_SIZE_K (FP8: the scale group)."""
     pairs_per_expert = num_tokens * top_k / num_experts
     out = []
     if pairs_per_expert <= 8:
@@ -66,6 +71,8 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int) -> list
         block_ms, block_ns, block_ks, warps, stages = [64, 128], [64, 128], [64, 128], [4, 8], [3, 4]
         if gemm == 2:
             block_ns = [64, 128, 256]
+    if block_k is not None:
+        block_ks = [block_k]
     for bm, bn, bk, w, s in itertools.product(block_ms, block_ns, block_ks, warps, stages):
         # Fused gate+up doubles the B tile and the accumulators of GEMM1.
         smem = s * (bm * bk + (2 if gemm == 1 else 1) * bk * bn) * 2
@@ -95,11 +102,14 @@ def graph_timer(fn: Callable[[], object]) -> float:
         return float("inf")
 
 
-def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator):
-    """Best MoEConfig for M tokens, with its time and the heuristic's time (µs, both GEMMs)."""
+def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator,
+               fp8: BlockFp8Weights | None = None):
+    """Best MoEConfig for M tokens, with its time and the heuristic's time (µs, both GEMMs). ``fp8``: the
+    scales of float8_e4m3fn w13/w2; the GEMMs then read x and h quantized (bf16 activations), with
+    BLOCK_SIZE_K the scale group."""
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
-    dtype = w13.dtype
+    dtype = torch.bfloat16 if fp8 is not None else w13.dtype
     x = torch.randn(m, hidden, device="cuda", dtype=dtype, generator=gen)
     logits = torch.randn(m, num_experts, device="cuda", generator=gen)
     weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
@@ -108,25 +118,37 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
     act = torch.empty(m * top_k, inter, device="cuda", dtype=dtype)
     pair_out = torch.empty(m * top_k, hidden, device="cuda", dtype=dtype)
 
+    gemm1_a, gemm2_a, gemm1_fp8, gemm2_fp8, block_k = x, act, {}, {}, None
+    if fp8 is not None:
+        block_n, block_k = fp8.block_shape
+        gemm1_a, x_scale = quantize_fp8_groups(x, block_k)
+        gemm2_a, h_scale = quantize_fp8_groups(act.normal_(generator=gen), block_k)
+        gemm1_fp8 = dict(a_scale=x_scale, b_scale=fp8.w13_scale, scale_block_n=block_n)
+        gemm2_fp8 = dict(a_scale=h_scale, b_scale=fp8.w2_scale, scale_block_n=block_n)
+
     def time_gemm1(cfg: GemmConfig, align: dict) -> float:
         return bench_gemm(lambda: invoke_fused_moe_kernel(
-            x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg, activation="silu", **align))
+            gemm1_a, w13, act, topk_weights=None, a_row_div=top_k, config=cfg, activation="silu", **align,
+            **gemm1_fp8))
 
     def time_gemm2(cfg: GemmConfig, align: dict) -> float:
         return bench_gemm(lambda: invoke_fused_moe_kernel(
-            act, w2, pair_out, topk_weights=weights, a_row_div=1, config=cfg, **align))
+            gemm2_a, w2, pair_out, topk_weights=weights, a_row_div=1, config=cfg, **align, **gemm2_fp8))
 
     def align_for(block_m: int) -> dict:
         s, e, n = moe_align_block_size(ids, block_m, num_experts)
         return dict(sorted_ids=s, expert_ids=e, num_post_padded=n)
 
     default = default_moe_config(m, num_experts, hidden, inter, top_k, dtype)
+    if block_k is not None:
+        default = replace(default, gemm1=replace(default.gemm1, block_k=block_k),
+                          gemm2=replace(default.gemm2, block_k=block_k))
     default_align = align_for(default.block_m)
     default_us = time_gemm1(default.gemm1, default_align) + time_gemm2(default.gemm2, default_align)
     best_us, best = default_us, default
     by_block_m: dict[int, tuple[list, list]] = {}
     for gemm in (1, 2):
-        for cfg in candidates(m, top_k, num_experts, gemm):
+        for cfg in candidates(m, top_k, num_experts, gemm, block_k):
             by_block_m.setdefault(cfg.block_m, ([], []))[gemm - 1].append(cfg)
     for block_m, (c1s, c2s) in by_block_m.items():
         align = align_for(block_m)
@@ -197,8 +219,15 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
                ) -> tuple[str, dict]:
     num_experts, top_k, hidden, inter = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=dtype, generator=gen) / inter**0.5
+    fp8 = None
+    weight_dtype = torch.bfloat16 if dtype == FP8_DTYPE else dtype
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=weight_dtype,
+                      generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=weight_dtype,
+                     generator=gen) / inter**0.5
+    if dtype == FP8_DTYPE:
+        (w13, w13_scale), (w2, w2_scale) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
+        fp8 = BlockFp8Weights(w13_scale, w2_scale)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / config_file_name(num_experts, inter, device_name(), dtype)
     results = json.loads(path.read_text()) if lora_only and path.is_file() else {}
@@ -206,7 +235,7 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
         if lora_only and str(m) in results:
             tuned = MoEConfig.from_dict(results[str(m)])
         else:
-            tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen)
+            tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen, fp8)
             print(f"{name:18s} M={m:5d}  heuristic {default_us:9.1f} us  tuned {tuned_us:9.1f} us  "
                   f"({default_us / tuned_us:.2f}x)  {tuned.to_dict()}", flush=True)
         if lora_rank:
@@ -237,7 +266,9 @@ def main() -> None:
     )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--M", nargs="+", type=int, default=[1, 16, 64, 256, 1024, 4096])
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp8"], default="bf16",
+                        help="fp8: float8_e4m3fn experts with 128 x 128 block scales, bf16 activations "
+                             "(files named dtype=fp8_w8a8)")
     parser.add_argument("--lora-rank", type=int, default=0, help="also tune the split LoRA layer's tiles "
                         "(prefill M) with adapters of this rank, stored as each entry's \"lora\" object")
     parser.add_argument("--lora-adapters", type=int, default=4, help="adapters in the LoRA tuning batch")
@@ -259,7 +290,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tune_moe.py needs a CUDA GPU")
     os.environ["MOELORA_NO_TUNED_CONFIGS"] = "1"
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    if args.dtype == "fp8" and args.lora_rank:
+        raise SystemExit("--lora-rank with --dtype fp8 is not supported yet: the FP8 LoRA layer uses the "
+                         "base entry's tiles")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}[args.dtype]
     bundle = {}
     for name in args.models:
         file_name, entries = tune_shape(name, args.M, dtype, args.out_dir, lora_rank=args.lora_rank,

@@ -9,6 +9,8 @@ LoRA term lost is tens of percent."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -411,3 +413,29 @@ def test_attach_refuses_fp8_experts_without_block_scales():
             module.block_size = None
     with pytest.raises(NotImplementedError, match="only block-scaled FP8 experts"):
         attach(model, path="torch")
+
+
+def test_fp8_tuned_files_are_their_own(tmp_path, monkeypatch):
+    """FP8 GEMMs read tuned files of their own (dtype=fp8_w8a8), never the bf16 ones; the tuner's FP8
+    candidates keep BLOCK_SIZE_K at the scale group."""
+    import importlib.util
+    from pathlib import Path
+
+    from triton_ops.configs import config_file_name, tuned_moe_config
+
+    name = config_file_name(128, 768, "cpu", FP8_DTYPE)
+    assert name == "E=128,N=768,device_name=cpu,dtype=fp8_w8a8.json"
+    entry = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8, "num_warps": 4,
+             "num_stages": 3}
+    (tmp_path / name).write_text(json.dumps({"64": entry}))
+    monkeypatch.setenv("MOELORA_MOE_CONFIG_DIR", str(tmp_path))
+    assert tuned_moe_config(64, 128, 768, FP8_DTYPE, "cpu").gemm1.block_n == 128
+    assert tuned_moe_config(64, 128, 768, torch.bfloat16, "cpu") is None
+    spec = importlib.util.spec_from_file_location(
+        "tune_moe", Path(__file__).resolve().parents[1] / "benchmarks" / "tune_moe.py")
+    tune_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_moe)
+    for m in (1, 64, 4096):
+        for gemm in (1, 2):
+            found = tune_moe.candidates(m, 8, 128, gemm, block_k=128)
+            assert found and {c.block_k for c in found} == {128}

@@ -202,7 +202,9 @@ def env_count(name: str, what: str) -> int | None:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    """The dtype's name in tuned file names; float8_e4m3fn weights are the block-scaled W8A8 GEMMs."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+            torch.float8_e4m3fn: "fp8_w8a8"}[dtype]
 
 
 def device_name(device: torch.device | None = None) -> str:

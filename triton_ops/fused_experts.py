@@ -571,7 +571,9 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     if config is not None:
         cfg = config.for_lora(rank_block, num_adapters) if split else config
     else:
-        cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, dtype, device, lora=split,
+        # FP8 GEMMs read their own tuned files (dtype "fp8_w8a8"), else the heuristic's tiles.
+        cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k,
+                             FP8_DTYPE if scale_block_k else dtype, device, lora=split,
                              rank_block=rank_block if split else 0, num_adapters=num_adapters if split else 0)
     if lora is not None and lora_path == "fused":
         cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=elem_bytes)
