@@ -118,22 +118,31 @@ def test_fp8_experts_match_torch_path_interpreter(m, top_k, path):
         assert (want.float() - base.float()).abs().max() > 0.1 * base.float().abs().max()
 
 
+def _dequantized_loop_reference(x, w13, w2, fp8, weights, ids):
+    """The FP8 layer's math written out per token and pair (fp32, SiLU, no LoRA): dequantized weights, x
+    rounded through FP8 per group, h rounded to x's dtype and then through FP8."""
+    group = fp8.block_shape[1]
+    w13_d = dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape)
+    w2_d = dequantize_fp8_blocks(w2, fp8.w2_scale, fp8.block_shape)
+    inter = w2.shape[2]
+    xq = fp8_group_roundtrip(x, group).float()
+    want = torch.zeros(x.shape[0], w2.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = w13_d[e] @ xq[t]
+            h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            hq = fp8_group_roundtrip(h.to(x.dtype)[None], group).float()[0]
+            want[t] += weights[t, j] * (w2_d[e] @ hq)
+    return want
+
+
 def test_fp8_torch_path_is_the_dequantized_layer():
     """The FP8 torch path equals the bf16-free math it states: dequantized weights, x and h rounded
     through FP8 per group."""
     x, w13, w2, fp8, weights, ids = _case(3, 2)
     got = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8).float()
-    w13_d = dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape)
-    w2_d = dequantize_fp8_blocks(w2, fp8.w2_scale, fp8.block_shape)
-    xq = fp8_group_roundtrip(x, 128).float()
-    want = torch.zeros(3, H)
-    for t in range(3):
-        for j in range(2):
-            e = int(ids[t, j])
-            gu = w13_d[e] @ xq[t]
-            h = torch.nn.functional.silu(gu[:INTER]) * gu[INTER:]
-            hq = fp8_group_roundtrip(h.to(F16)[None], 128).float()[0]
-            want[t] += weights[t, j] * (w2_d[e] @ hq)
+    want = _dequantized_loop_reference(x, w13, w2, fp8, weights, ids)
     torch.testing.assert_close(got, want.to(F16).float(), rtol=2e-3, atol=2e-3)
 
 
@@ -324,17 +333,8 @@ def test_from_base_reads_transformers_fp8_experts():
                                   None, fp8=scales)
     assert torch.equal(got, want)  # the module's own scales reached the layer
     # The dequantized experts, x and h rounded through FP8 per group: the same within bf16 rounding.
-    w13 = dequantize_fp8_blocks(module.gate_up_proj.data, module.gate_up_proj_scale_inv.data, (128, 128))
-    w2 = dequantize_fp8_blocks(module.down_proj.data, module.down_proj_scale_inv.data, (128, 128))
-    xq = fp8_group_roundtrip(x, 128).float()
-    ref = torch.zeros(3, hidden)
-    for t in range(3):
-        for j in range(2):
-            e = int(ids[t, j])
-            gu = w13[e] @ xq[t]
-            h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
-            hq = fp8_group_roundtrip(h.to(torch.bfloat16)[None], 128).float()[0]
-            ref[t] += weights[t, j] * (w2[e] @ hq)
+    ref = _dequantized_loop_reference(x, module.gate_up_proj.data, module.down_proj.data, scales, weights,
+                                      ids)
     _close(got, ref, tolerance=0.02)  # bf16 output against fp32 (and h's FP8 flips)
     module.block_size = None
     with pytest.raises(ValueError, match="only block-scaled FP8 experts"):
