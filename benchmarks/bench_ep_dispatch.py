@@ -43,9 +43,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_parallel import timed_us  # noqa: E402
+from bench_parallel import rank_setup, timed_us  # noqa: E402
 
-from moelora.bench import DRY_RUN_MODEL, MODELS, ModelShape, make_routing  # noqa: E402
+from moelora.bench import MODELS, ModelShape, make_routing  # noqa: E402
 
 
 def token_owners(m: int, world: int) -> torch.Tensor:
@@ -183,14 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if on_gpu else "gloo")
     try:
         group = dist.group.WORLD
-        if on_gpu:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-        models = [DRY_RUN_MODEL] if args.dry_run else [MODELS[name] for name in args.models]
-        ms = [1, 8, 80] if args.dry_run else args.M
+        device, dtype, models, ms = rank_setup(args.dry_run, args.models, args.M)
         reps = 3 if args.dry_run else args.reps
         records = []
         for shape in models:

@@ -212,6 +212,17 @@ def plot(records: list[dict[str, Any]], out: Path, title: str) -> bool:
     return True
 
 
+def rank_setup(dry_run: bool, model_names: list[str], ms: list[int]
+               ) -> tuple[torch.device, torch.dtype, list[ModelShape], list[int]]:
+    """This torchrun rank's device (its LOCAL_RANK GPU, made current), dtype, model shapes and token
+    counts: bf16 on the GPU; the dry run's tiny fp32 shape and M on the CPU."""
+    if dry_run:
+        return torch.device("cpu"), torch.float32, [DRY_RUN_MODEL], [1, 8, 80]
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device, torch.bfloat16, [MODELS[name] for name in model_names], ms
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -233,14 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         world = dist.get_world_size()
         if args.tp * args.ep != world:
             raise SystemExit(f"--tp {args.tp} x --ep {args.ep} must equal the world size {world}")
-        if on_gpu:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-        models = [DRY_RUN_MODEL] if args.dry_run else [MODELS[name] for name in args.models]
-        ms = [1, 8, 80] if args.dry_run else args.M
+        device, dtype, models, ms = rank_setup(args.dry_run, args.models, args.M)
         replays = 3 if args.dry_run else args.replays
         records = []
         for shape in models:
