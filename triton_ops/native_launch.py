@@ -187,21 +187,21 @@ PyMODINIT_FUNC PyInit_%(name)s(void) { return PyModule_Create(&module); }
 
 # Scalar argument types and how a value becomes its argument word (the low bytes of a little-endian word
 # hold the value; the driver reads as many bytes as the kernel's parameter has).
+def _signed_word(value: Any) -> int:
+    return int(value) & 0xFFFFFFFF_FFFFFFFF  # two's complement: the low bytes are the narrower int's
+
+
+def _float_bits(value: Any) -> int:
+    return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+
+
 _SCALAR_PACKERS = {
-    "i1": lambda v: int(v) & 0xFFFFFFFF_FFFFFFFF,
-    "i8": lambda v: int(v) & 0xFFFFFFFF_FFFFFFFF,
-    "i16": lambda v: int(v) & 0xFFFFFFFF_FFFFFFFF,
-    "i32": lambda v: int(v) & 0xFFFFFFFF_FFFFFFFF,
-    "i64": lambda v: int(v) & 0xFFFFFFFF_FFFFFFFF,
-    "u1": lambda v: int(v),
-    "u8": lambda v: int(v),
-    "u16": lambda v: int(v),
-    "u32": lambda v: int(v),
-    "u64": lambda v: int(v),
+    **dict.fromkeys(("i1", "i8", "i16", "i32", "i64"), _signed_word),
+    **dict.fromkeys(("u1", "u8", "u16", "u32", "u64"), int),
     "fp16": lambda v: struct.unpack("<H", struct.pack("<e", float(v)))[0],
-    "bf16": lambda v: struct.unpack("<I", struct.pack("<f", float(v)))[0] >> 16,
-    "fp32": lambda v: struct.unpack("<I", struct.pack("<f", float(v)))[0],
-    "f32": lambda v: struct.unpack("<I", struct.pack("<f", float(v)))[0],
+    "bf16": lambda v: _float_bits(v) >> 16,  # truncated, as Triton's own launcher packs it
+    "fp32": _float_bits,
+    "f32": _float_bits,
     "fp64": lambda v: struct.unpack("<Q", struct.pack("<d", float(v)))[0],
 }
 
