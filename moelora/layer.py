@@ -116,13 +116,10 @@ class FusedMoEWithLoRA(nn.Module):
         expected_w2 = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
         if tuple(w2.shape) != expected_w2:
             raise ValueError(f"w2 must be (E, H, I) = {expected_w2} to match the pool, got {tuple(w2.shape)}")
-        if fp8 is not None or torch.float8_e4m3fn in (w13.dtype, w2.dtype):
-            from triton_ops.fp8 import BlockFp8Weights
+        from triton_ops.fp8 import check_block_fp8, uses_block_fp8
 
-            if not isinstance(fp8, BlockFp8Weights):
-                raise ValueError("float8_e4m3fn w13/w2 need their block scales: pass "
-                                 "fp8=triton_ops.fp8.BlockFp8Weights(w13_scale, w2_scale, block_shape)")
-            fp8.check(w13, w2)
+        if fp8 is not None or uses_block_fp8(w13, w2):
+            check_block_fp8(w13, w2, fp8)
             if path == "fused":
                 raise ValueError("FP8 experts take path 'auto', 'split', 'staged' or 'torch': the fused "
                                  "path's LoRA shrink would read the FP8 copy of x (DESIGN §1)")

@@ -175,17 +175,14 @@ def moe_lora_forward_torch(
     h rounded to x's dtype first, as the Triton path stores it); the LoRA terms read x and h unquantized.
     """
     # Imported here: the triton_ops package loads its kernels, which must wait for TRITON_INTERPRET.
-    from triton_ops.fp8 import FP8_DTYPE
+    from triton_ops.fp8 import FP8_DTYPE, check_block_fp8, uses_block_fp8
     from triton_ops.moe_inputs import FLOAT_DTYPES, check_moe_inputs
 
-    block_scaled = fp8 is not None or FP8_DTYPE in (w13.dtype, w2.dtype)
+    block_scaled = fp8 is not None or uses_block_fp8(w13, w2)
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, float_dtypes=(*FLOAT_DTYPES, torch.float64),
                      weight_dtype=FP8_DTYPE if block_scaled else None)
     if block_scaled:
-        if fp8 is None:
-            raise ValueError("float8_e4m3fn expert weights need their block scales: pass "
-                             "fp8=BlockFp8Weights(w13_scale, w2_scale, block_shape)")
-        fp8.check(w13, w2)
+        check_block_fp8(w13, w2, fp8)
     m, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     activation = activation.lower()

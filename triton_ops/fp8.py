@@ -67,6 +67,21 @@ class BlockFp8Weights:
                 raise ValueError(f"{name} is on {scale.device}, its weight on {weight.device}")
 
 
+def uses_block_fp8(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether either expert weight is float8_e4m3fn (then the call needs ``fp8=``)."""
+    return FP8_DTYPE in (w13.dtype, w2.dtype)
+
+
+def check_block_fp8(w13: torch.Tensor, w2: torch.Tensor, fp8: object) -> None:
+    """Raises ValueError/TypeError unless ``fp8`` is the :class:`BlockFp8Weights` of FP8 ``w13``/``w2``."""
+    if fp8 is None:
+        raise ValueError("float8_e4m3fn expert weights need their block scales: pass "
+                         "fp8=triton_ops.fp8.BlockFp8Weights(w13_scale, w2_scale, block_shape)")
+    if not isinstance(fp8, BlockFp8Weights):
+        raise TypeError(f"fp8 must be a triton_ops.fp8.BlockFp8Weights, got {type(fp8).__name__}")
+    fp8.check(w13, w2)
+
+
 @triton.jit
 def _quantize_groups_kernel(
     x_ptr,  # (rows, K) fp16/bf16/fp32

@@ -35,7 +35,7 @@ from triton_ops.decode_shrink import (
     one_token_down_shrink,
     one_token_down_splits,
 )
-from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, quantize_fp8_groups
+from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, check_block_fp8, quantize_fp8_groups, uses_block_fp8
 from triton_ops.fused_moe import (
     _ACTIVATIONS,
     LONG_K_SLOT_GROUP_MIN_K,
@@ -297,15 +297,10 @@ def fused_experts(
             read x and the activated intermediate quantized per token and ``block_k`` group (one launch
             each), while the LoRA shrinks read them unquantized; lora_path "split" or "staged".
     """
-    block_scaled = fp8 is not None or FP8_DTYPE in (w13.dtype, w2.dtype)
+    block_scaled = fp8 is not None or uses_block_fp8(w13, w2)
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, weight_dtype=FP8_DTYPE if block_scaled else None)
     if block_scaled:
-        if fp8 is None:
-            raise ValueError("float8_e4m3fn expert weights need their block scales: pass "
-                             "fp8=BlockFp8Weights(w13_scale, w2_scale, block_shape)")
-        if not isinstance(fp8, BlockFp8Weights):
-            raise TypeError(f"fp8 must be a triton_ops.fp8.BlockFp8Weights, got {type(fp8).__name__}")
-        fp8.check(w13, w2)
+        check_block_fp8(w13, w2, fp8)
         if lora is not None and lora_path == "fused":
             raise ValueError("FP8 experts take lora_path 'split' or 'staged': the fused path's shrink rides "
                              "on the GEMM's a tiles, the FP8 copy of x, and the LoRA must read x itself "
