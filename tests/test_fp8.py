@@ -161,6 +161,8 @@ def test_fp8_refusals():
         fused_experts(x, w13, w2, weights, ids, fp8=BlockFp8Weights(fp8.w13_scale, fp8.w2_scale, (128, 100)))
     with pytest.raises(TypeError, match="BlockFp8Weights"):
         fused_experts(x, w13, w2, weights, ids, fp8=(fp8.w13_scale, fp8.w2_scale))
+    with pytest.raises(TypeError, match="BlockFp8Weights"):
+        moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=(fp8.w13_scale, fp8.w2_scale))
     pool, batch = _pool_and_batch(3)
     with pytest.raises(ValueError, match="lora_path 'split' or 'staged'"):
         fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=_lora_inputs(pool, batch), lora_path="fused")
