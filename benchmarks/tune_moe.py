@@ -47,6 +47,7 @@ from triton_ops.configs import (  # noqa: E402
 from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, quantize_fp8_groups  # noqa: E402
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
 from triton_ops.fused_moe import invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
+from triton_ops.hostmath import cdiv  # noqa: E402
 from triton_ops.moe_align import moe_align_block_size  # noqa: E402
 
 MODELS = {
@@ -60,7 +61,8 @@ MODELS = {
 
 def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int,
                block_k: int | None = None) -> list[GemmConfig]:
-    """``block_k``: only this BLOCK_SIZE_K (FP8: the scale group)."""
+    """``block_k``: only this BLOCK_SIZE_K (FP8: the scale group; its one-byte tiles also let deeper
+    pipelines fit in shared memory)."""
     pairs_per_expert = num_tokens * top_k / num_experts
     out = []
     if pairs_per_expert <= 8:
@@ -71,11 +73,13 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int,
         block_ms, block_ns, block_ks, warps, stages = [64, 128], [64, 128], [64, 128], [4, 8], [3, 4]
         if gemm == 2:
             block_ns = [64, 128, 256]
+    elem_bytes = 2
     if block_k is not None:
-        block_ks = [block_k]
+        block_ks, elem_bytes = [block_k], 1
+        stages = sorted({*stages, 5})
     for bm, bn, bk, w, s in itertools.product(block_ms, block_ns, block_ks, warps, stages):
         # Fused gate+up doubles the B tile and the accumulators of GEMM1.
-        smem = s * (bm * bk + (2 if gemm == 1 else 1) * bk * bn) * 2
+        smem = s * (bm * bk + (2 if gemm == 1 else 1) * bk * bn) * elem_bytes
         if smem > 200 * 1024:
             continue
         if bm * bn * (2 if gemm == 1 else 1) >= 128 * 256 and w < 8:
@@ -102,11 +106,30 @@ def graph_timer(fn: Callable[[], object]) -> float:
         return float("inf")
 
 
+def compile_share(job: int, jobs: int) -> Callable[[Callable[[], object]], float]:
+    """A ``tune_point`` timer that times nothing: it runs every ``jobs``-th call it is given, starting at
+    ``job``, once, which compiles that candidate into Triton's on-disk cache. ``jobs`` processes with
+    ``job`` 0..jobs-1 compile the whole sweep between them (``--jobs``)."""
+    calls = itertools.count()
+
+    def run_share(fn: Callable[[], object]) -> float:
+        if next(calls) % jobs == job:
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as err:  # out of resources: the timed run skips it too
+                print(f"    compile job {job}: skipped {type(err).__name__}", file=sys.stderr)
+        return float("inf")
+
+    return run_share
+
+
 def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator,
-               fp8: BlockFp8Weights | None = None):
-    """Best MoEConfig for M tokens, with its time and the heuristic's time (µs, both GEMMs). ``fp8``: the
-    scales of float8_e4m3fn w13/w2; the GEMMs then read x and h quantized (bf16 activations), with
-    BLOCK_SIZE_K the scale group."""
+               fp8: BlockFp8Weights | None = None,
+               timer: Callable[[Callable[[], object]], float] = bench_gemm):
+    """Best MoEConfig for M tokens, with its time and the heuristic's time (µs, both GEMMs), each GEMM
+    timed by ``timer``. ``fp8``: the scales of float8_e4m3fn w13/w2; the GEMMs then read x and h quantized
+    (bf16 activations), with BLOCK_SIZE_K the scale group."""
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     dtype = torch.bfloat16 if fp8 is not None else w13.dtype
@@ -127,12 +150,12 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
         gemm2_fp8 = dict(a_scale=h_scale, b_scale=fp8.w2_scale, scale_block_n=block_n)
 
     def time_gemm1(cfg: GemmConfig, align: dict) -> float:
-        return bench_gemm(lambda: invoke_fused_moe_kernel(
+        return timer(lambda: invoke_fused_moe_kernel(
             gemm1_a, w13, act, topk_weights=None, a_row_div=top_k, config=cfg, activation="silu", **align,
             **gemm1_fp8))
 
     def time_gemm2(cfg: GemmConfig, align: dict) -> float:
-        return bench_gemm(lambda: invoke_fused_moe_kernel(
+        return timer(lambda: invoke_fused_moe_kernel(
             gemm2_a, w2, pair_out, topk_weights=weights, a_row_div=1, config=cfg, **align, **gemm2_fp8))
 
     def align_for(block_m: int) -> dict:
@@ -214,6 +237,41 @@ def tune_lora_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, bas
     return best, best_us, base_us
 
 
+def compile_sweep(names: list[str], token_counts: list[int], dtype: torch.dtype, job: int, jobs: int) -> None:
+    """Compiles job ``job``'s share (``compile_share``) of the base sweep of every model in ``names``, with
+    one uninitialized expert broadcast over E (stride 0 specializes like the real strides, all multiples of
+    16): a few MB, so ``jobs`` processes fit beside each other on one GPU."""
+    for name in names:
+        num_experts, top_k, hidden, inter = MODELS[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w13 = torch.empty(1, 2 * inter, hidden, device="cuda", dtype=dtype).expand(num_experts, -1, -1)
+        w2 = torch.empty(1, hidden, inter, device="cuda", dtype=dtype).expand(num_experts, -1, -1)
+        fp8 = None
+        if dtype == FP8_DTYPE:
+            block_n, block_k = BlockFp8Weights.block_shape
+            fp8 = BlockFp8Weights(*(
+                torch.ones(1, cdiv(w.shape[1], block_n), cdiv(w.shape[2], block_k), device="cuda")
+                .expand(num_experts, -1, -1) for w in (w13, w2)))
+        for m in token_counts:
+            tune_point(m, w13, w2, top_k, gen, fp8, timer=compile_share(job, jobs))
+
+
+def precompile(names: list[str], token_counts: list[int], dtype: torch.dtype, jobs: int) -> None:
+    """Triton's compiles bound a sweep (one CPU core each, seconds per candidate): ``jobs`` processes
+    compile it into the on-disk cache first, and the timed run then only loads binaries."""
+    context = torch.multiprocessing.get_context("spawn")
+    workers = [context.Process(target=compile_sweep, args=(names, token_counts, dtype, job, jobs))
+               for job in range(jobs)]
+    print(f"compiling the sweep in {jobs} processes", flush=True)
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    failed = [job for job, worker in enumerate(workers) if worker.exitcode != 0]
+    if failed:
+        print(f"compile jobs {failed} failed; the timed run compiles what they left", file=sys.stderr)
+
+
 def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: Path, lora_rank: int = 0,
                lora_adapters: int = 4, lora_only: bool = False, lora_by_rank: bool = False
                ) -> tuple[str, dict]:
@@ -280,6 +338,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=default_dir)
     parser.add_argument("--bundle", type=Path, help="also write every tuned file into one JSON (plain name, "
                         "easy to copy off a machine); unpack it with --install")
+    parser.add_argument("--jobs", type=int, default=1, help="compile the base sweep in this many processes "
+                        "first (Triton's compiles, not the timing, bound a sweep)")
     parser.add_argument("--install", type=Path, help="unpack a --bundle file into --out-dir and exit")
     args = parser.parse_args()
     if args.install:
@@ -294,6 +354,10 @@ def main() -> None:
         raise SystemExit("--lora-rank with --dtype fp8 is not supported yet: the FP8 LoRA layer uses the "
                          "base entry's tiles")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}[args.dtype]
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs > 1 and not args.lora_only:
+        precompile(args.models, args.M, dtype, args.jobs)
     bundle = {}
     for name in args.models:
         file_name, entries = tune_shape(name, args.M, dtype, args.out_dir, lora_rank=args.lora_rank,
