@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,24 +49,8 @@ def routed_expert_count(ids: torch.Tensor, num_experts: int) -> int:
     return int(torch.unique(ids[(ids >= 0) & (ids < num_experts)]).numel())
 
 
-def with_env(name: str, value: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` called with the environment variable ``name`` set to ``value`` (the launch switches are read
-    as the call launches its kernels, so a graph captured from it keeps that variant's kernels)."""
-    def call() -> Any:
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
-    return call
-
-
 def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int], warmup: float, rep: float,
-                seed: int, quantize_launches: bool = False) -> list[dict[str, Any]]:
+                seed: int) -> list[dict[str, Any]]:
     shape = MODELS[name]
     device, dtype = torch.device("cuda"), torch.bfloat16
     w13, w2 = make_weights(shape, dtype, device, seed)
@@ -84,8 +67,6 @@ def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int],
             "bf16": lambda: fused_experts(x, w13, w2, weights, ids),
             "fp8": lambda: fused_experts(x, w13_q, w2_q, weights, ids, fp8=fp8),
         }
-        if quantize_launches:
-            calls["fp8 quantize launches"] = with_env("MOELORA_FP8_QUANTIZE_IN_GEMM", "0", calls["fp8"])
         for rank in ranks:
             buf = make_lora_buffers(shape, rank, SLOTS, dtype, device, seed + rank)
             for n in adapters:
@@ -105,18 +86,14 @@ def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int],
                                       fp8_weight_tbps=fp8_bytes / times["fp8"] / 1e6,
                                       overheads={})
         record["fp8_roofline"] = record["fp8_weight_tbps"] / peak if peak else None
-        if quantize_launches:
-            record["quantize_in_gemm_speedup"] = times["fp8 quantize launches"] / times["fp8"]
         for label in calls:
             if " r" in label:
                 base = label.split()[0]
                 record["overheads"][label] = times[label] / times[base] - 1
         records.append(record)
         overheads = ", ".join(f"{k} {100 * v:+.1f} %" for k, v in record["overheads"].items())
-        in_loop = record.get("quantize_in_gemm_speedup")
         print(f"{name} M={m}: bf16 {times['bf16']:.1f} µs, fp8 {times['fp8']:.1f} µs "
-              f"({record['fp8_speedup']:.2f}x), {overheads}"
-              + (f", in-loop quantization {in_loop:.2f}x" if in_loop else ""), file=sys.stderr, flush=True)
+              f"({record['fp8_speedup']:.2f}x), {overheads}", file=sys.stderr, flush=True)
     return records
 
 
@@ -146,9 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="ms of warm-up per call")
     parser.add_argument("--rep", type=float, default=40.0, help="ms of timed replays per call")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantize-launches", action="store_true",
-                        help="also time the FP8 base with MOELORA_FP8_QUANTIZE_IN_GEMM=0 (quantize launches "
-                             "instead of quantizing in the K-loops), reported as quantize_in_gemm_speedup")
     parser.add_argument("--out", type=Path, metavar="FILE.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
@@ -157,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--M and --ranks must be >= 1, --adapters in [1, {SLOTS}]")
     records = []
     for name in args.models:
-        records += bench_model(name, args.M, args.ranks, args.adapters, args.warmup, args.rep, args.seed,
-                               args.quantize_launches)
+        records += bench_model(name, args.M, args.ranks, args.adapters, args.warmup, args.rep, args.seed)
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
     title = (f"FP8 (128 x 128 block-scaled W8A8) against bf16 base experts on {device}, bf16 LoRA on the "

@@ -5,7 +5,8 @@
 
 For each model shape and token count M, the two GEMMs are tuned apart (they share BLOCK_SIZE_M, since
 one alignment feeds both): every candidate BLOCK_SIZE_M is aligned once, then each GEMM's candidates
-are timed with ``moelora.bench.cold_l2_time_ms`` (median, L2 emptied by a read before each call). The
+are timed with ``moelora.bench.cold_l2_time_ms`` (median, L2 emptied by a read before each call; decode
+sizes, whose GEMMs take less than an eager launch's host time, replayed from CUDA graphs). The
 best pair (summed time) is written to ``triton_ops/configs/E=..,N=..,device_name=..,dtype=...json`` (or
 ``--out-dir``), keyed by M, and the heuristic's time is printed beside it. Run with
 MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic shown is always ``default_moe_config``.
@@ -48,7 +49,10 @@ from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, quantize_fp8_groups  # no
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
 from triton_ops.fused_moe import invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.hostmath import cdiv  # noqa: E402
-from triton_ops.moe_align import moe_align_block_size  # noqa: E402
+from triton_ops.moe_align import (
+    SINGLE_PROGRAM_MAX_PAIRS,  # noqa: E402
+    moe_align_block_size,  # noqa: E402
+)
 
 MODELS = {
     "deepseek-v2-lite": (64, 6, 2048, 1408),
@@ -293,7 +297,9 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
         if lora_only and str(m) in results:
             tuned = MoEConfig.from_dict(results[str(m)])
         else:
-            tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen, fp8)
+            # Decode-sized GEMMs take a few µs, less than an eager launch's host time: timed from graphs.
+            timer = graph_timer if m * top_k <= SINGLE_PROGRAM_MAX_PAIRS else bench_gemm
+            tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen, fp8, timer=timer)
             print(f"{name:18s} M={m:5d}  heuristic {default_us:9.1f} us  tuned {tuned_us:9.1f} us  "
                   f"({default_us / tuned_us:.2f}x)  {tuned.to_dict()}", flush=True)
         if lora_rank:

@@ -137,66 +137,6 @@ def _dequantized_loop_reference(x, w13, w2, fp8, weights, ids):
     return want
 
 
-def _gemm_pair(a, a_scale, w13, w2, fp8, ids, *, direct):
-    """GEMM1 (gated) and GEMM2 outputs of ``a`` with the routing ``ids``: without ``a_scale`` the K-loops
-    quantize a and h themselves, else they read the quantize kernel's copies and scales."""
-    from triton_ops.configs import GemmConfig
-    from triton_ops.fused_moe import invoke_fused_moe_kernel
-    from triton_ops.moe_align import moe_align_block_size
-
-    config = GemmConfig(16, 32, 128, 1, 4, 2)
-    top_k = ids.shape[1]
-    if direct:
-        align = dict(direct_ids=ids.reshape(-1))
-    else:
-        align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"),
-                         moe_align_block_size(ids, config.block_m, E), strict=True))
-    h = torch.empty(ids.numel(), INTER, dtype=F16)
-    y = torch.empty(ids.numel(), H, dtype=F16)
-    invoke_fused_moe_kernel(a, w13, h, topk_weights=None, a_row_div=top_k, config=config, activation="silu",
-                            a_scale=a_scale, b_scale=fp8.w13_scale, scale_block_n=128, **align)
-    gemm2_a, gemm2_scale = h, {}
-    if a_scale is not None:
-        gemm2_a, h_scale = quantize_fp8_groups(h, 128)
-        gemm2_scale = dict(a_scale=h_scale)
-    invoke_fused_moe_kernel(gemm2_a, w2, y, topk_weights=None, a_row_div=1, config=config,
-                            b_scale=fp8.w2_scale, scale_block_n=128, **gemm2_scale, **align)
-    return h, y
-
-
-@pytest.mark.interpreter
-# 1 token (direct pairs) and 5 (the alignment); H = 200 leaves a partial last K group (masked columns).
-@pytest.mark.parametrize("m,direct", [(1, True), (5, False)])
-def test_gemm_quantizing_in_k_loop_is_the_quantize_kernel_interpreter(m, direct):
-    """A GEMM given the unquantized activations quantizes each K tile with the quantize kernel's math:
-    the same outputs, bit for bit, as the GEMM given the kernel's FP8 copy and scales."""
-    x, w13, w2, fp8, _, ids = _case(m, 2)
-    x_q, x_scale = quantize_fp8_groups(x, 128)
-    h_in_loop, y_in_loop = _gemm_pair(x, None, w13, w2, fp8, ids, direct=direct)
-    h_kernel, y_kernel = _gemm_pair(x_q, x_scale, w13, w2, fp8, ids, direct=direct)
-    assert torch.equal(h_in_loop, h_kernel)
-    assert torch.equal(y_in_loop, y_kernel)
-    assert y_in_loop.abs().max() > 0
-
-
-@pytest.mark.interpreter
-# 1 token: direct pairs, fused sum; 5 with top-2: the decode alignment. Both quantize in the K-loop.
-@pytest.mark.parametrize("m,path", [(1, None), (5, None), (5, "split"), (1, "staged")])
-def test_fp8_quantize_in_gemm_switch_is_exact_interpreter(m, path, monkeypatch):
-    """At decode sizes the layer's GEMMs quantize in the K-loop; MOELORA_FP8_QUANTIZE_IN_GEMM=0 brings the
-    quantize launches back, with the same outputs bit for bit."""
-    x, w13, w2, fp8, weights, ids = _case(m, 2)
-    pool, batch = _pool_and_batch(m)
-    lora = None if path is None else _lora_inputs(pool, batch)
-
-    def call():
-        return fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
-
-    in_gemm = call()
-    monkeypatch.setenv("MOELORA_FP8_QUANTIZE_IN_GEMM", "0")
-    assert torch.equal(call(), in_gemm)
-
-
 def test_fp8_torch_path_is_the_dequantized_layer():
     """The FP8 torch path equals the bf16-free math it states: dequantized weights, x and h rounded
     through FP8 per group."""
@@ -224,18 +164,20 @@ def test_fp8_refusals():
     from triton_ops.configs import GemmConfig
     from triton_ops.fused_moe import invoke_fused_moe_kernel
 
-    gemm = dict(topk_weights=None, a_row_div=2, config=GemmConfig(16, 32, 128, 1, 4, 2), activation="silu",
-                direct_ids=ids.reshape(-1), b_scale=fp8.w13_scale, scale_block_n=128)
-    h = torch.empty(ids.numel(), INTER, dtype=F16)
-    with pytest.raises(ValueError, match="pass a_scale only with a float8_e4m3fn a"):
-        invoke_fused_moe_kernel(x, w13, h, a_scale=quantize_fp8_groups(x, 128)[1], **gemm)
-    with pytest.raises(ValueError, match="and a_scale with an FP8 a"):
-        invoke_fused_moe_kernel(quantize_fp8_groups(x, 128)[0], w13, h, **gemm)
-    with pytest.raises(TypeError, match="float8_e4m3fn b"):
-        invoke_fused_moe_kernel(x, w13.float().to(F16), h, **gemm)
+    with pytest.raises(TypeError, match="a_scale and b_scale belong to float8_e4m3fn a and b"):
+        x_q, x_scale = quantize_fp8_groups(x, 128)
+        invoke_fused_moe_kernel(x, w13.float().to(F16), torch.empty(ids.numel(), INTER, dtype=F16),
+                                topk_weights=None, a_row_div=2, config=GemmConfig(16, 32, 128, 1, 4, 2),
+                                activation="silu", direct_ids=ids.reshape(-1), a_scale=x_scale,
+                                b_scale=fp8.w13_scale, scale_block_n=128)
     with pytest.raises(TypeError, match="BlockFp8Weights"):
         moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=(fp8.w13_scale, fp8.w2_scale))
     pool, batch = _pool_and_batch(3)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MOELORA_FP8_LORA_TILES", "fp16")
+        with pytest.raises(ValueError, match="MOELORA_FP8_LORA_TILES must be 'bf16' or 'fp8'"):
+            fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=_lora_inputs(pool, batch),
+                          lora_path="split")
     with pytest.raises(ValueError, match="lora_path 'split' or 'staged'"):
         fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=_lora_inputs(pool, batch), lora_path="fused")
 
@@ -353,22 +295,6 @@ def test_fp8_experts_match_torch_path_gpu(shape, m, path):
     # bf16 outputs: each side rounds to bf16 (2^-8 relative, so up to 0.8 % of the output scale apart near
     # its largest values), on top of the FP8 flips of the module docstring: 2 %.
     _close(got, _torch_reference(x, w13, w2, fp8, weights, ids, lora), tolerance=0.02)
-
-
-@pytest.mark.gpu
-# Qwen3-30B-A3B's sizes: 1 token (direct pairs, fused sum) and 7 (the decode alignment, decode shrinks).
-@pytest.mark.parametrize("m", [1, 7])
-@pytest.mark.parametrize("path", [None, "split"])
-def test_fp8_quantize_in_gemm_switch_is_exact_gpu(m, path, monkeypatch):
-    x, w13, w2, fp8, weights, ids = _gpu_case(m, 16, 2048, 768, 8)
-    lora = None if path is None else _gpu_lora(m, 16, 2048, 768)
-
-    def call():
-        return fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
-
-    in_gemm = call()
-    monkeypatch.setenv("MOELORA_FP8_QUANTIZE_IN_GEMM", "0")
-    assert torch.equal(call(), in_gemm)
 
 
 @pytest.mark.gpu

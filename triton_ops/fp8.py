@@ -29,9 +29,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # The smallest amax a group's scale is made from: an all-zero group gets a tiny scale, not a zero one.
 MIN_AMAX = 1e-10
-# The same two, for the kernels (a jitted function reads module globals only as constexprs).
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
 @dataclass(frozen=True)
@@ -86,17 +83,6 @@ def check_block_fp8(w13: torch.Tensor, w2: torch.Tensor, fp8: object) -> None:
 
 
 @triton.jit
-def quantize_group_rows(x):
-    """(q, s) of x (rows, group) fp32, one group per row (the module docstring's activation quantization):
-    s (rows,) = max(amax, MIN_AMAX) / FP8_MAX, q = clamp(x / s, +-FP8_MAX), still fp32 (the caller rounds it
-    to float8_e4m3fn). The quantize kernel and the GEMMs that quantize their input in the K-loop both call
-    this, so their FP8 copies are the same bits."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _MIN_AMAX)
-    scale = amax / _FP8_MAX
-    return tl.clamp(x / scale[:, None], -_FP8_MAX, _FP8_MAX), scale
-
-
-@triton.jit
 def _quantize_groups_kernel(
     x_ptr,  # (rows, K) fp16/bf16/fp32
     stride_xm,
@@ -105,6 +91,8 @@ def _quantize_groups_kernel(
     scale_ptr,  # (rows, cdiv(K, GROUP)) fp32, out
     stride_sm,
     rows, K,
+    MIN_AMAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
@@ -117,7 +105,9 @@ def _quantize_groups_kernel(
     mask = row_valid[:, None] & (col < K)[None, :]
     row64 = row.to(tl.int64)
     x = tl.load(x_ptr + row64[:, None] * stride_xm + col[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_group_rows(x)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX)
+    scale = amax / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row64[:, None] * stride_qm + col[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row64 * stride_sm + group, scale, mask=row_valid)
 
@@ -139,5 +129,6 @@ def quantize_fp8_groups(x: torch.Tensor, group: int, *, out: torch.Tensor | None
     block_rows = 16
     launch(_quantize_groups_kernel, (cdiv(rows, block_rows), cdiv(k, group)),
            x_ptr=x, stride_xm=x.stride(0), q_ptr=out, stride_qm=out.stride(0), scale_ptr=scales,
-           stride_sm=scales.stride(0), rows=rows, K=k, GROUP=group, BLOCK_ROWS=block_rows)
+           stride_sm=scales.stride(0), rows=rows, K=k, MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, GROUP=group,
+           BLOCK_ROWS=block_rows)
     return out, scales

@@ -351,6 +351,12 @@ def fused_experts(
         gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=torch.float32, device=x.device)
     scale_block_n, scale_block_k = fp8.block_shape if block_scaled else (0, 0)
     gemm1_fp8 = gemm2_fp8 = {}
+    if block_scaled:
+        # The GEMMs' copies of x and of the activated intermediate; the LoRA shrinks read the originals.
+        x_q, x_scale = quantize_fp8_groups(x, scale_block_k)
+        h_q = torch.empty((chunk * top_k, intermediate), dtype=FP8_DTYPE, device=x.device)
+        h_scale = torch.empty((chunk * top_k, cdiv(intermediate, scale_block_k)), dtype=torch.float32,
+                              device=x.device)
 
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
@@ -390,15 +396,9 @@ def fused_experts(
         chunk_activated = activated[: rows * top_k]
         gemm1_a = x[start:end]
         if block_scaled:
-            gemm1_fp8 = dict(b_scale=fp8.w13_scale, scale_block_n=scale_block_n)
-            gemm2_fp8 = dict(b_scale=fp8.w2_scale, scale_block_n=scale_block_n)
-            if not plan.quantize_in_gemm:
-                # The GEMMs' FP8 copies of x and of the activated intermediate; the LoRA shrinks read the
-                # originals.
-                gemm1_a, gemm1_fp8["a_scale"] = quantize_fp8_groups(x[start:end], scale_block_k)
-                h_q = torch.empty((pairs, intermediate), dtype=FP8_DTYPE, device=x.device)
-                gemm2_fp8["a_scale"] = torch.empty((pairs, cdiv(intermediate, scale_block_k)),
-                                                   dtype=torch.float32, device=x.device)
+            gemm1_a = x_q[start:end]
+            gemm1_fp8 = dict(a_scale=x_scale[start:end], b_scale=fp8.w13_scale, scale_block_n=scale_block_n)
+            gemm2_fp8 = dict(a_scale=h_scale[:pairs], b_scale=fp8.w2_scale, scale_block_n=scale_block_n)
         gemm1_lora = gemm2_lora = None
         if lora is not None:
             common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
@@ -448,10 +448,10 @@ def fused_experts(
                 **gemm1_fp8,
             )
         gemm2_a = chunk_activated
-        if block_scaled and not plan.quantize_in_gemm:
+        if block_scaled:
             # Before the down shrink's launch: a GEMM2 launched early (late_wait) reads h_q before its wait.
-            gemm2_a, _ = quantize_fp8_groups(chunk_activated, scale_block_k, out=h_q,
-                                             scales=gemm2_fp8["a_scale"])
+            gemm2_a, _ = quantize_fp8_groups(chunk_activated, scale_block_k, out=h_q[:pairs],
+                                             scales=h_scale[:pairs])
 
         if plan.down_gemv:
             one_token_down_shrink(chunk_activated, lora.down_a, chunk_ids, chunk_slots, lora.slot_ranks,
@@ -526,8 +526,6 @@ class ChunkPlan:
         gemm1_late_wait, gemm2_late_wait: the GEMM is launched dependently, waiting after its K-loop.
         dependent_gemm2: one token's GEMM2 is launched dependently after GEMM1
             (``one_token_dependent_gemm2``).
-        quantize_in_gemm: FP8 experts at decode: each GEMM's K-loop quantizes its input tiles (x, h)
-            instead of a quantize launch before it (``fp8_quantize_in_gemm``).
     """
 
     config: MoEConfig
@@ -549,14 +547,17 @@ class ChunkPlan:
     gemm1_late_wait: bool = False
     gemm2_late_wait: bool = False
     dependent_gemm2: bool = False
-    quantize_in_gemm: bool = False
 
 
-def fp8_quantize_in_gemm(pairs: int) -> bool:
-    """Whether FP8 GEMMs of ``pairs`` routed pairs quantize their inputs in the K-loop: at decode sizes (one
-    program's alignment, ``SINGLE_PROGRAM_MAX_PAIRS``), where a quantize launch costs more than every N
-    tile quantizing its few rows again. ``MOELORA_FP8_QUANTIZE_IN_GEMM=0`` turns it off (to compare)."""
-    return pairs <= SINGLE_PROGRAM_MAX_PAIRS and env_switch("MOELORA_FP8_QUANTIZE_IN_GEMM", default=True)
+def fp8_lora_takes_bf16_tiles() -> bool:
+    """Whether FP8 GEMMs with adapters (split path) take the activations' dtype's tiles (its tuned LoRA
+    tiles, BLOCK_K set to the scale group) instead of the FP8 files' base tiles: the LoRA epilogue, not the
+    K-loop, decides which tiles fit it (registers, the expand's rank columns), and the FP8 files hold base
+    tiles only. ``MOELORA_FP8_LORA_TILES=fp8`` takes the FP8 base tiles (to compare)."""
+    choice = os.environ.get("MOELORA_FP8_LORA_TILES", "bf16")
+    if choice not in ("bf16", "fp8"):
+        raise ValueError(f"MOELORA_FP8_LORA_TILES must be 'bf16' or 'fp8', got {choice!r}")
+    return choice == "bf16"
 
 
 def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
@@ -577,8 +578,8 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         cfg = config.for_lora(rank_block, num_adapters) if split else config
     else:
         # FP8 GEMMs read their own tuned files (dtype "fp8_w8a8"), else the heuristic's tiles.
-        cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k,
-                             FP8_DTYPE if scale_block_k else dtype, device, lora=split,
+        tiles_dtype = FP8_DTYPE if scale_block_k and not (split and fp8_lora_takes_bf16_tiles()) else dtype
+        cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, tiles_dtype, device, lora=split,
                              rank_block=rank_block if split else 0, num_adapters=num_adapters if split else 0)
     if lora is not None and lora_path == "fused":
         cfg = _with_lora_tiles(cfg, rank_block=rank_block, elem_bytes=elem_bytes)
@@ -591,9 +592,8 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
               and decode_direct_pairs(rows))
     fused_sum = combine and not staged and not align_sparse and fused_topk_sum(rows, top_k)
     dependent_gemm2 = split and direct and one_token_dependent_gemm2(device)
-    quantize_in_gemm = bool(scale_block_k) and fp8_quantize_in_gemm(pairs)
     if lora is None or lora_path == "fused":
-        return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum, quantize_in_gemm=quantize_in_gemm)
+        return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum)
 
     # Decode on the split path: GEMM1's shrink rides in the alignment's launch (or, for one token, whose
     # GEMMs need no alignment, is that launch).
@@ -658,7 +658,6 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         reduce_gate_up=reduce_gate_up, reduce_down=reduce_down, gate_up_overlap=gate_up_overlap,
         down_overlap=down_overlap, gemm1_late_wait=decode_overlap or gate_up_overlap,
         gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap, dependent_gemm2=dependent_gemm2,
-        quantize_in_gemm=quantize_in_gemm,
     )
 
 

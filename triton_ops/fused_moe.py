@@ -7,11 +7,9 @@ Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]
                                   dots as the gated epilogue, so rows without an adapter match it bit for bit)
             with w_p^m = topk_weights[p] when MUL_ROUTED_WEIGHT else 1, s = scale * w_p^m, and
             a_row_div = top_k for GEMM1 (rows of x) and 1 for GEMM2 (rows of the intermediate).
-            With BLOCK_SCALED (float8_e4m3fn B, ``triton_ops.fp8``) B[e] @ a is the block-scaled
+            With BLOCK_SCALED (float8_e4m3fn a and B, ``triton_ops.fp8``) B[e] @ a is the block-scaled
             product: each BLOCK_K step (= the scale group) adds its dot times a_scale[row, g] and
-            b_scale[e, n // SCALE_BLOCK_N, g]; a is float8_e4m3fn with its a_scale, or with QUANTIZE_A
-            the unquantized activations, which each step quantizes (``fp8.quantize_group_rows``: the
-            bits the quantize kernel would write) before its dot.
+            b_scale[e, n // SCALE_BLOCK_N, g].
 Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
             consecutive programs reuse the same weight tiles from L2.
 
@@ -56,7 +54,7 @@ from triton_ops.configs import (
     env_switch,
     pipeline_smem_bytes,
 )
-from triton_ops.fp8 import FP8_DTYPE, quantize_group_rows
+from triton_ops.fp8 import FP8_DTYPE
 from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import active_cache, launch, planned
 from triton_ops.lora_epilogues import (
@@ -158,7 +156,7 @@ def _gemm_k_loop(
     col_valid,  # (BLOCK_N,)
     la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (INLINE_SHRINK)
     offs_k,  # (BLOCK_K,)
-    a_scale_ptrs,  # (BLOCK_M,) the rows' FP8 scales of group 0 (BLOCK_SCALED, not QUANTIZE_A)
+    a_scale_ptrs,  # (BLOCK_M,) the rows' FP8 scales of group 0 (BLOCK_SCALED)
     b_scale_ptrs,  # (BLOCK_N,) the columns' weight scales of group 0 (BLOCK_SCALED)
     up_scale_ptrs,  # (BLOCK_N,) the up columns' (BLOCK_SCALED and GATED)
     K, stride_ak, stride_bk, stride_la_k, lora_up_offset, stride_ask, stride_bsk,
@@ -166,7 +164,6 @@ def _gemm_k_loop(
     GATED: tl.constexpr,
     INLINE_SHRINK: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
-    QUANTIZE_A: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -174,8 +171,7 @@ def _gemm_k_loop(
     """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); with INLINE_SHRINK (LORA_FUSED)
     the block's main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``.
     With BLOCK_SCALED (FP8 a and b, ``triton_ops.fp8``; BLOCK_K is the scale group) each K step's dot is
-    multiplied by its rows' and columns' scales as it is added; with QUANTIZE_A the step first quantizes
-    its tile of the unquantized a, which gives the rows' scales."""
+    multiplied by its rows' and columns' scales as it is added."""
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
@@ -185,14 +181,10 @@ def _gemm_k_loop(
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
         if BLOCK_SCALED:
-            if QUANTIZE_A:
-                a, a_scale = quantize_group_rows(a.to(tl.float32))
-                a = a.to(b.dtype)
-            else:
-                a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
-                a_scale_ptrs += stride_ask
+            a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
             b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
             acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+            a_scale_ptrs += stride_ask
             b_scale_ptrs += stride_bsk
         else:
             acc = _dot(a, b, acc, FP32_IEEE)
@@ -232,8 +224,8 @@ def _fused_moe_kernel(
     stride_be, stride_bn, stride_bk,
     c_ptr,  # (numel, N) same dtype, row per routed pair (2N with the raw gated output)
     stride_cm, stride_cn,
-    # Block-scaled FP8 (BLOCK_SCALED): b float8_e4m3fn, a too unless QUANTIZE_A, c in the activations' dtype
-    a_scale_ptr,  # (rows, cdiv(K, BLOCK_K)) fp32 per-row group scales of a (not read with QUANTIZE_A)
+    # Block-scaled FP8 (BLOCK_SCALED): a and b float8_e4m3fn, c in the activations' dtype
+    a_scale_ptr,  # (rows, cdiv(K, BLOCK_K)) fp32 per-row group scales of a
     stride_asm, stride_ask,
     b_scale_ptr,  # (E, cdiv(N or 2N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)) fp32 weight block scales
     stride_bse, stride_bsn, stride_bsk,
@@ -282,7 +274,6 @@ def _fused_moe_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
-    QUANTIZE_A: tl.constexpr,  # BLOCK_SCALED with an unquantized a: the K-loop quantizes it
     SCALE_BLOCK_N: tl.constexpr,  # rows of b per weight scale block (BLOCK_SCALED)
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -389,7 +380,7 @@ def _fused_moe_kernel(
         a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, a_scale_ptrs,
         b_scale_ptrs, up_scale_ptrs, K, stride_ak, stride_bk, stride_la_k, lora_up_offset, stride_ask,
         stride_bsk, acc, acc_up, main_gate, main_up, GATED=GATED, INLINE_SHRINK=LORA == LORA_FUSED,
-        BLOCK_SCALED=BLOCK_SCALED, QUANTIZE_A=QUANTIZE_A, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
+        BLOCK_SCALED=BLOCK_SCALED, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
     )
 
     # ---- epilogue: the LoRA delta (lora_epilogues), then routed weight, activation and store ----
@@ -749,13 +740,10 @@ def invoke_fused_moe_kernel(
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
     gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync.
 
-    Block-scaled FP8 (``triton_ops.fp8``): b float8_e4m3fn with ``b_scale`` (E, cdiv(b.shape[1],
-    scale_block_n), cdiv(K, block_k)) fp32, ``config.block_k`` the scale group block_k; a either
-    float8_e4m3fn with ``a_scale`` (rows, cdiv(K, block_k)) fp32 (``quantize_fp8_groups``), or the
-    unquantized activations without ``a_scale``, which the K-loop quantizes tile by tile (the same bits; no
-    launch of its own, but redone by every N tile: for few rows). c in the activations' dtype. LoRA then
-    needs its shrink precomputed (``lora.shrunk`` or ``lora.packed``): a LoRA shrink reads the unquantized
-    input, not the K-loop's FP8 tiles.
+    Block-scaled FP8 (``triton_ops.fp8``): a and b float8_e4m3fn, ``a_scale`` (rows, cdiv(K, block_k))
+    and ``b_scale`` (E, cdiv(b.shape[1], scale_block_n), cdiv(K, block_k)) fp32, ``config.block_k`` the
+    scale group block_k; c in the activations' dtype. LoRA then needs its shrink precomputed
+    (``lora.shrunk`` or ``lora.packed``): the K-loop's a is the FP8 copy, which a LoRA shrink must not read.
 
     Rows come from the alignment (``sorted_ids``, ``expert_ids``, ``num_post_padded``) or, for one decode
     token, from ``direct_ids``: its flat (top_k,) topk_ids, each pair a block of its own. ``topk_sum``
@@ -776,11 +764,11 @@ def invoke_fused_moe_kernel(
     _check_gemm_args(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, direct_ids, config,
                      activation, out_n, lora, zero_counters, topk_sum, late_wait)
     block_scaled = a.dtype == FP8_DTYPE or b.dtype == FP8_DTYPE
-    quantize_a = block_scaled and a.dtype != FP8_DTYPE
     if block_scaled:
         _check_block_scaled(a, b, a_scale, b_scale, scale_block_n, config, lora)
     elif a_scale is not None or b_scale is not None:
-        raise TypeError(f"a_scale and b_scale belong to float8_e4m3fn b (block-scaled FP8), got b {b.dtype}")
+        raise TypeError(f"a_scale and b_scale belong to float8_e4m3fn a and b (block-scaled FP8), got "
+                        f"{a.dtype} and {b.dtype}")
     activation_code = ACTIVATION_NONE
     if gated:
         activation_code = ACTIVATION_GATED_RAW if activation == "gated_raw" else _ACTIVATIONS[activation]
@@ -823,9 +811,9 @@ def invoke_fused_moe_kernel(
         stride_bk=b.stride(2),
         stride_cm=c.stride(0),
         stride_cn=c.stride(1),
-        a_scale_ptr=a_scale if a_scale is not None else c,
-        stride_asm=a_scale.stride(0) if a_scale is not None else 0,
-        stride_ask=a_scale.stride(1) if a_scale is not None else 0,
+        a_scale_ptr=a_scale if block_scaled else c,
+        stride_asm=a_scale.stride(0) if block_scaled else 0,
+        stride_ask=a_scale.stride(1) if block_scaled else 0,
         b_scale_ptr=b_scale if block_scaled else c,
         stride_bse=b_scale.stride(0) if block_scaled else 0,
         stride_bsn=b_scale.stride(1) if block_scaled else 0,
@@ -836,7 +824,6 @@ def invoke_fused_moe_kernel(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         BLOCK_SCALED=block_scaled,
-        QUANTIZE_A=quantize_a,
         SCALE_BLOCK_N=scale_block_n if block_scaled else 1,
         FP32_IEEE=a.dtype == torch.float32,
         EVEN_K=K % config.block_k == 0 and planned("MOELORA_EVEN_K",
@@ -1077,26 +1064,20 @@ def _check_block_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor 
                         b_scale: torch.Tensor | None, scale_block_n: int, config: GemmConfig,
                         lora: LoRAOperands | None) -> None:
     """Raises ValueError/TypeError saying what a block-scaled FP8 GEMM expected."""
-    if b.dtype != FP8_DTYPE or a.dtype not in (FP8_DTYPE, torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError("a block-scaled GEMM takes float8_e4m3fn b and a float8_e4m3fn or unquantized "
-                        f"(fp16/bf16/fp32) a, got a {a.dtype} and b {b.dtype}")
-    quantize_a = a.dtype != FP8_DTYPE
-    if quantize_a and a_scale is not None:
-        raise ValueError("an unquantized a is quantized in the K-loop, which makes its own scales: pass "
-                         "a_scale only with a float8_e4m3fn a")
-    if (not quantize_a and a_scale is None) or b_scale is None or scale_block_n <= 0:
-        raise ValueError("a block-scaled GEMM needs b_scale and scale_block_n, and a_scale with an FP8 a")
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        raise TypeError(f"a block-scaled GEMM takes float8_e4m3fn a and b, got {a.dtype} and {b.dtype}")
+    if a_scale is None or b_scale is None or scale_block_n <= 0:
+        raise ValueError("FP8 a and b need a_scale, b_scale and scale_block_n")
     group_k, K = config.block_k, a.shape[1]
-    if a_scale is not None and tuple(a_scale.shape) != (a.shape[0], cdiv(K, group_k)):
+    if tuple(a_scale.shape) != (a.shape[0], cdiv(K, group_k)):
         raise ValueError(f"a_scale must be (rows, cdiv(K, block_k)) = {(a.shape[0], cdiv(K, group_k))} with "
                          f"config.block_k = the scale group {group_k}, got {tuple(a_scale.shape)}")
     want = (b.shape[0], cdiv(b.shape[1], scale_block_n), cdiv(K, group_k))
     if tuple(b_scale.shape) != want:
         raise ValueError(f"b_scale must be (E, cdiv(N, {scale_block_n}), cdiv(K, {group_k})) = {want}, "
                          f"got {tuple(b_scale.shape)}")
-    for name, scales in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if scales is not None and scales.dtype != torch.float32:
-            raise TypeError(f"FP8 {name} must be float32, got {scales.dtype}")
+    if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+        raise TypeError(f"FP8 scales must be float32, got {a_scale.dtype} and {b_scale.dtype}")
     if lora is not None and lora.shrunk is None and lora.packed is None:
         raise ValueError("an FP8 GEMM's LoRA needs its shrink precomputed from the unquantized input "
                          "(lora.shrunk or lora.packed): the K-loop's a is the FP8 copy (DESIGN §1)")
