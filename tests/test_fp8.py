@@ -137,6 +137,27 @@ def _dequantized_loop_reference(x, w13, w2, fp8, weights, ids):
     return want
 
 
+@pytest.mark.interpreter
+# I = 128: GEMM1's gate and up tiles each in one scale block (one weight scale per step); I = 136: the up
+# rows start inside a block (a scale per column). GEMM2 (N = H = 200) takes one per tile in both.
+@pytest.mark.parametrize("inter", [128, 136])
+def test_fp8_tile_scales_are_exact_interpreter(inter, monkeypatch):
+    """One weight scale per tile and step gives the same bits as a scale per column."""
+    torch.manual_seed(1)
+    w13, w13_s = quantize_fp8_blocks(torch.randn(E, 2 * inter, H) / H**0.5)
+    w2, w2_s = quantize_fp8_blocks(torch.randn(E, H, inter) / inter**0.5)
+    fp8 = BlockFp8Weights(w13_s, w2_s, (128, 128))
+    x = torch.randn(5, H).to(F16)
+    weights, ids = torch.softmax(torch.randn(5, E), -1).topk(2, dim=-1)
+    weights, ids = weights.contiguous(), ids.to(torch.int32).contiguous()
+    tile = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
+    monkeypatch.setenv("MOELORA_FP8_TILE_SCALE", "0")
+    column = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
+    assert torch.equal(tile, column)
+    want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8)
+    _close(tile, want)
+
+
 def test_fp8_torch_path_is_the_dequantized_layer():
     """The FP8 torch path equals the bf16-free math it states: dequantized weights, x and h rounded
     through FP8 per group."""
@@ -295,6 +316,16 @@ def test_fp8_experts_match_torch_path_gpu(shape, m, path):
     # bf16 outputs: each side rounds to bf16 (2^-8 relative, so up to 0.8 % of the output scale apart near
     # its largest values), on top of the FP8 flips of the module docstring: 2 %.
     _close(got, _torch_reference(x, w13, w2, fp8, weights, ids, lora), tolerance=0.02)
+
+
+@pytest.mark.gpu
+# Qwen3-30B-A3B's sizes (I = 768: gate and up tiles in one scale block each); 300 tokens: prefill tiles.
+@pytest.mark.parametrize("m", [1, 300])
+def test_fp8_tile_scales_are_exact_gpu(m, monkeypatch):
+    x, w13, w2, fp8, weights, ids = _gpu_case(m, 16, 2048, 768, 8)
+    tile = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
+    monkeypatch.setenv("MOELORA_FP8_TILE_SCALE", "0")
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids, fp8=fp8), tile)
 
 
 @pytest.mark.gpu

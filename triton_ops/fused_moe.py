@@ -9,7 +9,9 @@ Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]
             a_row_div = top_k for GEMM1 (rows of x) and 1 for GEMM2 (rows of the intermediate).
             With BLOCK_SCALED (float8_e4m3fn a and B, ``triton_ops.fp8``) B[e] @ a is the block-scaled
             product: each BLOCK_K step (= the scale group) adds its dot times a_scale[row, g] and
-            b_scale[e, n // SCALE_BLOCK_N, g].
+            b_scale[e, n // SCALE_BLOCK_N, g]. With TILE_B_SCALE a tile's columns (and its up columns)
+            lie in one weight scale block: one scale per step, folded into the rows' scales, so the
+            step's promotion is one multiply-add per accumulator element instead of two.
 Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
             consecutive programs reuse the same weight tiles from L2.
 
@@ -157,13 +159,14 @@ def _gemm_k_loop(
     la_rank_valid,  # (LORA_R,) rank columns within the main slot's rank (INLINE_SHRINK)
     offs_k,  # (BLOCK_K,)
     a_scale_ptrs,  # (BLOCK_M,) the rows' FP8 scales of group 0 (BLOCK_SCALED)
-    b_scale_ptrs,  # (BLOCK_N,) the columns' weight scales of group 0 (BLOCK_SCALED)
-    up_scale_ptrs,  # (BLOCK_N,) the up columns' (BLOCK_SCALED and GATED)
+    b_scale_ptrs,  # (BLOCK_N,) the columns' weight scales of group 0 (BLOCK_SCALED; TILE_B_SCALE: one)
+    up_scale_ptrs,  # (BLOCK_N,) the up columns' (BLOCK_SCALED and GATED; TILE_B_SCALE: one)
     K, stride_ak, stride_bk, stride_la_k, lora_up_offset, stride_ask, stride_bsk,
     acc, acc_up, shrink_gate, shrink_up,  # fp32 accumulators, returned updated
     GATED: tl.constexpr,
     INLINE_SHRINK: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
+    TILE_B_SCALE: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -182,8 +185,11 @@ def _gemm_k_loop(
             b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
         if BLOCK_SCALED:
             a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
-            b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
-            acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+            if TILE_B_SCALE:
+                acc += tl.dot(a, b) * (a_scale * tl.load(b_scale_ptrs))[:, None]
+            else:
+                b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
+                acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
             a_scale_ptrs += stride_ask
             b_scale_ptrs += stride_bsk
         else:
@@ -194,8 +200,11 @@ def _gemm_k_loop(
             else:
                 b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             if BLOCK_SCALED:
-                up_scale = tl.load(up_scale_ptrs, mask=col_valid, other=0.0)
-                acc_up += tl.dot(a, b_up) * (a_scale[:, None] * up_scale[None, :])
+                if TILE_B_SCALE:
+                    acc_up += tl.dot(a, b_up) * (a_scale * tl.load(up_scale_ptrs))[:, None]
+                else:
+                    up_scale = tl.load(up_scale_ptrs, mask=col_valid, other=0.0)
+                    acc_up += tl.dot(a, b_up) * (a_scale[:, None] * up_scale[None, :])
                 up_scale_ptrs += stride_bsk
             else:
                 acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
@@ -274,6 +283,7 @@ def _fused_moe_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
+    TILE_B_SCALE: tl.constexpr,  # BLOCK_SCALED, each tile (and its up tile) within one weight scale block
     SCALE_BLOCK_N: tl.constexpr,  # rows of b per weight scale block (BLOCK_SCALED)
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -374,13 +384,18 @@ def _fused_moe_kernel(
         la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
     a_scale_ptrs = a_scale_ptr + a_row * stride_asm
     b_scale_base = b_scale_ptr + expert * stride_bse
-    b_scale_ptrs = b_scale_base + (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
-    up_scale_ptrs = b_scale_base + ((offs_n + N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
+    if TILE_B_SCALE:  # the tile's first column's block is all of its columns'
+        b_scale_ptrs = b_scale_base + ((pid_n * BLOCK_N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
+        up_scale_ptrs = b_scale_base + ((pid_n * BLOCK_N + N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
+    else:
+        b_scale_ptrs = b_scale_base + (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
+        up_scale_ptrs = b_scale_base + ((offs_n + N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
     acc, acc_up, main_gate, main_up = _gemm_k_loop(
         a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, a_scale_ptrs,
         b_scale_ptrs, up_scale_ptrs, K, stride_ak, stride_bk, stride_la_k, lora_up_offset, stride_ask,
         stride_bsk, acc, acc_up, main_gate, main_up, GATED=GATED, INLINE_SHRINK=LORA == LORA_FUSED,
-        BLOCK_SCALED=BLOCK_SCALED, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K,
+        BLOCK_SCALED=BLOCK_SCALED, TILE_B_SCALE=TILE_B_SCALE, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K,
+        BLOCK_K=BLOCK_K,
     )
 
     # ---- epilogue: the LoRA delta (lora_epilogues), then routed weight, activation and store ----
@@ -824,6 +839,7 @@ def invoke_fused_moe_kernel(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         ACTIVATION=activation_code,
         BLOCK_SCALED=block_scaled,
+        TILE_B_SCALE=block_scaled and tile_b_scale(config.block_n, scale_block_n, out_n, gated),
         SCALE_BLOCK_N=scale_block_n if block_scaled else 1,
         FP32_IEEE=a.dtype == torch.float32,
         EVEN_K=K % config.block_k == 0 and planned("MOELORA_EVEN_K",
@@ -1058,6 +1074,15 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
                 f"LoRA buffers A {tuple(lora.lora_a.shape)} / B {tuple(lora.lora_b.shape)} do not match the "
                 f"GEMM: expected A (L, E, {expected_a_rows}, {K}) and B (L, E, {b.shape[1]}, R)"
             )
+
+
+def tile_b_scale(block_n: int, scale_block_n: int, out_n: int, gated: bool) -> bool:
+    """Whether every N tile of a block-scaled GEMM lies in one weight scale block, and so does its up tile
+    when gated (up columns start at ``out_n``): then each K step has one weight scale per tile. Tiles start
+    at multiples of ``block_n``; ``MOELORA_FP8_TILE_SCALE=0`` reads a scale per column (to compare)."""
+    fits = scale_block_n % block_n == 0 and (not gated or out_n % scale_block_n == 0)
+    return fits and planned("MOELORA_FP8_TILE_SCALE",
+                            lambda: env_switch("MOELORA_FP8_TILE_SCALE", default=True))
 
 
 def _check_block_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None,
