@@ -196,7 +196,7 @@ def test_fp8_refusals():
     pool, batch = _pool_and_batch(3)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MOELORA_FP8_LORA_TILES", "fp16")
-        with pytest.raises(ValueError, match="MOELORA_FP8_LORA_TILES must be 'bf16' or 'fp8'"):
+        with pytest.raises(ValueError, match="MOELORA_FP8_LORA_TILES must be 'auto', 'bf16' or 'fp8'"):
             fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=_lora_inputs(pool, batch),
                           lora_path="split")
     with pytest.raises(ValueError, match="lora_path 'split' or 'staged'"):

@@ -549,15 +549,16 @@ class ChunkPlan:
     dependent_gemm2: bool = False
 
 
-def fp8_lora_takes_bf16_tiles() -> bool:
-    """Whether FP8 GEMMs with adapters (split path) take the activations' dtype's tiles (its tuned LoRA
-    tiles, BLOCK_K set to the scale group) instead of the FP8 files' base tiles: the LoRA epilogue, not the
-    K-loop, decides which tiles fit it (registers, the expand's rank columns), and the FP8 files hold base
-    tiles only. ``MOELORA_FP8_LORA_TILES=fp8`` takes the FP8 base tiles (to compare)."""
-    choice = os.environ.get("MOELORA_FP8_LORA_TILES", "bf16")
-    if choice not in ("bf16", "fp8"):
-        raise ValueError(f"MOELORA_FP8_LORA_TILES must be 'bf16' or 'fp8', got {choice!r}")
-    return choice == "bf16"
+def fp8_lora_takes_bf16_tiles(rows: int) -> bool:
+    """Whether FP8 GEMMs with adapters (split path) take the activations' dtype's tuned LoRA tiles (BLOCK_K
+    set to the scale group) instead of the FP8 files' base tiles, which hold no LoRA tiles: for one decode
+    token, whose one-row LoRA epilogue those tiles were tuned for. Past it the FP8 base tiles win: the bf16
+    LoRA tiles with FP8's 128-wide K steps took 1.2-3x the time at prefill (docs/performance.md, 'FP8').
+    ``MOELORA_FP8_LORA_TILES=bf16`` or ``fp8`` takes those tiles at every size (to compare)."""
+    choice = os.environ.get("MOELORA_FP8_LORA_TILES", "auto")
+    if choice not in ("auto", "bf16", "fp8"):
+        raise ValueError(f"MOELORA_FP8_LORA_TILES must be 'auto', 'bf16' or 'fp8', got {choice!r}")
+    return choice == "bf16" or (choice == "auto" and rows == 1)
 
 
 def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
@@ -578,7 +579,8 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         cfg = config.for_lora(rank_block, num_adapters) if split else config
     else:
         # FP8 GEMMs read their own tuned files (dtype "fp8_w8a8"), else the heuristic's tiles.
-        tiles_dtype = FP8_DTYPE if scale_block_k and not (split and fp8_lora_takes_bf16_tiles()) else dtype
+        bf16_tiles = not scale_block_k or (split and fp8_lora_takes_bf16_tiles(rows))
+        tiles_dtype = dtype if bf16_tiles else FP8_DTYPE
         cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, tiles_dtype, device, lora=split,
                              rank_block=rank_block if split else 0, num_adapters=num_adapters if split else 0)
     if lora is not None and lora_path == "fused":
