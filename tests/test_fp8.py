@@ -158,6 +158,49 @@ def test_fp8_tile_scales_are_exact_interpreter(inter, monkeypatch):
     _close(tile, want)
 
 
+def _tensor_scaled(weight, per_channel):
+    """``weight`` (E, N, K) as float8_e4m3fn with one scale per expert (or per expert and row)."""
+    dims = (2,) if per_channel else (1, 2)
+    scale = weight.abs().amax(dim=dims).clamp_min(MIN_AMAX) / FP8_MAX
+    view = scale[:, :, None] if per_channel else scale[:, None, None]
+    return (weight / view).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+@pytest.mark.interpreter
+# Per-tensor (one scale per expert and projection) and per-channel (one per output row); 1 token (direct
+# pairs) and 5 with the split LoRA; I = 136 puts the up rows inside a 128-row block.
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("m,path", [(1, None), (5, "split")])
+def test_per_tensor_and_per_channel_fp8_interpreter(per_channel, m, path):
+    _, _, _, _, weights, ids = _case(m, 2)
+    torch.manual_seed(3)
+    w13, w13_s = _tensor_scaled(torch.randn(E, 2 * INTER, H) / H**0.5, per_channel)
+    w2, w2_s = _tensor_scaled(torch.randn(E, H, INTER) / INTER**0.5, per_channel)
+    fp8 = BlockFp8Weights.from_tensor_scales(w13, w2, w13_s, w2_s)
+    assert fp8.block_shape == ((1, 128) if per_channel else (128, 128))
+    rows = (slice(None), slice(None), None) if per_channel else (slice(None), None, None)
+    # The block layout dequantizes to exactly the weights times their tensor or channel scales.
+    assert torch.equal(dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape), w13.float() * w13_s[rows])
+    assert torch.equal(dequantize_fp8_blocks(w2, fp8.w2_scale, fp8.block_shape), w2.float() * w2_s[rows])
+    x = torch.randn(m, H).to(F16)
+    pool, batch = _pool_and_batch(m)
+    lora = None if path is None else _lora_inputs(pool, batch)
+    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
+    want = moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0) if path else None,
+                                  batch if path else None, fp8=fp8)
+    _close(got, want)
+
+
+def test_tensor_scale_refusals():
+    x, w13, w2, fp8, weights, ids = _case(3, 2)
+    with pytest.raises(ValueError, match=r"w13_scale must be per-tensor \(E,\) = \(4,\) or per-channel"):
+        BlockFp8Weights.from_tensor_scales(w13, w2, torch.ones(3), torch.ones(E))
+    with pytest.raises(ValueError, match="both be per-tensor or both per-channel"):
+        BlockFp8Weights.from_tensor_scales(w13, w2, torch.ones(E), torch.ones(E, H))
+    with pytest.raises(TypeError, match="must be torch.Tensors"):
+        BlockFp8Weights.from_tensor_scales(w13, w2, 1.0, torch.ones(E))
+
+
 def test_fp8_torch_path_is_the_dequantized_layer():
     """The FP8 torch path equals the bf16-free math it states: dequantized weights, x and h rounded
     through FP8 per group."""
@@ -326,6 +369,22 @@ def test_fp8_tile_scales_are_exact_gpu(m, monkeypatch):
     tile = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
     monkeypatch.setenv("MOELORA_FP8_TILE_SCALE", "0")
     assert torch.equal(fused_experts(x, w13, w2, weights, ids, fp8=fp8), tile)
+
+
+@pytest.mark.gpu
+# Qwen3-30B-A3B's sizes; 1 token (direct pairs, one-row LoRA) and 300 (prefill tiles); per-channel
+# scales read one scale per column, per-tensor ones one per tile.
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("m", [1, 300])
+def test_per_tensor_and_per_channel_fp8_gpu(per_channel, m):
+    x, w13, w2, fp8, weights, ids = _gpu_case(m, 16, 2048, 768, 8)
+    w13, w13_s = _tensor_scaled(dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape), per_channel)
+    w2, w2_s = _tensor_scaled(dequantize_fp8_blocks(w2, fp8.w2_scale, fp8.block_shape), per_channel)
+    tensor_fp8 = BlockFp8Weights.from_tensor_scales(w13, w2, w13_s, w2_s)
+    lora = _gpu_lora(m, 16, 2048, 768)
+    got = fused_experts(x, w13, w2, weights, ids, fp8=tensor_fp8, lora=lora, lora_path="split")
+    # As test_fp8_experts_match_torch_path_gpu: bf16 rounding on both sides plus FP8 flips of h.
+    _close(got, _torch_reference(x, w13, w2, tensor_fp8, weights, ids, lora), tolerance=0.02)
 
 
 @pytest.mark.gpu

@@ -42,15 +42,45 @@ class BlockFp8Weights:
     w2_scale: torch.Tensor
     block_shape: tuple[int, int] = (128, 128)
 
+    @classmethod
+    def from_tensor_scales(cls, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                           w2_scale: torch.Tensor, block_k: int = 128) -> BlockFp8Weights:
+        """Per-tensor or per-channel FP8 weights in the block layout, for the same kernels.
+
+        ``w13_scale``/``w2_scale``: per expert, (E,) or (E, 1) (per-tensor: one scale per expert and
+        projection, as llm-compressor's and vLLM's "fp8" checkpoints store it) or (E, N) / (E, N, 1)
+        (per-channel: one per output row). They become block scales that repeat along K (stride 0, no
+        copy): per-tensor with ``block_k`` x 128 blocks, per-channel with 1-row blocks. The dequantized
+        weights are the same; activations are still quantized per token and ``block_k`` group."""
+        scales = []
+        per_channel = None
+        for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+            if not isinstance(scale, torch.Tensor) or not isinstance(weight, torch.Tensor):
+                raise TypeError(f"{name} and its weight must be torch.Tensors, got {type(scale).__name__}")
+            experts, rows, cols = weight.shape
+            flat = scale.reshape(experts, -1) if scale.numel() in (experts, experts * rows) else None
+            if flat is None or scale.shape[0] != experts:
+                raise ValueError(f"{name} must be per-tensor (E,) = ({experts},) or per-channel (E, N) = "
+                                 f"({experts}, {rows}) for a weight of shape {tuple(weight.shape)}, got "
+                                 f"{tuple(scale.shape)}")
+            channel = flat.shape[1] == rows and rows > 1
+            if per_channel is not None and channel != per_channel:
+                raise ValueError("w13_scale and w2_scale must both be per-tensor or both per-channel")
+            per_channel = channel
+            block_n = 1 if channel else 128
+            scales.append(flat.to(torch.float32).view(experts, -1, 1)
+                          .expand(experts, cdiv(rows, block_n), cdiv(cols, block_k)))
+        return cls(scales[0], scales[1], (1 if per_channel else 128, block_k))
+
     def check(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Raises ValueError/TypeError naming what was expected when the weights and scales disagree."""
         if len(self.block_shape) != 2 or not all(isinstance(b, int) and b > 0 for b in self.block_shape):
             raise ValueError("block_shape must be two positive ints (block_n, block_k), "
                              f"got {self.block_shape}")
         block_n, block_k = self.block_shape
-        if block_k not in (32, 64, 128, 256) or block_n % 16:
+        if block_k not in (32, 64, 128, 256) or (block_n % 16 and block_n != 1):
             raise ValueError(f"block_shape (block_n, block_k) = {self.block_shape}: block_k must be 32, 64, "
-                             "128 or 256 and block_n a multiple of 16")
+                             "128 or 256 and block_n 1 (a scale per row) or a multiple of 16")
         for name, weight in (("w13", w13), ("w2", w2)):
             if weight.dtype != FP8_DTYPE:
                 raise TypeError(f"block-scaled {name} must be float8_e4m3fn, got {weight.dtype}")
