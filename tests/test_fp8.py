@@ -508,6 +508,62 @@ def test_attach_fp8_model_matches_peft_on_dequantized_twin():
         handle.detach()
 
 
+# Everything but the routed experts stays bf16: transformers runs its FP8 linears through kernels fetched
+# from the Hub, which a test cannot reach. Each pattern in two forms: a regex from the name's start (newer
+# transformers) and a plain substring (older ones).
+_NOT_FP8 = ["lm_head", ".*self_attn", "self_attn", r".*mlp\.gate", "mlp.gate", r".*layers\.0\.mlp",
+            "layers.0."]
+
+
+@pytest.mark.gpu
+def test_attach_transformers_quantized_fp8_model_gpu():
+    """The tiny Qwen3-MoE quantized by transformers itself on load (``FineGrainedFP8Config``, 32 x 32
+    blocks: its own FP8Experts, weights and ``*_scale_inv``), served by ``attach()`` on the Triton path: a
+    mixed batch (two fixture adapters, a base row) against PEFT on its dequantized bf16 twin, per row.
+    Tolerance 5 % of a row's logit scale, as the CPU test: activation rounding to e4m3 per group is the
+    difference, bf16 rounding adds well under a percent."""
+    from transformers import FineGrainedFP8Config, Qwen3MoeForCausalLM
+
+    import adapters.make_adapters as mk
+    from moelora.integrations.transformers import find_experts_modules
+
+    path = str(mk.ADAPTERS_DIR / mk.BASE_NAME)
+    config = FineGrainedFP8Config(weight_block_size=list(FP8_TWIN_BLOCK), modules_to_not_convert=_NOT_FP8)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
+                                                quantization_config=config).eval()
+
+    def twin():
+        plain = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+        pairs = zip(find_experts_modules(model), find_experts_modules(plain), strict=True)
+        for (_, _, fp8_module), (_, _, module) in pairs:
+            for pname in ("gate_up_proj", "down_proj"):
+                weight, scale = getattr(fp8_module, pname), getattr(fp8_module, f"{pname}_scale_inv")
+                dequantized = dequantize_fp8_blocks(weight.data, scale.data.float(), FP8_TWIN_BLOCK)
+                getattr(module, pname).data.copy_(dequantized)
+        return plain
+
+    fp8_experts = [module for _, _, module in find_experts_modules(model)]
+    assert fp8_experts and all(m.gate_up_proj.dtype == FP8_DTYPE for m in fp8_experts)
+    assert not any(type(m).__name__ == "FP8Linear" for m in model.modules())
+    handle = attach(model, max_loras=4, max_rank=16)
+    try:
+        assert all(module.layer.fp8 is not None for module in handle.modules.values())
+        assert handle.pool.dtype == torch.bfloat16
+        for name in ("chat", "math"):
+            handle.load_adapter(name, mk.ADAPTERS_DIR / name)
+        rows = ["chat", None, "math"]
+        ids = torch.randint(1, 128, (len(rows), 6), generator=torch.Generator().manual_seed(3)).cuda()
+        with torch.no_grad():
+            with handle.adapters(rows):
+                logits = model(input_ids=ids).logits.float()
+            base_twin = twin()
+            for row, name in enumerate(rows):
+                ref = base_twin if name is None else mk.load_tiny_qwen3_moe_peft(name, base=twin())
+                _close(logits[row], ref(input_ids=ids[row : row + 1]).logits[0].float(), tolerance=0.05)
+    finally:
+        handle.detach()
+
+
 def _fresh_twin():
     return _fp8_tiny_qwen3_and_twin()[1]
 
@@ -517,8 +573,12 @@ def test_attach_refuses_fp8_experts_without_block_scales():
     for module in model.modules():
         if type(module).__name__ == "FP8Experts":
             module.block_size = None
-    with pytest.raises(NotImplementedError, match="only block-scaled FP8 experts"):
+    from moelora.integrations import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="only block-scaled FP8 experts") as refused:
         attach(model, path="torch")
+    # A ValueError like every refusal, and still a NotImplementedError for callers that caught that.
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, NotImplementedError)
 
 
 def test_fp8_tuned_files_are_their_own(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from moelora.integrations.transformers import (
     KNOWN_EXPERTS_CLASSES,
     MoELoRAExperts,
     MoELoRAHandle,
+    UnsupportedModelError,
     attach,
     find_experts_modules,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "KNOWN_EXPERTS_CLASSES",
     "MoELoRAExperts",
     "MoELoRAHandle",
+    "UnsupportedModelError",
     "attach",
     "find_experts_modules",
 ]

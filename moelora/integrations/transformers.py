@@ -25,9 +25,9 @@ the final routing weights: DeepSeek-V3's ``DeepseekV3TopkRouter`` already multip
 ``routed_scaling_factor`` (and renormalises with ``norm_topk_prob``), so the experts module, and
 therefore the swapped layer, uses ``routed_scaling_factor = 1``: the same math as the original module.
 Other classes with the same structure are accepted after a numerical check of their forward against
-that formula at attach time. Refused, with a :class:`NotImplementedError` that says why: transposed
-or interleaved ``gate_up_proj`` layouts (gpt-oss, Aria), expert biases, a custom gating function
-(``_apply_gate`` overridden: gpt-oss' clamped SwiGLU, DeepSeek-V4, ...), experts without a gate
+that formula at attach time. Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that says
+why: transposed or interleaved ``gate_up_proj`` layouts (gpt-oss, Aria), expert biases, a custom gating
+function (``_apply_gate`` overridden: gpt-oss' clamped SwiGLU, DeepSeek-V4, ...), experts without a gate
 (Nemotron-H), a norm after each expert, expert parallelism across ranks that hold different batches
 (transformers' all-to-all), activations other than SiLU/GELU,
 quantised or meta-device expert weights, experts spread over several devices or dtypes, MoE layers of
@@ -77,12 +77,19 @@ from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
 
 __all__ = [
+    "UnsupportedModelError",
     "KNOWN_EXPERTS_CLASSES",
     "MoELoRAExperts",
     "MoELoRAHandle",
     "attach",
     "find_experts_modules",
 ]
+
+class UnsupportedModelError(ValueError, NotImplementedError):
+    """A model (or one of its MoE layers) that ``attach()`` cannot serve exactly; the message says why.
+    A ``ValueError`` like every refusal of the library, and a ``NotImplementedError`` for callers that
+    caught that."""
+
 
 #: Experts classes whose math (``sum_k w_k * down(silu(gate x) * up x)``, routing weights final, no
 #: routed_scaling_factor inside the experts module) was read in the transformers 5 sources and is
@@ -118,7 +125,7 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
 
     A module qualifies when it has 3-D ``gate_up_proj`` and ``down_proj`` tensors (transformers 5). The
     layer id is the model's own decoder-layer index, the last ``layers.{n}`` in the module's name (as in
-    PEFT keys). Raises :class:`NotImplementedError` when a module has no layer index, two modules share
+    PEFT keys). Raises :class:`UnsupportedModelError` when a module has no layer index, two modules share
     one, or the model is already wrapped by PEFT or attached.
     """
     found: list[tuple[str, int, nn.Module]] = []
@@ -130,13 +137,13 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
             continue
         ids = _LAYER_RE.findall(name)
         if not ids:
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"experts module {name!r} ({type(module).__name__}) has no 'layers.<n>' in its name, so its "
                 "layer index (as in PEFT keys) is unknown"
             )
         lid = int(ids[-1])
         if lid in seen:
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"experts modules {seen[lid]!r} and {name!r} share the layer index {lid}: the adapter keys "
                 "('layers.<n>.mlp.experts') would be ambiguous; attach to the sub-model that holds one "
                 "decoder stack"
@@ -158,36 +165,36 @@ def _activation_of(name: str, module: nn.Module) -> str:
     """``"silu"`` or ``"gelu"`` (exact), from what ``module.act_fn`` computes on a probe vector."""
     act = getattr(module, "act_fn", None)
     if not callable(act):
-        raise NotImplementedError(f"experts module {name!r} ({type(module).__name__}) has no act_fn")
+        raise UnsupportedModelError(f"experts module {name!r} ({type(module).__name__}) has no act_fn")
     probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float32)
     try:
         with torch.no_grad():
             y = act(probe)
     except Exception as exc:
-        raise NotImplementedError(f"experts module {name!r}: its act_fn cannot be probed ({exc})") from exc
+        raise UnsupportedModelError(f"experts module {name!r}: its act_fn cannot be probed ({exc})") from exc
     if isinstance(y, torch.Tensor) and y.shape == probe.shape:
         if torch.allclose(y, F.silu(probe), rtol=1e-5, atol=1e-6):
             return "silu"
         if torch.allclose(y, F.gelu(probe), rtol=1e-5, atol=1e-6):
             return "gelu"
-    raise NotImplementedError(
+    raise UnsupportedModelError(
         f"experts module {name!r} ({type(module).__name__}) uses the activation {act!r}; the MoE LoRA layer "
         "implements SiLU and exact GELU only"
     )
 
 
 def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> str:
-    """Raises NotImplementedError naming the reason if ``module`` cannot be served exactly; returns its
+    """Raises UnsupportedModelError naming the reason if ``module`` cannot be served exactly; returns its
     activation (``"silu"`` or ``"gelu"``)."""
     cls = type(module).__name__
     where = f"experts module {name!r} ({cls})"
     if parent is not None and (hasattr(parent, "lora_A") or type(parent).__name__ == "ParamWrapper"):
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{where} is wrapped by PEFT ({type(parent).__name__}); attach to the plain base model and load "
             "the adapters with handle.load_adapter instead"
         )
     if torch.nn.utils.parametrize.is_parametrized(module):
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{where} has parametrized tensors (a PEFT target_parameters LoRA?); attach to the plain base "
             "model"
         )
@@ -210,14 +217,14 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
     if default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate:
         reasons.append("overrides _apply_gate (a custom gated activation, e.g. a clamped SwiGLU)")
     if reasons:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{where} {'; '.join(reasons)}: the MoE LoRA layer serves (E, 2I, H) [gate; up] and (E, H, I) "
             "bias-free experts computing act(gate x) * up x exactly"
         )
     w13, w2 = module.gate_up_proj, module.down_proj
     e, two_i, h = w13.shape
     if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{where}: gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} are not "
             "(E, 2I, H) and (E, H, I)"
         )
@@ -226,17 +233,17 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
         try:
             fp8_scales_of(module, "gate_up_proj", "down_proj").check(w13, w2)
         except (ValueError, TypeError) as exc:
-            raise NotImplementedError(f"{where}: {exc}") from exc
+            raise UnsupportedModelError(f"{where}: {exc}") from exc
     for pname, t in (("gate_up_proj", w13), ("down_proj", w2)):
         if t.dtype not in _POOL_DTYPES and not fp8:
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"{where}: {pname} has dtype {t.dtype} (quantised?); float32, float16 and bfloat16 are "
                 "supported, and float8_e4m3fn with block scales (transformers' fine-grained FP8)"
             )
         if t.device.type == "meta":
-            raise NotImplementedError(f"{where}: {pname} is on the meta device (offloaded?); load it first")
+            raise UnsupportedModelError(f"{where}: {pname} is on the meta device (offloaded?); load it first")
     if w13.dtype != w2.dtype or w13.device != w2.device:
-        raise NotImplementedError(f"{where}: gate_up_proj and down_proj differ in dtype or device")
+        raise UnsupportedModelError(f"{where}: gate_up_proj and down_proj differ in dtype or device")
     return _activation_of(name, module)
 
 
@@ -257,7 +264,7 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
       the same batch (the ep group is the model's tp group): transformers then runs each rank's experts on
       the whole batch and all-reduces (``AllReduceEP``), which is what a moelora expert-parallel layer does.
 
-    Raises NotImplementedError for any other sharding (an all-to-all expert-parallel layout among them)."""
+    Raises UnsupportedModelError for any other sharding (an all-to-all expert-parallel layout among them)."""
     try:
         from torch.distributed import get_process_group_ranks
         from torch.distributed.tensor import DTensor
@@ -268,11 +275,11 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
         return None
     where = f"experts module {name!r} ({type(module).__name__})"
     if not (isinstance(w13, DTensor) and isinstance(w2, DTensor)):
-        raise NotImplementedError(f"{where}: only one of gate_up_proj and down_proj is sharded (a "
+        raise UnsupportedModelError(f"{where}: only one of gate_up_proj and down_proj is sharded (a "
                                   "DTensor); moelora serves transformers' tensor- or expert-parallel plans, "
                                   "which shard both")
     if w13.device_mesh.ndim != 1:
-        raise NotImplementedError(f"{where}: its expert tensors are sharded over a mesh of "
+        raise UnsupportedModelError(f"{where}: its expert tensors are sharded over a mesh of "
                                   f"{w13.device_mesh.ndim} dims; moelora serves transformers' 1-D tensor- or "
                                   "expert-parallel plans")
     mesh = w13.device_mesh
@@ -292,12 +299,12 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
         if model_mesh is not None and "tp" in (getattr(model_mesh, "mesh_dim_names", None) or ()):
             tp_ranks = get_process_group_ranks(model_mesh["tp"].get_group())
         if tp_ranks != get_process_group_ranks(group):
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"{where}: expert parallel across ranks that hold different batches (transformers moves the "
                 "tokens with an all-to-all there); moelora serves expert parallelism where the expert-"
                 "parallel ranks are the tensor-parallel ones (ep_size == tp_size), combined by all-reduce")
         return MoEShard(e, i, ep_rank=rank, ep_size=size), group
-    raise NotImplementedError(
+    raise UnsupportedModelError(
         f"{where}: sharded as {w13.placements} / {w2.placements} with local shapes {local13} / {local2}; "
         "moelora serves transformers' tensor-parallel plan (packed_colwise gate_up_proj, rowwise down_proj) "
         "and its expert-parallel plan (grouped_gemm)")
@@ -318,12 +325,12 @@ def _verify_math(name: str, module: nn.Module, activation: str) -> None:
             got = module(x, ids, weights)
             want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, activation=activation)
     except Exception as exc:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"experts module {name!r} ({type(module).__name__}) could not be checked: calling "
             f"forward(hidden_states, top_k_index, top_k_weights) failed ({type(exc).__name__}: {exc})"
         ) from exc
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"experts module {name!r} ({type(module).__name__}) does not return (M, H) from "
             "forward(hidden_states, top_k_index, top_k_weights)"
         )
@@ -332,7 +339,7 @@ def _verify_math(name: str, module: nn.Module, activation: str) -> None:
     tol = 1e-4 if w13.dtype == torch.float32 else 3e-2
     err = float((got - want).abs().max())
     if err > tol * scale:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"experts module {name!r} ({type(module).__name__}) does not compute "
             f"sum_k w_k * down(act(gate x) * up x) (max abs diff {err:.3g} vs output scale {scale:.3g}); "
             "not supported"
@@ -759,7 +766,7 @@ def attach(
             (``FusedMoEWithLoRA(cuda_graphs=True)``); ``False``: eager.
 
     Raises:
-        NotImplementedError: a MoE layer that cannot be served exactly (the message says why), or no fused
+        UnsupportedModelError: a MoE layer that cannot be served exactly (the message says why), or no fused
             experts module at all. Nothing is swapped then.
         ValueError: a pool that does not fit, an unknown path, or a model already attached.
     """
@@ -767,14 +774,14 @@ def attach(
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"{type(model).__name__} is wrapped by PEFT ({name or 'the model'} is a "
                 f"{type(module).__name__}); attach to the plain base model and load the adapters with "
                 "handle.load_adapter"
             )
     found = find_experts_modules(model)
     if not found:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} has no fused routed-experts module (gate_up_proj (E, 2I, H) and "
             "down_proj (E, H, I) parameters, transformers 5); per-expert nn.Linear experts (transformers 4) "
             "and dense models are not supported"
@@ -788,7 +795,7 @@ def attach(
         activations[lid] = _check_supported(name, module, parent)
         parallel[lid] = _sharding_of(name, module, model)
         if parallel[lid] is None and getattr(module, "_is_expert_parallel", False):
-            raise NotImplementedError(f"experts module {name!r} ({type(module).__name__}) is marked "
+            raise UnsupportedModelError(f"experts module {name!r} ({type(module).__name__}) is marked "
                                       "expert-parallel but its tensors are not DTensors moelora can read the "
                                       "shard of")
         known = type(module).__name__ in KNOWN_EXPERTS_CLASSES or type(module).__name__ == _FP8_EXPERTS_CLASS
@@ -797,7 +804,7 @@ def attach(
         sites.append((name, lid, parent, module, attr))
     layouts = {p[0] if p else None for p in parallel.values()}
     if len(layouts) > 1:
-        raise NotImplementedError(f"MoE layers sharded differently ({sorted(map(str, layouts))}); one pool "
+        raise UnsupportedModelError(f"MoE layers sharded differently ({sorted(map(str, layouts))}); one pool "
                                   "holds one layout")
     sharding = next(iter(parallel.values()))
 
@@ -806,17 +813,17 @@ def attach(
     shape, dtype, device = tuple(w13_first.shape), w13_first.dtype, w13_first.device
     fp8 = dtype == torch.float8_e4m3fn
     if fp8 and sharding is not None:
-        raise NotImplementedError("FP8 experts sharded by a tensor- or expert-parallel plan are not served "
+        raise UnsupportedModelError("FP8 experts sharded by a tensor- or expert-parallel plan are not served "
                                   "yet (their block scales would need sharding too)")
     for name, _, module in found[1:]:
         w13 = module.gate_up_proj
         if tuple(w13.shape) != shape:
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"MoE layers of different shapes ({found[0][0]}: {shape}, {name}: {tuple(w13.shape)}); "
                 "one pool holds one (E, H, I)"
             )
         if w13.dtype != dtype or w13.device != device:
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"experts on different dtypes/devices ({found[0][0]}: {dtype} {device}, {name}: {w13.dtype} "
                 f"{w13.device}); the pool lives on one device with one dtype"
             )
