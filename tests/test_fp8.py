@@ -532,17 +532,20 @@ def test_attach_transformers_quantized_fp8_model_gpu():
     model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
                                                 quantization_config=config).eval()
 
+    fp8_experts = [module for _, _, module in find_experts_modules(model)]
+    # The twin's expert weights, read before attach() swaps the FP8Experts modules out.
+    dequantized = [{pname: dequantize_fp8_blocks(getattr(m, pname).data,
+                                                 getattr(m, f"{pname}_scale_inv").data,
+                                                 FP8_TWIN_BLOCK) for pname in ("gate_up_proj", "down_proj")}
+                   for m in fp8_experts]
+
     def twin():
         plain = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
-        pairs = zip(find_experts_modules(model), find_experts_modules(plain), strict=True)
-        for (_, _, fp8_module), (_, _, module) in pairs:
-            for pname in ("gate_up_proj", "down_proj"):
-                weight, scale = getattr(fp8_module, pname), getattr(fp8_module, f"{pname}_scale_inv")
-                dequantized = dequantize_fp8_blocks(weight.data, scale.data.float(), FP8_TWIN_BLOCK)
-                getattr(module, pname).data.copy_(dequantized)
+        for (_, _, module), weights in zip(find_experts_modules(plain), dequantized, strict=True):
+            for pname, weight in weights.items():
+                getattr(module, pname).data.copy_(weight)
         return plain
 
-    fp8_experts = [module for _, _, module in find_experts_modules(model)]
     assert fp8_experts and all(m.gate_up_proj.dtype == FP8_DTYPE for m in fp8_experts)
     assert not any(type(m).__name__ == "FP8Linear" for m in model.modules())
     handle = attach(model, max_loras=4, max_rank=16)
