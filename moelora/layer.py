@@ -392,21 +392,25 @@ class FusedMoEWithLoRA(nn.Module):
 
 
 def fp8_scales_of(base: nn.Module, w13_name: str, w2_name: str) -> BlockFp8Weights:
-    """The block scales of ``base``'s float8_e4m3fn experts: ``<name>_scale_inv`` (fp32, or power-of-two
-    UE8M0 read as fp32) and ``block_size``; ValueError where they are missing or not per-block."""
+    """The scales of ``base``'s float8_e4m3fn experts: ``<name>_scale_inv`` (fp32, or power-of-two UE8M0
+    read as fp32) with ``block_size`` (block_n, block_k), or per tensor, per channel or per gate/up half
+    without it (``BlockFp8Weights.from_scales``); ValueError where they are missing or fit none of these."""
     from triton_ops.fp8 import BlockFp8Weights
 
     where = type(base).__name__
     scales = [getattr(base, f"{name}_scale_inv", None) for name in (w13_name, w2_name)]
     if not all(isinstance(scale, torch.Tensor) for scale in scales):
         raise ValueError(f"{where}: float8_e4m3fn experts need {w13_name}_scale_inv and {w2_name}_scale_inv "
-                         "block scales")
+                         "scales")
     block_size = getattr(base, "block_size", None)
-    if block_size is None or len(block_size) != 2:
-        raise ValueError(f"{where}: only block-scaled FP8 experts are served (block_size (block_n, block_k), "
-                         f"got {block_size!r}); per-tensor or per-channel scales are not")
-    return BlockFp8Weights(scales[0].data.float().contiguous(), scales[1].data.float().contiguous(),
-                           (int(block_size[0]), int(block_size[1])))
+    if block_size is not None and len(block_size) != 2:
+        raise ValueError(f"{where}: block_size must be (block_n, block_k) or None, got {block_size!r}")
+    try:
+        return BlockFp8Weights.from_scales(
+            getattr(base, w13_name).data, getattr(base, w2_name).data, scales[0].data, scales[1].data,
+            block_size=None if block_size is None else (int(block_size[0]), int(block_size[1])))
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
 
 
 class _GraphedCall:

@@ -176,8 +176,8 @@ def test_per_tensor_and_per_channel_fp8_interpreter(per_channel, m, path):
     torch.manual_seed(3)
     w13, w13_s = _tensor_scaled(torch.randn(E, 2 * INTER, H) / H**0.5, per_channel)
     w2, w2_s = _tensor_scaled(torch.randn(E, H, INTER) / INTER**0.5, per_channel)
-    fp8 = BlockFp8Weights.from_tensor_scales(w13, w2, w13_s, w2_s)
-    assert fp8.block_shape == ((1, 128) if per_channel else (128, 128))
+    fp8 = BlockFp8Weights.from_scales(w13, w2, w13_s, w2_s)
+    assert fp8.block_shape == ((1, 128) if per_channel else (8, 128))  # per-tensor: gcd(2I, H) rows
     rows = (slice(None), slice(None), None) if per_channel else (slice(None), None, None)
     # The block layout dequantizes to exactly the weights times their tensor or channel scales.
     assert torch.equal(dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape), w13.float() * w13_s[rows])
@@ -191,14 +191,46 @@ def test_per_tensor_and_per_channel_fp8_interpreter(per_channel, m, path):
     _close(got, want)
 
 
-def test_tensor_scale_refusals():
+def test_scale_layouts_refusals():
     x, w13, w2, fp8, weights, ids = _case(3, 2)
-    with pytest.raises(ValueError, match=r"w13_scale must be per-tensor \(E,\) = \(4,\) or per-channel"):
-        BlockFp8Weights.from_tensor_scales(w13, w2, torch.ones(3), torch.ones(E))
-    with pytest.raises(ValueError, match="both be per-tensor or both per-channel"):
-        BlockFp8Weights.from_tensor_scales(w13, w2, torch.ones(E), torch.ones(E, H))
+    with pytest.raises(ValueError, match=r"w13_scale must be \(E,\), \(E, rows\) or \(E, rows, cols\) "
+                                         r"with E = 4, got \(3,\)"):
+        BlockFp8Weights.from_scales(w13, w2, torch.ones(3), torch.ones(E))
+    with pytest.raises(ValueError, match=r"w2_scale of shape \(4, 3, 1\) fits no FP8 scale layout"):
+        BlockFp8Weights.from_scales(w13, w2, torch.ones(E), torch.ones(E, 3, 1))
+    with pytest.raises(ValueError, match=r"per half \(E, 2, 1\), block-scaled \(3, 2\)"):
+        BlockFp8Weights.from_scales(w13, w2, torch.ones(E, 2, 5), torch.ones(E), block_size=(128, 128))
     with pytest.raises(TypeError, match="must be torch.Tensors"):
-        BlockFp8Weights.from_tensor_scales(w13, w2, 1.0, torch.ones(E))
+        BlockFp8Weights.from_scales(w13, w2, 1.0, torch.ones(E))
+
+
+@pytest.mark.interpreter
+# transformers' FP8Experts layouts beside the block one: two scale rows for gate_up_proj, one per half,
+# where 2I fits one block (I = 32 here, 128 x 128 blocks) or without block_size (per tensor per half).
+@pytest.mark.parametrize("block_size", [(128, 128), None])
+def test_fp8_scales_per_gate_up_half_interpreter(block_size):
+    inter = 32
+    torch.manual_seed(4)
+    w13_full = torch.randn(E, 2 * inter, H) / H**0.5
+    w2_full = torch.randn(E, H, inter) / inter**0.5
+    halves = w13_full.view(E, 2, inter, H)
+    if block_size is None:
+        w13_scale = halves.abs().amax(dim=(2, 3)).clamp_min(MIN_AMAX)[:, :, None] / FP8_MAX  # (E, 2, 1)
+        w2_scale = w2_full.abs().amax(dim=(1, 2)).clamp_min(MIN_AMAX)[:, None, None] / FP8_MAX  # (E, 1, 1)
+        w2 = (w2_full / w2_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    else:
+        padded = torch.nn.functional.pad(halves, (0, 256 - H)).view(E, 2, inter, 2, 128)
+        w13_scale = padded.abs().amax(dim=(2, 4)).clamp_min(MIN_AMAX) / FP8_MAX  # (E, 2, cdiv(H, 128))
+        w2, w2_scale = quantize_fp8_blocks(w2_full, block_size)
+    full_rows = w13_scale.repeat_interleave(inter, dim=1)
+    full = full_rows.repeat_interleave(128, dim=2)[:, :, :H] if block_size else full_rows
+    w13 = (w13_full / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    fp8 = BlockFp8Weights.from_scales(w13, w2, w13_scale, w2_scale, block_size=block_size)
+    assert fp8.block_shape == ((32, 128) if block_size else (8, 128))  # gcd(I, 128) and gcd(I, H)
+    assert torch.equal(dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape), w13.float() * full)
+    x, _, _, _, weights, ids = _case(5, 2)
+    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
+    _close(got, moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8))
 
 
 def test_fp8_torch_path_is_the_dequantized_layer():
@@ -380,7 +412,7 @@ def test_per_tensor_and_per_channel_fp8_gpu(per_channel, m):
     x, w13, w2, fp8, weights, ids = _gpu_case(m, 16, 2048, 768, 8)
     w13, w13_s = _tensor_scaled(dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape), per_channel)
     w2, w2_s = _tensor_scaled(dequantize_fp8_blocks(w2, fp8.w2_scale, fp8.block_shape), per_channel)
-    tensor_fp8 = BlockFp8Weights.from_tensor_scales(w13, w2, w13_s, w2_s)
+    tensor_fp8 = BlockFp8Weights.from_scales(w13, w2, w13_s, w2_s)
     lora = _gpu_lora(m, 16, 2048, 768)
     got = fused_experts(x, w13, w2, weights, ids, fp8=tensor_fp8, lora=lora, lora_path="split")
     # As test_fp8_experts_match_torch_path_gpu: bf16 rounding on both sides plus FP8 flips of h.
@@ -442,9 +474,44 @@ def test_from_base_reads_transformers_fp8_experts():
     ref = _dequantized_loop_reference(x, module.gate_up_proj.data, module.down_proj.data, scales, weights,
                                       ids)
     _close(got, ref, tolerance=0.02)  # bf16 output against fp32 (and h's FP8 flips)
-    module.block_size = None
-    with pytest.raises(ValueError, match="only block-scaled FP8 experts"):
+    module.block_size = None  # block-shaped scales without their block size: no layout fits them
+    with pytest.raises(ValueError, match=r"FP8Experts: w13_scale of shape \(4, 2, 2\) fits no FP8 scale"):
         FusedMoEWithLoRA.from_base(module, pool=pool, layer_id=0)
+
+
+# transformers' FP8Experts allocates (E, 2, ...) gate_up scales where 2I fits one block (I = 32, 128-row
+# blocks), and (E, 2, 1) / (E, 1, 1) per-tensor scales without block_size.
+@pytest.mark.parametrize("block_size", [(128, 128), None])
+def test_from_base_reads_fp8_experts_scale_layouts(block_size):
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    from moelora.layer import FusedMoEWithLoRA
+
+    hidden, inter, experts = 192, 32, 4
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                            hidden_act="silu")
+    module = FP8Experts(config, block_size=block_size)
+    torch.manual_seed(5)
+    dequantized = {}
+    for name, (n, k) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+        scale = getattr(module, f"{name}_scale_inv")
+        rows, cols = scale.shape[1:]
+        scale.data.copy_(torch.rand(experts, rows, cols) / 100 + 1e-3)
+        # Rows per scale: a half of gate_up, a 128-row block of down_proj, or all; columns: 128 or all.
+        row_block = inter if name == "gate_up_proj" else (128 if block_size else n)
+        col_block = 128 if block_size else k
+        full = scale.data.repeat_interleave(row_block, 1)[:, :n].repeat_interleave(col_block, 2)[:, :, :k]
+        q = (torch.randn(experts, n, k) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        getattr(module, name).data.copy_(q)
+        dequantized[name] = q.float() * full
+    pool = MoELoRAMemoryPool(experts, hidden, inter, [0], max_loras=2, max_rank=8, dtype=torch.float32,
+                             device="cpu")
+    layer = FusedMoEWithLoRA.from_base(module, pool=pool, layer_id=0, path="torch")
+    for name, scale_name in (("gate_up_proj", "w13_scale"), ("down_proj", "w2_scale")):
+        got = dequantize_fp8_blocks(getattr(module, name).data, getattr(layer.fp8, scale_name),
+                                    layer.fp8.block_shape)
+        assert torch.equal(got, dequantized[name])
 
 
 FP8_TWIN_BLOCK = (32, 32)  # the tiny model's H = 64 and I = 32: two K groups in GEMM1, gate/up blocks apart
@@ -571,14 +638,14 @@ def _fresh_twin():
     return _fp8_tiny_qwen3_and_twin()[1]
 
 
-def test_attach_refuses_fp8_experts_without_block_scales():
+def test_attach_refuses_fp8_scales_of_no_layout():
     model, _, _ = _fp8_tiny_qwen3_and_twin()
     for module in model.modules():
         if type(module).__name__ == "FP8Experts":
             module.block_size = None
     from moelora.integrations import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match="only block-scaled FP8 experts") as refused:
+    with pytest.raises(UnsupportedModelError, match="fits no FP8 scale layout") as refused:
         attach(model, path="torch")
     # A ValueError like every refusal, and still a NotImplementedError for callers that caught that.
     assert isinstance(refused.value, ValueError) and isinstance(refused.value, NotImplementedError)

@@ -16,6 +16,7 @@ unquantized intermediate h; only the base GEMMs read x_q and h_q.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,34 +44,43 @@ class BlockFp8Weights:
     block_shape: tuple[int, int] = (128, 128)
 
     @classmethod
-    def from_tensor_scales(cls, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
-                           w2_scale: torch.Tensor, block_k: int = 128) -> BlockFp8Weights:
-        """Per-tensor or per-channel FP8 weights in the block layout, for the same kernels.
+    def from_scales(cls, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                    block_size: tuple[int, int] | None = None, block_k: int = 128) -> BlockFp8Weights:
+        """The FP8 scale layouts checkpoints use, as the block scales the kernels read (the same dequantized
+        weights). Per expert and projection, a scale tensor (E, rows, cols) (or (E,) / (E, rows)) is:
 
-        ``w13_scale``/``w2_scale``: per expert, (E,) or (E, 1) (per-tensor: one scale per expert and
-        projection, as llm-compressor's and vLLM's "fp8" checkpoints store it) or (E, N) / (E, N, 1)
-        (per-channel: one per output row). They become block scales that repeat along K (stride 0, no
-        copy): per-tensor with ``block_k`` x 128 blocks, per-channel with 1-row blocks. The dequantized
-        weights are the same; activations are still quantized per token and ``block_k`` group."""
-        scales = []
-        per_channel = None
-        for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+        - block-scaled with ``block_size`` (block_n, block_k): (E, cdiv(N, block_n), cdiv(K, block_k));
+        - per-tensor: one scale (rows = cols = 1);
+        - per-channel: one per output row (rows = N, cols = 1);
+        - per half of a gate/up weight (rows = 2: transformers' FP8Experts keeps two scale rows for
+          ``gate_up_proj`` where its rows fit one block, or without ``block_size``).
+
+        Both projections are brought to one block shape: block_n the largest that divides both row
+        granularities (scales repeated per row block, a small copy), block_k the checkpoint's K block (else
+        ``block_k``); scales constant along K repeat with stride 0, no copy. Activations are quantized per
+        token and block_k group. ValueError names the scale that fits none of these."""
+        found = []
+        for name, weight, scale in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
             if not isinstance(scale, torch.Tensor) or not isinstance(weight, torch.Tensor):
                 raise TypeError(f"{name} and its weight must be torch.Tensors, got {type(scale).__name__}")
-            experts, rows, cols = weight.shape
-            flat = scale.reshape(experts, -1) if scale.numel() in (experts, experts * rows) else None
-            if flat is None or scale.shape[0] != experts:
-                raise ValueError(f"{name} must be per-tensor (E,) = ({experts},) or per-channel (E, N) = "
-                                 f"({experts}, {rows}) for a weight of shape {tuple(weight.shape)}, got "
-                                 f"{tuple(scale.shape)}")
-            channel = flat.shape[1] == rows and rows > 1
-            if per_channel is not None and channel != per_channel:
-                raise ValueError("w13_scale and w2_scale must both be per-tensor or both per-channel")
-            per_channel = channel
-            block_n = 1 if channel else 128
-            scales.append(flat.to(torch.float32).view(experts, -1, 1)
-                          .expand(experts, cdiv(rows, block_n), cdiv(cols, block_k)))
-        return cls(scales[0], scales[1], (1 if per_channel else 128, block_k))
+            found.append((weight.shape, *_granularity(name, weight.shape, scale, block_size)))
+        block_n = math.gcd(found[0][2], found[1][2])
+        k_blocks = {gran_k for *_, gran_k in found if gran_k is not None}
+        step = math.gcd(*k_blocks) if k_blocks else block_k
+        if step not in (32, 64, 128, 256):
+            raise ValueError(f"the scales' K blocks {sorted(k_blocks)} leave a K step of {step}: it must be "
+                             "32, 64, 128 or 256")
+        scales = []
+        for (experts, n, k), scale, gran_n, gran_k in found:
+            # Each new block of block_n rows (step columns) lies inside one of the checkpoint's blocks.
+            row_of = torch.arange(cdiv(n, block_n), device=scale.device) * block_n // gran_n
+            picked = scale.to(torch.float32)[:, row_of]
+            if gran_k is None:
+                scales.append(picked.expand(experts, row_of.numel(), cdiv(k, step)))
+            else:
+                col_of = torch.arange(cdiv(k, step), device=scale.device) * step // gran_k
+                scales.append(picked[:, :, col_of])
+        return cls(scales[0], scales[1], (block_n, step))
 
     def check(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Raises ValueError/TypeError naming what was expected when the weights and scales disagree."""
@@ -78,9 +88,9 @@ class BlockFp8Weights:
             raise ValueError("block_shape must be two positive ints (block_n, block_k), "
                              f"got {self.block_shape}")
         block_n, block_k = self.block_shape
-        if block_k not in (32, 64, 128, 256) or (block_n % 16 and block_n != 1):
+        if block_k not in (32, 64, 128, 256):
             raise ValueError(f"block_shape (block_n, block_k) = {self.block_shape}: block_k must be 32, 64, "
-                             "128 or 256 and block_n 1 (a scale per row) or a multiple of 16")
+                             "128 or 256")
         for name, weight in (("w13", w13), ("w2", w2)):
             if weight.dtype != FP8_DTYPE:
                 raise TypeError(f"block-scaled {name} must be float8_e4m3fn, got {weight.dtype}")
@@ -95,6 +105,28 @@ class BlockFp8Weights:
                 raise TypeError(f"{name} must be float32, got {scale.dtype}")
             if scale.device != weight.device:
                 raise ValueError(f"{name} is on {scale.device}, its weight on {weight.device}")
+
+
+def _granularity(name: str, weight_shape: torch.Size, scale: torch.Tensor, block_size: tuple[int, int] | None
+                 ) -> tuple[torch.Tensor, int, int | None]:
+    """``scale`` as (E, rows, cols), with the rows and the columns of the weight one of its scales covers
+    (columns None: all of K). The layouts of ``BlockFp8Weights.from_scales``; ValueError for any other."""
+    experts, n, k = weight_shape
+    if scale.dim() > 3 or scale.dim() == 0 or scale.shape[0] != experts:
+        raise ValueError(f"{name} must be (E,), (E, rows) or (E, rows, cols) with E = {experts}, got "
+                         f"{tuple(scale.shape)}")
+    scale = scale.reshape(experts, *scale.shape[1:], *(1,) * (3 - scale.dim()))
+    rows, cols = scale.shape[1:]
+    if block_size is not None and (rows, cols) == (cdiv(n, block_size[0]), cdiv(k, block_size[1])):
+        return scale, block_size[0], block_size[1]
+    gran_k = None if cols == 1 else (block_size[1] if block_size and cols == cdiv(k, block_size[1]) else 0)
+    gran_n = {1: n, n: 1}.get(rows, n // 2 if rows == 2 and n % 2 == 0 else 0)
+    if not gran_n or gran_k == 0:
+        blocks = f", block-scaled {(cdiv(n, block_size[0]), cdiv(k, block_size[1]))}" if block_size else ""
+        raise ValueError(f"{name} of shape {tuple(scale.shape)} fits no FP8 scale layout of a weight "
+                         f"{tuple(weight_shape)}: per-tensor (E,), per-channel (E, {n}), per half (E, 2, 1)"
+                         f"{blocks}")
+    return scale, gran_n, gran_k
 
 
 def uses_block_fp8(w13: torch.Tensor, w2: torch.Tensor) -> bool:
