@@ -233,6 +233,29 @@ def test_fp8_scales_per_gate_up_half_interpreter(block_size):
     _close(got, moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8))
 
 
+@pytest.mark.interpreter
+# 67 tokens, top-2, two adapters and tokens without one: aligned prefill GEMMs with packed shrinks.
+@pytest.mark.parametrize("forced", ["1", "gemm2"])
+def test_fp8_packed_shrinks_interpreter(forced, monkeypatch):
+    """FP8 GEMMs take the slot-range expand (``lora_ext_expand``) only where forced; forced, the packed
+    shrink stays in the LoRA's dtype (the GEMM's a is FP8) and the layer matches the torch path."""
+    from triton_ops.fused_experts import plan_chunk
+
+    x, w13, w2, fp8, weights, ids = _case(67, 2)
+    pool, batch = _pool_and_batch(67)
+    lora = _lora_inputs(pool, batch)
+    args = (67, 2, E, H, INTER, F16, torch.device("cpu"))
+    plan = dict(lora=lora, lora_path="split", config=None, combine=True, scale_block_k=128)
+    monkeypatch.setenv("MOELORA_LORA_EXT", forced)
+    forced_plan = plan_chunk(*args, **plan)
+    assert forced_plan.pack_down and forced_plan.pack_gate_up == (forced == "1")
+    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path="split")
+    _close(got, moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0), batch, fp8=fp8))
+    monkeypatch.delenv("MOELORA_LORA_EXT")
+    rule_plan = plan_chunk(*args, **plan)
+    assert not (rule_plan.pack_down or rule_plan.pack_gate_up)
+
+
 def test_fp8_torch_path_is_the_dequantized_layer():
     """The FP8 torch path equals the bf16-free math it states: dequantized weights, x and h rounded
     through FP8 per group."""

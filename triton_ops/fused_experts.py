@@ -640,16 +640,20 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         down_splits = down_shrink_splits
 
     overlap_through_sum = overlap_through_split_sum(pairs, rank_block)
-    pack_gate_up = split and not decode_shrink and not scale_block_k and lora_ext_expand(
-        cfg.gemm1, gated=True, num_adapters=num_adapters, K=hidden, elem_bytes=elem_bytes)
+    # The GEMMs' tiles are one byte an element with FP8 experts.
+    gemm_bytes = 1 if scale_block_k else elem_bytes
+    pack_gate_up = split and not decode_shrink and lora_ext_expand(
+        cfg.gemm1, gated=True, num_adapters=num_adapters, K=hidden, elem_bytes=gemm_bytes,
+        block_scaled=bool(scale_block_k))
     reduce_gate_up = (split and not decode_shrink and not pack_gate_up
                       and reduce_splits_pays(gate_up_splits, gemm1_n_tiles))
     gate_up_overlap = (shrink_launch_overlap and not decode_shrink
                        and (overlap_through_sum or not (reduce_gate_up or pack_gate_up)))
     pack_down = reduce_down = down_overlap = False
     if split and not down_in_gemm1 and not down_gemv:
-        pack_down = not decode_shrink and not scale_block_k and lora_ext_expand(
-            cfg.gemm2, gated=False, num_adapters=num_adapters, K=intermediate, elem_bytes=elem_bytes)
+        pack_down = not decode_shrink and lora_ext_expand(
+            cfg.gemm2, gated=False, num_adapters=num_adapters, K=intermediate, elem_bytes=gemm_bytes,
+            block_scaled=bool(scale_block_k))
         reduce_down = not decode_shrink and not pack_down and reduce_splits_pays(
             down_splits, cdiv(hidden, cfg.gemm2.block_n))
         down_overlap = shrink_launch_overlap and (overlap_through_sum or not (reduce_down or pack_down))

@@ -691,7 +691,7 @@ def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, 
 
 
 def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: int,
-                    elem_bytes: int = 2) -> bool:
+                    elem_bytes: int = 2, block_scaled: bool = False) -> bool:
     """Whether a prefill GEMM of the split path takes its shrink packed (``pack_shrink_partials``: the
     split sum, the slot scaling and the rounding done once per pair, in the launch that would sum the
     splits) and expands in a K-loop of its own over the block's slot range, slots side by side
@@ -704,7 +704,8 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
     block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills) (docs/performance.md,
     'Levers': slot-range expand).
     ``MOELORA_LORA_EXT=0`` / ``=1`` forces either on every aligned GEMM, ``=gemm1`` / ``=gemm2`` forces it on
-    that GEMM and leaves the other to the rule (to compare)."""
+    that GEMM and leaves the other to the rule (to compare). FP8 GEMMs (``block_scaled``) take it only
+    where forced: the rule was measured on bf16 GEMMs only."""
     forced = os.environ.get("MOELORA_LORA_EXT", "")
     if forced not in ("", "0", "1", "gemm1", "gemm2"):
         raise ValueError(f"MOELORA_LORA_EXT must be 0, 1, gemm1 or gemm2, got {forced!r}")
@@ -712,7 +713,8 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
         return forced == "1"
     if forced == ("gemm1" if gated else "gemm2"):
         return True
-    return (not gated and config.block_m >= 64 and num_adapters >= 2 and K < LONG_K_SLOT_GROUP_MIN_K
+    return (not gated and not block_scaled and config.block_m >= 64 and num_adapters >= 2
+            and K < LONG_K_SLOT_GROUP_MIN_K
             and gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) >= 2)
 
 
@@ -1129,9 +1131,11 @@ def _check_packed(lora: LoRAOperands, a: torch.Tensor, numel: int, *, gated: boo
         raise ValueError("lora.packed replaces lora.shrunk, on aligned rows (no direct_ids) without "
                          "down_shrunk")
     expected = (numel, (2 if gated else 1) * lora.rank_block)
-    if lora.packed.dtype != a.dtype or tuple(lora.packed.shape) != expected or lora.packed.stride(1) != 1:
+    # In the LoRA's dtype: an FP8 GEMM's a is the FP8 copy, its LoRA stays in the activations' dtype.
+    want = lora.lora_b.dtype
+    if lora.packed.dtype != want or tuple(lora.packed.shape) != expected or lora.packed.stride(1) != 1:
         width = "2 x rank_block" if gated else "rank_block"
-        raise ValueError(f"lora.packed must be {a.dtype} {expected} (pairs, {width}), contiguous in its "
+        raise ValueError(f"lora.packed must be {want} {expected} (pairs, {width}), contiguous in its "
                          f"rows, got {lora.packed.dtype} {tuple(lora.packed.shape)}")
 
 
