@@ -256,6 +256,26 @@ def test_fp8_packed_shrinks_interpreter(forced, monkeypatch):
     assert not (rule_plan.pack_down or rule_plan.pack_gate_up)
 
 
+def test_deepseek_per_expert_checkpoint_stacks_into_the_block_layout():
+    """DeepSeek-V3's checkpoints hold each expert's gate, up and down weights with their own
+    ``weight_scale_inv``; stacked as the README says (gate rows, then up rows) they are the block layout:
+    the stacked weights dequantize to the per-expert ones. I = 256: whole 128-row blocks per half."""
+    experts, hidden, inter = 3, 200, 256
+    torch.manual_seed(6)
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    parts = {name: [quantize_fp8_blocks(torch.randn(n, k)) for _ in range(experts)]
+             for name, (n, k) in shapes.items()}
+    w13 = torch.stack([torch.cat([g[0], u[0]]) for g, u in zip(parts["gate"], parts["up"], strict=True)])
+    s13 = torch.stack([torch.cat([g[1], u[1]]) for g, u in zip(parts["gate"], parts["up"], strict=True)])
+    w2 = torch.stack([d[0] for d in parts["down"]])
+    s2 = torch.stack([d[1] for d in parts["down"]])
+    fp8 = BlockFp8Weights(s13, s2)
+    fp8.check(w13, w2)
+    for e in range(experts):
+        want = torch.cat([dequantize_fp8_blocks(*parts[name][e], (128, 128)) for name in ("gate", "up")])
+        assert torch.equal(dequantize_fp8_blocks(w13[e], s13[e], fp8.block_shape), want)
+
+
 def test_fp8_torch_path_is_the_dequantized_layer():
     """The FP8 torch path equals the bf16-free math it states: dequantized weights, x and h rounded
     through FP8 per group."""
