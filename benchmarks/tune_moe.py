@@ -120,7 +120,8 @@ def compile_share(job: int, jobs: int) -> Callable[[Callable[[], object]], float
         if next(calls) % jobs == job:
             try:
                 fn()
-                torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
             except Exception as err:  # out of resources: the timed run skips it too
                 print(f"    compile job {job}: skipped {type(err).__name__}", file=sys.stderr)
         return float("inf")

@@ -718,3 +718,26 @@ def test_fp8_tuned_files_are_their_own(tmp_path, monkeypatch):
         for gemm in (1, 2):
             found = tune_moe.candidates(m, 8, 128, gemm, block_k=128)
             assert found and {c.block_k for c in found} == {128}
+
+
+def test_tuner_compile_jobs_share_the_sweep():
+    """``tune_moe.py --jobs N``: job j of N runs the sweep's calls j, j + N, ... once each (compiling them),
+    times none, and a call that fails (out of resources) is skipped, not fatal."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "tune_moe", Path(__file__).resolve().parents[1] / "benchmarks" / "tune_moe.py")
+    tune_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_moe)
+    ran = {job: [] for job in range(3)}
+    for job in range(3):
+        timer = tune_moe.compile_share(job, 3)
+        for call in range(8):
+            def fn(call=call, job=job):
+                ran[job].append(call)
+                if call == 4:
+                    raise RuntimeError("out of resources")
+            assert timer(fn) == float("inf")
+    assert ran == {0: [0, 3, 6], 1: [1, 4, 7], 2: [2, 5]}
+
