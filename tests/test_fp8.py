@@ -741,3 +741,26 @@ def test_tuner_compile_jobs_share_the_sweep():
             assert timer(fn) == float("inf")
     assert ran == {0: [0, 3, 6], 1: [1, 4, 7], 2: [2, 5]}
 
+
+def test_bench_fp8_table_and_refusal(capsys):
+    """``benchmarks/bench_fp8.py``: its table puts each LoRA column's bf16 and FP8 overheads side by side;
+    without a GPU it refuses with a usage error instead of failing inside."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_fp8", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fp8.py")
+    bench_fp8 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_fp8)
+    record = dict(model="qwen3-30b-a3b", M=64, times_us={"bf16": 400.0, "fp8": 250.0}, fp8_speedup=1.6,
+                  fp8_weight_tbps=2.5, fp8_roofline=0.75,
+                  overheads={"bf16 r16 x4": 0.1, "fp8 r16 x4": 0.2, "bf16 r64 x1": 0.05, "fp8 r64 x1": 0.08})
+    table = bench_fp8.markdown([record], "title")
+    assert "| LoRA r16 x4: bf16 / FP8 overhead | LoRA r64 x1: bf16 / FP8 overhead |" in table
+    row = "| qwen3-30b-a3b | 64 | 400.0 | 250.0 | 1.60 | 2.50 (0.75) | +10.0 / +20.0 % | +5.0 / +8.0 % |"
+    assert row in table
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench_fp8.main(["--M", "1"])
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
