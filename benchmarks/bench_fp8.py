@@ -11,6 +11,9 @@ split path. Reported: µs, the FP8 speedup over bf16 (base), each base's LoRA ov
 weight bandwidth (bytes of the routed experts' FP8 weights and scales over its time) as a fraction of the
 device's HBM peak. Weights, routing and adapters are ``moelora bench``'s (same seeds).
 
+``--ab-env NAME=VALUE`` also times every FP8 call with that switch set (captured with it, timed in the same
+interleaved rounds) and reports the ratio, for levers smaller than the drift between two runs.
+
 Writes a markdown table to stdout and, with ``--out``, JSON plus the table as .md beside it.
 """
 
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +53,26 @@ def routed_expert_count(ids: torch.Tensor, num_experts: int) -> int:
     return int(torch.unique(ids[(ids >= 0) & (ids < num_experts)]).numel())
 
 
+def with_env(assignment: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` called with the environment variable of ``assignment`` (``NAME=VALUE``) set: the launch
+    switches are read as a call launches its kernels, so a graph captured from it keeps that variant's."""
+    name, _, value = assignment.partition("=")
+
+    def call() -> Any:
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+    return call
+
+
 def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int], warmup: float, rep: float,
-                seed: int) -> list[dict[str, Any]]:
+                seed: int, ab_env: str | None = None) -> list[dict[str, Any]]:
     shape = MODELS[name]
     device, dtype = torch.device("cuda"), torch.bfloat16
     w13, w2 = make_weights(shape, dtype, device, seed)
@@ -76,6 +98,9 @@ def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int],
                     x, w13, w2, weights, ids, lora=lora, lora_path="split"))
                 calls[f"fp8 r{rank} x{n}"] = (lambda lora=lora: fused_experts(
                     x, w13_q, w2_q, weights, ids, fp8=fp8, lora=lora, lora_path="split"))
+        if ab_env:  # every FP8 call again with the switch set, timed in the same rounds
+            calls |= {f"{label} [B]": with_env(ab_env, fn) for label, fn in calls.items()
+                      if label.startswith("fp8")}
         timed = graph_times_us(list(calls.values()), warmup, rep)
         times = dict(zip(calls, (us for us, _ in timed), strict=True))
         experts = routed_expert_count(ids, shape.E)
@@ -87,13 +112,18 @@ def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int],
                                       overheads={})
         record["fp8_roofline"] = record["fp8_weight_tbps"] / peak if peak else None
         for label in calls:
-            if " r" in label:
+            if " r" in label and not label.endswith("[B]"):
                 base = label.split()[0]
                 record["overheads"][label] = times[label] / times[base] - 1
+        if ab_env:
+            record["ab_env"] = ab_env
+            record["b_over_a"] = {label[:-4]: times[label] / times[label[:-4]] for label in calls
+                                  if label.endswith(" [B]")}
         records.append(record)
         overheads = ", ".join(f"{k} {100 * v:+.1f} %" for k, v in record["overheads"].items())
+        ab = "".join(f", {ab_env} {k}: {v:.3f}x" for k, v in record.get("b_over_a", {}).items())
         print(f"{name} M={m}: bf16 {times['bf16']:.1f} µs, fp8 {times['fp8']:.1f} µs "
-              f"({record['fp8_speedup']:.2f}x), {overheads}", file=sys.stderr, flush=True)
+              f"({record['fp8_speedup']:.2f}x), {overheads}{ab}", file=sys.stderr, flush=True)
     return records
 
 
@@ -123,15 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="ms of warm-up per call")
     parser.add_argument("--rep", type=float, default=40.0, help="ms of timed replays per call")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ab-env", metavar="NAME=VALUE", help="also time every FP8 call with this "
+                        "environment switch set (captured with it, timed in the same rounds); reported as "
+                        "b_over_a, time with it over time without")
     parser.add_argument("--out", type=Path, metavar="FILE.json")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        parser.error("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset)")
     if min(args.M) < 1 or not all(1 <= n <= SLOTS for n in args.adapters) or min(args.ranks) < 1:
         parser.error(f"--M and --ranks must be >= 1, --adapters in [1, {SLOTS}]")
+    if args.ab_env is not None and ("=" not in args.ab_env or not args.ab_env.partition("=")[0]):
+        parser.error(f"--ab-env must be NAME=VALUE, got {args.ab_env!r}")
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET unset)")
     records = []
     for name in args.models:
-        records += bench_model(name, args.M, args.ranks, args.adapters, args.warmup, args.rep, args.seed)
+        records += bench_model(name, args.M, args.ranks, args.adapters, args.warmup, args.rep, args.seed,
+                               args.ab_env)
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
     title = (f"FP8 (128 x 128 block-scaled W8A8) against bf16 base experts on {device}, bf16 LoRA on the "

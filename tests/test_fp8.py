@@ -10,6 +10,7 @@ LoRA term lost is tens of percent."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -759,8 +760,16 @@ def test_bench_fp8_table_and_refusal(capsys):
     assert "| LoRA r16 x4: bf16 / FP8 overhead | LoRA r64 x1: bf16 / FP8 overhead |" in table
     row = "| qwen3-30b-a3b | 64 | 400.0 | 250.0 | 1.60 | 2.50 (0.75) | +10.0 / +20.0 % | +5.0 / +8.0 % |"
     assert row in table
+    with pytest.raises(SystemExit):
+        bench_fp8.main(["--ab-env", "MOELORA_FP8_TILE_SCALE"])
+    assert "--ab-env must be NAME=VALUE" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            bench_fp8.main(["--M", "1"])
+            bench_fp8.main(["--M", "1", "--ab-env", "MOELORA_FP8_TILE_SCALE=0"])
         assert "needs a CUDA GPU" in capsys.readouterr().err
+    calls = []
+    switched = bench_fp8.with_env("MOELORA_TEST_SWITCH=on", lambda: calls.append(os.environ.get(
+        "MOELORA_TEST_SWITCH")))
+    switched()
+    assert calls == ["on"] and "MOELORA_TEST_SWITCH" not in os.environ
 
