@@ -340,12 +340,20 @@ def _fp8_layer(path, device="cpu", dtype=F16):
 
 
 @pytest.mark.interpreter
-def test_fp8_layer_matches_torch_path_interpreter():
+# Block scales, and per-tensor ones (stride-0 scale tensors through the recorded trace).
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fp8_layer_matches_torch_path_interpreter(per_tensor):
     """The layer with FP8 experts: the Triton split path (a trace recorded, then replayed) against the
     layer's own PyTorch path."""
     from moelora.layer import FusedMoEWithLoRA
 
     layer, x, weights, ids, batch = _fp8_layer("split")
+    if per_tensor:
+        w13, w13_s = _tensor_scaled(dequantize_fp8_blocks(layer.w13, layer.fp8.w13_scale, (128, 128)), False)
+        w2, w2_s = _tensor_scaled(dequantize_fp8_blocks(layer.w2, layer.fp8.w2_scale, (128, 128)), False)
+        fp8 = BlockFp8Weights.from_scales(w13, w2, w13_s, w2_s)
+        assert fp8.w13_scale.stride(2) == 0
+        layer = FusedMoEWithLoRA(w13, w2, pool=layer.pool, layer_id=0, path="split", fp8=fp8)
     torch_layer = FusedMoEWithLoRA(layer.w13, layer.w2, pool=layer.pool, layer_id=0, path="torch",
                                    fp8=layer.fp8)
     want = torch_layer(x, weights, ids, batch)
