@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -391,10 +392,24 @@ class FusedMoEWithLoRA(nn.Module):
                 f"intermediate={two_i // 2}, rsf={self.routed_scaling_factor}, path={self.path}")
 
 
+def _weight_block_size(base: nn.Module) -> Sequence[int] | None:
+    """The FP8 weight block of ``base``: transformers' ``block_size``, or ``weight_block_size`` on the
+    module or its quantization config (vLLM's and SGLang's fused MoE keep it in
+    ``quant_method.quant_config``); None where none is set (per-tensor, per-channel or per-half scales)."""
+    holders = (base, getattr(base, "quant_config", None),
+               getattr(getattr(base, "quant_method", None), "quant_config", None))
+    for holder, name in ((holders[0], "block_size"), *((h, "weight_block_size") for h in holders)):
+        value = getattr(holder, name, None) if holder is not None else None
+        if value is not None:
+            return value
+    return None
+
+
 def fp8_scales_of(base: nn.Module, w13_name: str, w2_name: str) -> BlockFp8Weights:
     """The scales of ``base``'s float8_e4m3fn experts: ``<name>_scale_inv`` (fp32, or power-of-two UE8M0
-    read as fp32) with ``block_size`` (block_n, block_k), or per tensor, per channel or per gate/up half
-    without it (``BlockFp8Weights.from_scales``); ValueError where they are missing or fit none of these."""
+    read as fp32) with their block (``_weight_block_size``), or per tensor, per channel or per gate/up half
+    without one (``BlockFp8Weights.from_scales``); ValueError where they are missing or fit none of these.
+    transformers' ``FP8Experts`` and vLLM/SGLang-style ``w13_weight_scale_inv`` modules alike."""
     from triton_ops.fp8 import BlockFp8Weights
 
     where = type(base).__name__
@@ -402,7 +417,7 @@ def fp8_scales_of(base: nn.Module, w13_name: str, w2_name: str) -> BlockFp8Weigh
     if not all(isinstance(scale, torch.Tensor) for scale in scales):
         raise ValueError(f"{where}: float8_e4m3fn experts need {w13_name}_scale_inv and {w2_name}_scale_inv "
                          "scales")
-    block_size = getattr(base, "block_size", None)
+    block_size = _weight_block_size(base)
     if block_size is not None and len(block_size) != 2:
         raise ValueError(f"{where}: block_size must be (block_n, block_k) or None, got {block_size!r}")
     try:

@@ -531,6 +531,33 @@ def test_from_base_reads_transformers_fp8_experts():
         FusedMoEWithLoRA.from_base(module, pool=pool, layer_id=0)
 
 
+def test_from_base_reads_vllm_style_fp8_moe():
+    """A vLLM/SGLang-style fused MoE module: ``w13_weight`` / ``w2_weight`` float8_e4m3fn with
+    ``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` and the block in ``quant_method.quant_config``
+    (DeepSeek-V3's ``weight_scale_inv`` layout, stacked per expert)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from moelora.layer import FusedMoEWithLoRA
+
+    x, w13, w2, fp8, weights, ids = _case(5, 2)
+    module = nn.Module()
+    for name, tensor in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale_inv", fp8.w13_scale),
+                         ("w2_weight_scale_inv", fp8.w2_scale)):
+        setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    module.quant_method = SimpleNamespace(quant_config=SimpleNamespace(weight_block_size=[128, 128]))
+    pool = MoELoRAMemoryPool(E, H, INTER, [0], max_loras=2, max_rank=8, dtype=F16, device="cpu")
+    layer = FusedMoEWithLoRA.from_base(module, pool=pool, layer_id=0, path="torch")
+    assert layer.fp8.block_shape == (128, 128)
+    assert layer.w13.data_ptr() == w13.data_ptr()  # shared, not copied
+    want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8)
+    assert torch.equal(layer(x, weights, ids.to(torch.int32)), want)
+    del module.quant_method  # no block anywhere: these block-shaped scales fit no other layout
+    with pytest.raises(ValueError, match="w13_scale of shape .* fits no FP8 scale layout"):
+        FusedMoEWithLoRA.from_base(module, pool=pool, layer_id=0)
+
+
 # transformers' FP8Experts allocates (E, 2, ...) gate_up scales where 2I fits one block (I = 32, 128-row
 # blocks), and (E, 2, 1) / (E, 1, 1) per-tensor scales without block_size.
 @pytest.mark.parametrize("block_size", [(128, 128), None])
