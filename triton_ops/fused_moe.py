@@ -149,6 +149,27 @@ def _row_scale(topk_weights_ptr, pair, row_valid, scale, MUL_ROUTED_WEIGHT: tl.c
 
 
 @triton.jit
+def _add_block_scaled_dot(
+    acc,  # (BLOCK_M, BLOCK_N) fp32
+    a,  # (BLOCK_M, BLOCK_K) float8_e4m3fn, one scale group
+    b,  # (BLOCK_K, BLOCK_N) float8_e4m3fn
+    a_scale,  # (BLOCK_M,) fp32 the rows' scales of this group
+    b_scale_ptrs,  # (BLOCK_N,) the columns' weight scales of this group; TILE_B_SCALE: the tile's one
+    col_valid,  # (BLOCK_N,)
+    TILE_B_SCALE: tl.constexpr,
+):
+    """``acc + (a @ b) * a_scale[m] * b_scale[n]``: one K step of the block-scaled product. With
+    TILE_B_SCALE the tile has one weight scale, folded into the rows' scales (one multiply-add per
+    element instead of two)."""
+    if TILE_B_SCALE:
+        scaled = tl.dot(a, b) * (a_scale * tl.load(b_scale_ptrs))[:, None]
+    else:
+        b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
+        scaled = tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+    return acc + scaled
+
+
+@triton.jit
 def _gemm_k_loop(
     a_ptrs,  # (BLOCK_M, BLOCK_K) pointers to the block's rows of a, at K offset 0
     b_ptrs,  # (BLOCK_K, BLOCK_N) pointers to the expert's weight tile (gate rows when gated)
@@ -185,11 +206,7 @@ def _gemm_k_loop(
             b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
         if BLOCK_SCALED:
             a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
-            if TILE_B_SCALE:
-                acc += tl.dot(a, b) * (a_scale * tl.load(b_scale_ptrs))[:, None]
-            else:
-                b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
-                acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+            acc = _add_block_scaled_dot(acc, a, b, a_scale, b_scale_ptrs, col_valid, TILE_B_SCALE)
             a_scale_ptrs += stride_ask
             b_scale_ptrs += stride_bsk
         else:
@@ -200,11 +217,8 @@ def _gemm_k_loop(
             else:
                 b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             if BLOCK_SCALED:
-                if TILE_B_SCALE:
-                    acc_up += tl.dot(a, b_up) * (a_scale * tl.load(up_scale_ptrs))[:, None]
-                else:
-                    up_scale = tl.load(up_scale_ptrs, mask=col_valid, other=0.0)
-                    acc_up += tl.dot(a, b_up) * (a_scale[:, None] * up_scale[None, :])
+                acc_up = _add_block_scaled_dot(acc_up, a, b_up, a_scale, up_scale_ptrs, col_valid,
+                                               TILE_B_SCALE)
                 up_scale_ptrs += stride_bsk
             else:
                 acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
