@@ -49,10 +49,7 @@ from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, quantize_fp8_groups  # no
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
 from triton_ops.fused_moe import invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.hostmath import cdiv  # noqa: E402
-from triton_ops.moe_align import (
-    SINGLE_PROGRAM_MAX_PAIRS,  # noqa: E402
-    moe_align_block_size,  # noqa: E402
-)
+from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size  # noqa: E402
 
 MODELS = {
     "deepseek-v2-lite": (64, 6, 2048, 1408),

@@ -396,10 +396,11 @@ def _weight_block_size(base: nn.Module) -> Sequence[int] | None:
     """The FP8 weight block of ``base``: transformers' ``block_size``, or ``weight_block_size`` on the
     module or its quantization config (vLLM's and SGLang's fused MoE keep it in
     ``quant_method.quant_config``); None where none is set (per-tensor, per-channel or per-half scales)."""
-    holders = (base, getattr(base, "quant_config", None),
-               getattr(getattr(base, "quant_method", None), "quant_config", None))
-    for holder, name in ((holders[0], "block_size"), *((h, "weight_block_size") for h in holders)):
-        value = getattr(holder, name, None) if holder is not None else None
+    quant_config = getattr(base, "quant_config", None)
+    method_config = getattr(getattr(base, "quant_method", None), "quant_config", None)
+    for holder, name in ((base, "block_size"), (base, "weight_block_size"),
+                         (quant_config, "weight_block_size"), (method_config, "weight_block_size")):
+        value = getattr(holder, name, None)
         if value is not None:
             return value
     return None
