@@ -95,6 +95,17 @@ def _lora_inputs(pool, batch):
                          num_adapters=len(batch.slots_used))
 
 
+def _triton_and_torch(x, w13, w2, fp8, weights, ids, path):
+    """``fused_experts`` on FP8 experts and the PyTorch path's reference, with the fixture adapters on
+    ``path`` (None: the base alone) and tokens without one."""
+    pool, batch = _pool_and_batch(x.shape[0])
+    lora = None if path is None else _lora_inputs(pool, batch)
+    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
+    want = moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0) if path else None,
+                                  batch if path else None, fp8=fp8)
+    return got, want
+
+
 def _close(got, want, tolerance=0.01):
     scale = want.float().abs().max()
     err = (got.float() - want.float()).abs().max()
@@ -108,11 +119,7 @@ def _close(got, want, tolerance=0.01):
 @pytest.mark.parametrize("path", [None, "split", "staged"])
 def test_fp8_experts_match_torch_path_interpreter(m, top_k, path):
     x, w13, w2, fp8, weights, ids = _case(m, top_k)
-    pool, batch = _pool_and_batch(m)
-    lora = None if path is None else _lora_inputs(pool, batch)
-    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
-    want = moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0) if path else None,
-                                  batch if path else None, fp8=fp8)
+    got, want = _triton_and_torch(x, w13, w2, fp8, weights, ids, path)
     _close(got, want)
     if path is not None:  # the adapters show: not the base output
         base = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8)
@@ -183,13 +190,7 @@ def test_per_tensor_and_per_channel_fp8_interpreter(per_channel, m, path):
     # The block layout dequantizes to exactly the weights times their tensor or channel scales.
     assert torch.equal(dequantize_fp8_blocks(w13, fp8.w13_scale, fp8.block_shape), w13.float() * w13_s[rows])
     assert torch.equal(dequantize_fp8_blocks(w2, fp8.w2_scale, fp8.block_shape), w2.float() * w2_s[rows])
-    x = torch.randn(m, H).to(F16)
-    pool, batch = _pool_and_batch(m)
-    lora = None if path is None else _lora_inputs(pool, batch)
-    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split")
-    want = moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0) if path else None,
-                                  batch if path else None, fp8=fp8)
-    _close(got, want)
+    _close(*_triton_and_torch(torch.randn(m, H).to(F16), w13, w2, fp8, weights, ids, path))
 
 
 def test_scale_layouts_refusals():
@@ -479,12 +480,10 @@ def test_fp8_experts_in_cuda_graph_gpu():
     def call():
         return fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path="split")
 
+    from moelora.bench import warm_up_on_side_stream
+
     eager = call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_on_side_stream(call)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call()
