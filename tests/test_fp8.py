@@ -492,6 +492,56 @@ def test_fp8_experts_in_cuda_graph_gpu():
     assert torch.equal(out, eager)
 
 
+def test_dependent_fp8_decode_switch(monkeypatch):
+    """``MOELORA_FP8_DEPENDENT_DECODE`` is on by default where dependent launch exists (never on the CPU or
+    in the interpreter); a value other than 0/1 is refused by name."""
+    from triton_ops.pdl import dependent_fp8_decode
+
+    monkeypatch.delenv("MOELORA_FP8_DEPENDENT_DECODE", raising=False)
+    assert not dependent_fp8_decode(torch.device("cpu"))
+    monkeypatch.setenv("MOELORA_FP8_DEPENDENT_DECODE", "yes")
+    with pytest.raises(ValueError, match="MOELORA_FP8_DEPENDENT_DECODE"):
+        dependent_fp8_decode(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+# Qwen3-30B-A3B's expert shape (the chain's measured win); with adapters the chain is GEMM1 -> h
+# quantization -> GEMM2, without them it starts at x's quantization.
+@pytest.mark.parametrize("adapters", [False, True])
+def test_fp8_dependent_decode_chain_bit_equal_over_replays_gpu(adapters, monkeypatch):
+    """One token's FP8 launches chained by dependent launch give, in graph replays with new x, routing
+    (and slot) each time, bit for bit what plain launches give: a link that read its input before the
+    launch before it finished would show as a stale replay."""
+    from triton_ops.pdl import dependent_fp8_decode
+
+    if not dependent_fp8_decode(torch.device("cuda")):
+        pytest.skip("dependent launch needs sm_90 or later")
+    x, w13, w2, fp8, weights, ids = _gpu_case(1, 128, 2048, 768, 8)
+    lora = _gpu_lora(1, 128, 2048, 768) if adapters else None
+
+    def call():
+        return fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path="split")
+
+    from moelora.bench import warm_up_on_side_stream
+
+    warm_up_on_side_stream(call)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    gen = torch.Generator("cuda").manual_seed(4)
+    for step in range(8):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(x.dtype))
+        ids.copy_(torch.randperm(128, generator=gen, device="cuda")[:8].to(torch.int32).view(1, 8))
+        if lora is not None:
+            lora.token_slots.fill_((0, -1, 2)[step % 3])
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MOELORA_FP8_DEPENDENT_DECODE", "0")
+        plain = call()
+        monkeypatch.delenv("MOELORA_FP8_DEPENDENT_DECODE")
+        assert torch.equal(out, plain), f"replay {step} differs from the plain launches"
+
+
 def test_from_base_reads_transformers_fp8_experts():
     """transformers' fine-grained ``FP8Experts`` (weights, ``*_scale_inv`` block scales, ``block_size``):
     ``from_base`` serves them with their scales; the layer's output is the dequantized experts' math."""

@@ -28,7 +28,12 @@ import triton.language as tl
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
-from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
+from triton_ops.pdl import (
+    dependent_launch_supported,
+    programmatic_launch,
+    releasing_launch,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -162,13 +167,16 @@ def moe_align_with_gate_up_shrink(
     out: torch.Tensor,
     align: bool = True,
     release_next: bool = False,
+    dependent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``moe_align_block_size`` plus GEMM1's LoRA shrink into ``out`` (numel, splits, 2 * rank_block) fp32,
     in one launch; at most ``SINGLE_PROGRAM_MAX_PAIRS`` routed pairs. Returns the alignment, or None with
     ``align=False`` (the shrink alone: one token's GEMMs take its pairs directly).
 
     ``release_next`` (sm_90+, ``align=False``): every program, once the kernel before it is done, lets
-    the next launch be scheduled (a GEMM1 launched with ``late_wait``, ``decode_shrink_overlap``)."""
+    the next launch be scheduled (a GEMM1 launched with ``late_wait``, ``decode_shrink_overlap``).
+    ``dependent`` (sm_90+, ignored elsewhere): launched dependently on the launch before it, whose end its
+    programs wait for first (a link of ``pdl.dependent_fp8_decode``'s chain)."""
     if release_next and (align or not dependent_launch_supported(x.device)):
         raise ValueError("release_next needs align=False (the next launch may read only the shrink) and an "
                          "sm_90+ GPU")
@@ -179,7 +187,7 @@ def moe_align_with_gate_up_shrink(
         raise ValueError(f"token_slots must be ({num_tokens},), got {tuple(token_slots.shape)}")
     return _launch_pair_shrink(topk_ids, block_size, num_experts, x, gate_up_a, token_slots, slot_ranks,
                                rank_block=rank_block, out=out, align=align, gated=True,
-                               release_next=release_next)
+                               release_next=release_next, dependent=dependent)
 
 
 def one_token_down_shrink(
@@ -220,7 +228,8 @@ def one_token_down_shrink(
 def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: int, x: torch.Tensor,
                         lora_a: torch.Tensor, token_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
                         rank_block: int, out: torch.Tensor, align: bool, gated: bool,
-                        release_next: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                        release_next: bool, dependent: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     # Without the alignment its outputs only fill the kernel's signature: token_slots stands in for them.
     (sorted_ids, expert_ids, num_post_padded), align_kwargs, num_warps = single_program_align_args(
         topk_ids, block_size, num_experts, placeholder=None if align else token_slots)
@@ -258,7 +267,7 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
         BLOCK_K=block_k,
         ALIGN=align,
         GATED=gated,
-        **releasing_launch(x.device, release_next),
+        **(releasing_launch(x.device, release_next) | programmatic_launch(x.device, always=dependent)),
         num_warps=num_warps,
     )
     return (sorted_ids, expert_ids, num_post_padded) if align else None

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
+from triton_ops.pdl import programmatic_launch, releasing_launch, wait_for_previous_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -157,9 +158,11 @@ def _quantize_groups_kernel(
     FP8_MAX: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # a link of a dependent-launch chain (``dependent_fp8_decode``)
 ):
     """Semantics: the module docstring's activation quantization, for BLOCK_ROWS rows and one group.
     Grid: (cdiv(rows, BLOCK_ROWS), cdiv(K, GROUP))."""
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     col = group * GROUP + tl.arange(0, GROUP)
@@ -175,9 +178,14 @@ def _quantize_groups_kernel(
 
 
 def quantize_fp8_groups(x: torch.Tensor, group: int, *, out: torch.Tensor | None = None,
-                        scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        scales: torch.Tensor | None = None, release_next: bool = False,
+                        dependent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q, s): x (rows, K) quantized per row and group of ``group`` columns (module docstring), x_q
-    (rows, K) float8_e4m3fn and s (rows, cdiv(K, group)) fp32. One launch, no host sync."""
+    (rows, K) float8_e4m3fn and s (rows, cdiv(K, group)) fp32. One launch, no host sync.
+
+    ``release_next`` (sm_90+): the launch lets the next one (launched dependently, waiting for it as its
+    first instruction) be scheduled as soon as its programs start; ``dependent``: this launch is itself
+    dependent on the one before it and waits for it first (``pdl.dependent_fp8_decode``)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with contiguous rows, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
@@ -192,5 +200,6 @@ def quantize_fp8_groups(x: torch.Tensor, group: int, *, out: torch.Tensor | None
     launch(_quantize_groups_kernel, (cdiv(rows, block_rows), cdiv(k, group)),
            x_ptr=x, stride_xm=x.stride(0), q_ptr=out, stride_qm=out.stride(0), scale_ptr=scales,
            stride_sm=scales.stride(0), rows=rows, K=k, MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, GROUP=group,
-           BLOCK_ROWS=block_rows)
+           BLOCK_ROWS=block_rows,
+           **(releasing_launch(x.device, release_next) | programmatic_launch(x.device, always=dependent)))
     return out, scales

@@ -59,7 +59,12 @@ from triton_ops.moe_lora import (
     shrink_row_programs,
 )
 from triton_ops.moe_sum import moe_sum_reduce
-from triton_ops.pdl import decode_shrink_overlap, one_token_dependent_gemm2, prefill_shrink_overlap
+from triton_ops.pdl import (
+    decode_shrink_overlap,
+    dependent_fp8_decode,
+    one_token_dependent_gemm2,
+    prefill_shrink_overlap,
+)
 from triton_ops.shrink_reduce import pack_shrink_partials, reduce_shrink_splits, reduce_splits_pays
 
 LORA_PATHS = ("fused", "split", "staged")
@@ -353,7 +358,8 @@ def fused_experts(
     gemm1_fp8 = gemm2_fp8 = {}
     if block_scaled:
         # The GEMMs' copies of x and of the activated intermediate; the LoRA shrinks read the originals.
-        x_q, x_scale = quantize_fp8_groups(x, scale_block_k)
+        x_q = torch.empty_like(x, dtype=FP8_DTYPE)
+        x_scale = torch.empty((num_tokens, cdiv(hidden, scale_block_k)), dtype=torch.float32, device=x.device)
         h_q = torch.empty((chunk * top_k, intermediate), dtype=FP8_DTYPE, device=x.device)
         h_scale = torch.empty((chunk * top_k, cdiv(intermediate, scale_block_k)), dtype=torch.float32,
                               device=x.device)
@@ -370,6 +376,10 @@ def fused_experts(
         if not chunk_weights.is_contiguous():
             chunk_weights = chunk_weights.contiguous()
         pairs = rows * top_k
+        if block_scaled:
+            # Before any launch GEMM1 may be scheduled early after: GEMM1 reads x_q before a late wait.
+            quantize_fp8_groups(x[start:end], scale_block_k, out=x_q[start:end], scales=x_scale[start:end],
+                                release_next=plan.fp8_chain)
         if lora is not None:
             chunk_slots = lora.token_slots[start:end]
         if plan.decode_shrink:
@@ -378,7 +388,7 @@ def fused_experts(
             alignment = moe_align_with_gate_up_shrink(
                 chunk_ids, cfg.block_m, num_experts, x[start:end], lora.gate_up_a, chunk_slots,
                 lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not plan.direct,
-                release_next=plan.decode_overlap)
+                release_next=plan.decode_overlap, dependent=plan.fp8_chain)
         elif not plan.direct:
             alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
         if plan.direct:
@@ -444,6 +454,7 @@ def fused_experts(
                 lora=gemm1_lora,
                 zero_counters=topk_sum,
                 late_wait=plan.gemm1_late_wait,
+                dependent=plan.fp8_chain and lora is None,
                 **align,
                 **gemm1_fp8,
             )
@@ -451,7 +462,7 @@ def fused_experts(
         if block_scaled:
             # Before the down shrink's launch: a GEMM2 launched early (late_wait) reads h_q before its wait.
             gemm2_a, _ = quantize_fp8_groups(chunk_activated, scale_block_k, out=h_q[:pairs],
-                                             scales=h_scale[:pairs])
+                                             scales=h_scale[:pairs], dependent=plan.fp8_chain)
 
         if plan.down_gemv:
             one_token_down_shrink(chunk_activated, lora.down_a, chunk_ids, chunk_slots, lora.slot_ranks,
@@ -482,7 +493,7 @@ def fused_experts(
             lora=None if staged else gemm2_lora,
             topk_sum=topk_sum,
             late_wait=plan.gemm2_late_wait,
-            dependent=plan.dependent_gemm2,
+            dependent=plan.dependent_gemm2 or plan.fp8_chain,
             **align,
             **gemm2_fp8,
         )
@@ -526,6 +537,9 @@ class ChunkPlan:
         gemm1_late_wait, gemm2_late_wait: the GEMM is launched dependently, waiting after its K-loop.
         dependent_gemm2: one token's GEMM2 is launched dependently after GEMM1
             (``one_token_dependent_gemm2``).
+        fp8_chain: one token's FP8 quantizations are links of a dependent-launch chain
+            (``dependent_fp8_decode``): x quantization -> GEMM1 -> h quantization -> GEMM2, with adapters
+            (``dependent_gemm2``) x quantization -> gate/up shrink (GEMM1 after it as before) -> ... .
     """
 
     config: MoEConfig
@@ -547,6 +561,7 @@ class ChunkPlan:
     gemm1_late_wait: bool = False
     gemm2_late_wait: bool = False
     dependent_gemm2: bool = False
+    fp8_chain: bool = False
 
 
 def fp8_lora_takes_bf16_tiles(rows: int) -> bool:
@@ -594,8 +609,10 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
               and decode_direct_pairs(rows))
     fused_sum = combine and not staged and not align_sparse and fused_topk_sum(rows, top_k)
     dependent_gemm2 = split and direct and one_token_dependent_gemm2(device)
+    fp8_chain = (bool(scale_block_k) and direct and (lora is None or dependent_gemm2)
+                 and dependent_fp8_decode(device))
     if lora is None or lora_path == "fused":
-        return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum)
+        return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum, fp8_chain=fp8_chain)
 
     # Decode on the split path: GEMM1's shrink rides in the alignment's launch (or, for one token, whose
     # GEMMs need no alignment, is that launch).
@@ -664,6 +681,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         reduce_gate_up=reduce_gate_up, reduce_down=reduce_down, gate_up_overlap=gate_up_overlap,
         down_overlap=down_overlap, gemm1_late_wait=decode_overlap or gate_up_overlap,
         gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap, dependent_gemm2=dependent_gemm2,
+        fp8_chain=fp8_chain,
     )
 
 

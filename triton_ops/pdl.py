@@ -95,6 +95,17 @@ def one_token_dependent_gemm2(device: torch.device) -> bool:
             and dependent_launch_supported(device))
 
 
+def dependent_fp8_decode(device: torch.device) -> bool:
+    """Whether one decode token's FP8 layer chains its launches (x quantization, GEMM1, h quantization,
+    GEMM2) by dependent launch: each is scheduled while the one before it runs and waits for it as its
+    first instruction, so only the launch gaps shrink (same bits). With adapters (where GEMM2 is launched
+    dependently anyway, ``one_token_dependent_gemm2``) the gate/up shrink's launch is the link after the
+    x quantization, and GEMM1 keeps its late wait on that launch.
+    On by default where dependent launch exists; ``MOELORA_FP8_DEPENDENT_DECODE=0`` turns it off."""
+    return (env_switch("MOELORA_FP8_DEPENDENT_DECODE", default=True)
+            and dependent_launch_supported(device))
+
+
 def releasing_launch(device: torch.device, release_next: bool) -> dict:
     """Keyword arguments for a launch of a kernel whose ``USE_PDL`` prologue waits for the kernel before
     it and then releases the next (``wait_for_previous_kernel``): ``programmatic_launch``'s, plus the
