@@ -8,13 +8,16 @@ from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceL
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.layer import FusedMoEWithLoRA
 from moelora.pool import LoRALayerBuffers, MoELoRAMemoryPool
+from moelora.pool_report import AdapterMemory, PoolMemoryReport
 
 __all__ = [
     "AdapterLoadError",
+    "AdapterMemory",
     "FusedMoEWithLoRA",
     "LoRALayerBuffers",
     "LoRAProjection",
     "MoELoRABatchInfo",
     "MoELoRAMemoryPool",
+    "PoolMemoryReport",
     "ReferenceLoRA",
 ]

@@ -19,9 +19,10 @@ only write into them in place (kernels and captured CUDA graphs hold these tenso
 Lifecycle: adapters are loaded from PEFT directories (``load_adapter``, ``load_adapter_async``) or given
 as tensors (``add_adapter_weights``). When every slot is taken, the least recently used adapter that is
 neither pinned nor used by a live :class:`MoELoRABatchInfo` is evicted to the host tier (validated,
-rank-sized host copies of the last ``max_cpu_loras`` adapters, pinned on CUDA), from which a re-load or
-a ``prepare_batch`` naming it is served without reading the disk again. All public methods are
-thread-safe.
+rank-sized host copies of the last ``max_cpu_loras`` adapters), from which a re-load or a
+``prepare_batch`` naming it is served without reading the disk again. On CUDA every host-to-device copy
+goes through one pinned staging buffer the pool allocates at construction (``moelora.staging``): loads
+allocate no pinned memory while serving. All public methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ import torch
 
 from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
 from moelora.batch_info import MoELoRABatchInfo
+from moelora.load_worker import LoadWorker
 from moelora.parallel import MoEShard
 from moelora.peft_loader import check_adapter_path, pool_slot_bytes, read_peft_adapter
+from moelora.pool_report import AdapterMemory, PoolMemoryReport
+from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
 
 __all__ = ["AdapterLoadError", "LoRALayerBuffers", "MoELoRAMemoryPool"]
 
@@ -115,7 +119,251 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class MoELoRAMemoryPool:
+class _AdapterStager:
+    """Validates an adapter and converts it into rank-sized host stacks in the pool dtype: everything a
+    pool does to an adapter before touching a slot. Needs only the pool's sizes (``num_experts``,
+    ``hidden_size``, ``intermediate_size``, ``layer_ids``, ``max_rank``, ``dtype``, ``shard``), so a
+    copy of them (``sizes_of``) stages in another process."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    layer_ids: tuple[int, ...]
+    max_rank: int
+    dtype: torch.dtype
+    shard: MoEShard | None
+
+    @classmethod
+    def sizes_of(cls, pool: _AdapterStager) -> _AdapterStager:
+        """A stager with ``pool``'s sizes and nothing else (picklable)."""
+        stager = cls()
+        for attr in ("num_experts", "hidden_size", "intermediate_size", "layer_ids", "max_rank", "dtype",
+                     "shard"):
+            setattr(stager, attr, getattr(pool, attr))
+        return stager
+
+    def _read_and_stage(self, name: str, path: Path) -> _StagedAdapter:
+        """Reads and validates the PEFT directory ``path`` (checked) and stages it as ``name``."""
+        shard = self.shard
+        layers, report = read_peft_adapter(
+            path, num_experts=shard.num_experts if shard else self.num_experts, hidden_size=self.hidden_size,
+            intermediate_size=shard.intermediate_size if shard else self.intermediate_size,
+            layer_ids=self.layer_ids, max_rank=self.max_rank,
+            dtype=torch.float32, pool_dtype=self.dtype,  # one rounding, after any per-module rescale
+        )
+        if shard is not None:
+            layers = shard.split_adapter(name, layers)
+            report.pool_bytes = pool_slot_bytes(self.num_experts, self.hidden_size, self.intermediate_size,
+                                                len(self.layer_ids), self.max_rank, self.dtype)
+        staged = self._stage(name, layers)
+        staged.source = str(path.resolve())
+        report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
+        staged.report = report
+        return staged
+
+    def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> _StagedAdapter:
+        """Validates the adapter and converts it on the host; raises AdapterLoadError, touches nothing."""
+        if not isinstance(layers, Mapping):
+            raise AdapterLoadError(
+                f"adapter {name!r}: layers must be a dict layer id -> ReferenceLoRA, "
+                f"got {type(layers).__name__}"
+            )
+        for lid, lora in layers.items():
+            if not _is_int(lid) or lid not in self.layer_ids:
+                raise AdapterLoadError(
+                    f"adapter {name!r}: layer {lid!r} is not a MoE layer of this pool "
+                    f"(layer_ids {list(self.layer_ids)})"
+                )
+            if not isinstance(lora, ReferenceLoRA):
+                raise AdapterLoadError(
+                    f"adapter {name!r} layer {lid}: expected a ReferenceLoRA, got {type(lora).__name__}"
+                )
+
+        h, i = self.hidden_size, self.intermediate_size
+        dims = {"gate": (h, i), "up": (h, i), "down": (i, h)}  # (in, out)
+        raw: list[tuple[int, int, str, LoRAProjection]] = []
+        for lid in sorted(layers):
+            lora = layers[lid]
+            projs = {p: getattr(lora, p) for p in _PROJECTIONS}
+            experts: set[int] = set()
+            for p, d in projs.items():
+                if not isinstance(d, Mapping):
+                    raise AdapterLoadError(
+                        f"adapter {name!r} layer {lid} {p}: expected a dict expert -> LoRAProjection, "
+                        f"got {type(d).__name__}"
+                    )
+                for e in d:
+                    if not _is_int(e) or not 0 <= e < self.num_experts:
+                        raise AdapterLoadError(
+                            f"adapter {name!r} layer {lid} {p}: expert {e!r} out of range "
+                            f"[0, num_experts={self.num_experts})"
+                        )
+                experts.update(d)
+            for e in sorted(experts):
+                for p in _PROJECTIONS:
+                    if e in projs[p]:
+                        raw.append((lid, e, p, projs[p][e]))
+
+        staged = self._stage_stacked(name, raw, dims)
+        if staged is not None:
+            return staged
+
+        # Module by module: the reference path, and the one that names the first problem exactly.
+        for lid, e, p, proj in raw:
+            self._check_module(name, lid, e, p, proj, *dims[p])
+
+        live = [m for m in raw if m[3].a.shape[0] > 0]
+        rank = max((m[3].a.shape[0] for m in live), default=0)
+        scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
+
+        e_count, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
+                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
+        stacks: dict[int, dict[str, torch.Tensor]] = {}
+        for lid, e, p, proj in live:
+            where = f"adapter {name!r} layer {lid} expert {e} {p}"
+            a = proj.a.detach().to(device="cpu", dtype=torch.float32)
+            b = proj.b.detach().to(device="cpu", dtype=torch.float32)
+            s = float(proj.scaling)
+            if s != scaling:
+                b = b * (s / scaling)
+            a_c, b_c = a.to(self.dtype), b.to(self.dtype)
+            for what, t in (("A", a_c), ("B", b_c)):
+                if not bool(torch.isfinite(t).all()):
+                    extra = f" after rescaling by scaling {s} / slot scaling {scaling}" if what == "B" else ""
+                    raise AdapterLoadError(
+                        f"{where}: LoRA {what} overflows the pool dtype {_dtype_name(self.dtype)}{extra}"
+                    )
+            layer = stacks.setdefault(lid, {})
+            r = int(a.shape[0])
+            for key, t in ((f"{p}_a", a_c), (f"{p}_b", b_c)):
+                if key not in layer:
+                    layer[key] = torch.zeros(shapes[key], dtype=self.dtype)
+                if key.endswith("_a"):
+                    layer[key][e, :r] = t
+                else:
+                    layer[key][e, :, :r] = t
+        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
+        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
+
+    def _stage_stacked(
+        self,
+        name: str,
+        raw: list[tuple[int, int, str, LoRAProjection]],
+        dims: Mapping[str, tuple[int, int]],
+    ) -> _StagedAdapter | None:
+        """:meth:`_stage` with a few tensor ops per (layer, projection) stack instead of per module.
+
+        Gives exactly the stacks of the module-by-module path, or ``None`` when that path must run: a
+        problem anywhere (it then raises the first one, in its order, with its message), or tensors off
+        the CPU. Values are checked once, on the final stacks in the pool dtype: a non-finite input stays
+        non-finite through the float32 cast, the rescale and the pool-dtype cast, and an overflow shows
+        as an infinity, so a stack is finite exactly when every module check of that path passes.
+        """
+        try:
+            for lid, e, p, proj in raw:
+                self._check_module(name, lid, e, p, proj, *dims[p], values=False)
+        except AdapterLoadError:
+            return None
+        std = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        if any(t.device.type != "cpu" or t.dtype not in std for m in raw for t in (m[3].a, m[3].b)):
+            return None
+
+        live = [m for m in raw if m[3].a.shape[0] > 0]
+        rank = max((m[3].a.shape[0] for m in live), default=0)
+        scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
+
+        e_count, h, i, f32 = self.num_experts, self.hidden_size, self.intermediate_size, torch.float32
+        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
+                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
+        groups: dict[int, dict[str, list[tuple[int, LoRAProjection]]]] = {}
+        for lid, e, p, proj in live:
+            groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
+
+        stacks: dict[int, dict[str, torch.Tensor]] = {}
+        ranges: list[torch.Tensor] = []
+        with torch.no_grad():
+            for lid, projs in groups.items():
+                layer = stacks.setdefault(lid, {})
+                for p in _PROJECTIONS:
+                    mods = projs.get(p)
+                    if not mods:
+                        continue
+                    ratios = [float(proj.scaling) / scaling if float(proj.scaling) != scaling else 1.0
+                              for _, proj in mods]
+                    full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
+                    for key in (f"{p}_a", f"{p}_b"):
+                        is_b = key.endswith("_b")
+                        ts = [proj.b if is_b else proj.a for _, proj in mods]
+                        ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
+                        if full:  # every expert at the slot rank: one stack (+ one rescale) + one cast
+                            dst = torch.empty(shapes[key], dtype=self.dtype)
+                            if is_b and any(r != 1.0 for r in ratios):
+                                ratio = torch.tensor(ratios, dtype=torch.float64).to(f32).view(-1, 1, 1)
+                                dst.copy_(torch.stack(ts).mul_(ratio))
+                            elif self.dtype == f32:
+                                torch.stack(ts, out=dst)
+                            else:
+                                dst.copy_(torch.stack(ts))
+                        else:  # missing experts or lower ranks: zeros, then module by module
+                            dst = torch.zeros(shapes[key], dtype=self.dtype)
+                            for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
+                                r = t.shape[1] if is_b else t.shape[0]
+                                if is_b and ratio_e != 1.0:
+                                    t = t * ratio_e
+                                (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
+                        ranges.extend(torch.aminmax(dst))
+                        layer[key] = dst
+        if ranges and not bool(torch.isfinite(torch.stack(ranges)).all()):
+            return None  # NaN propagates through aminmax; the module path names the problem
+        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
+        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
+
+    def _check_module(
+        self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int, *, values: bool = True
+    ) -> None:
+        where = f"adapter {name!r} layer {lid} expert {e} {p}"
+        if not isinstance(proj, LoRAProjection):
+            raise AdapterLoadError(f"{where}: expected a LoRAProjection, got {type(proj).__name__}")
+        for what, t in (("A", proj.a), ("B", proj.b)):
+            if not isinstance(t, torch.Tensor):
+                raise AdapterLoadError(f"{where}: LoRA {what} must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise AdapterLoadError(f"{where}: LoRA {what} must be a float tensor, got dtype {t.dtype}")
+            if t.dim() != 2:
+                raise AdapterLoadError(f"{where}: LoRA {what} must be 2-D, got shape {tuple(t.shape)}")
+        r = int(proj.a.shape[0])
+        if proj.a.shape[1] != in_f:
+            raise AdapterLoadError(
+                f"{where}: LoRA A has wrong shape {tuple(proj.a.shape)}, expected (r, {in_f})"
+            )
+        if proj.b.shape[0] != out_f:
+            raise AdapterLoadError(
+                f"{where}: LoRA B has wrong shape {tuple(proj.b.shape)}, expected ({out_f}, r)"
+            )
+        if proj.b.shape[1] != r:
+            raise AdapterLoadError(
+                f"{where}: rank mismatch: A has rank {r} ({tuple(proj.a.shape)}) but B has rank "
+                f"{proj.b.shape[1]} ({tuple(proj.b.shape)})"
+            )
+        if r > self.max_rank:
+            raise AdapterLoadError(f"{where}: rank {r} exceeds the pool's max_rank {self.max_rank}")
+        s = proj.scaling
+        if isinstance(s, torch.Tensor):
+            s = s.item() if s.numel() == 1 else None
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
+            raise AdapterLoadError(f"{where}: scaling must be a finite number, got {proj.scaling!r}")
+        if abs(s) > _FLOAT32_MAX:  # the slot table is float32: it would overflow there
+            raise AdapterLoadError(f"{where}: scaling {s!r} does not fit float32 (|s| <= {_FLOAT32_MAX:.4g})")
+        if not values:
+            return
+        for what, t in (("A", proj.a), ("B", proj.b)):
+            if not bool(torch.isfinite(t).all()):
+                bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+                raise AdapterLoadError(f"{where}: LoRA {what} holds non-finite values ({bad})")
+
+
+class MoELoRAMemoryPool(_AdapterStager):
     """GPU (or CPU) memory pool holding up to ``max_loras`` LoRA adapters of one MoE model.
 
     Args:
@@ -128,9 +376,14 @@ class MoELoRAMemoryPool:
         dtype: buffer dtype: float32, float16 or bfloat16.
         device: where the buffers live.
         max_cpu_loras: host tier size: validated host copies of this many recently loaded adapters
-            are kept (pinned on CUDA) so a re-load or a batch naming an evicted adapter skips the disk.
-        pin_host_memory: stage adapters in pinned host memory (default: on CUDA). Pinned staging makes
-            slot copies fastest, but allocating it can stall other threads' CUDA launches.
+            are kept so a re-load or a batch naming an evicted adapter skips the disk.
+        pin_host_memory: copy adapters into slots through a pinned staging buffer allocated here, once
+            (default: on CUDA); False copies from pageable memory (slower, no pinned memory at all).
+        staging_bytes: size of that buffer (default 64 MiB, in four chunks: one chunk must hold one
+            expert of the largest stack, max_rank x max(H, I) elements).
+        load_process: asynchronous loads read, validate and stage adapters in a spawned process
+            (``moelora.load_worker``; default: on CUDA), so their host work does not hold this process's
+            interpreter lock while it serves; False runs them in a thread of this process.
         shard: a :class:`moelora.parallel.MoEShard` of a tensor- or expert-parallel rank: ``num_experts``
             and ``intermediate_size`` stay the model's, the buffers hold the shard's experts and I share,
             and every adapter (given or read for the whole model) is stored as the shard's part of it.
@@ -157,6 +410,8 @@ class MoELoRAMemoryPool:
         max_cpu_loras: int = 0,
         pin_host_memory: bool | None = None,
         shard: MoEShard | None = None,
+        staging_bytes: int | None = None,
+        load_process: bool | None = None,
     ) -> None:
         self.num_experts = _check_positive_int("num_experts", num_experts)
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
@@ -220,6 +475,13 @@ class MoELoRAMemoryPool:
         self.max_cpu_loras = int(max_cpu_loras)
         on_cuda = self.device.type == "cuda"
         self.pin_host_memory = on_cuda if pin_host_memory is None else bool(pin_host_memory)
+        self._staging: PinnedStaging | None = None
+        if staging_bytes is not None and (not _is_int(staging_bytes) or staging_bytes <= 0):
+            raise ValueError(f"staging_bytes must be a positive int, got {staging_bytes!r}")
+        if on_cuda and self.pin_host_memory:
+            widest = self.max_rank * max(h, i) * torch.empty((), dtype=dtype).element_size()
+            self._staging = PinnedStaging(staging_bytes or DEFAULT_STAGING_BYTES, self.device,
+                                          widest_row=widest, what=f"a rank-{self.max_rank} LoRA stack")
         self._lock = threading.RLock()
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recent first
         self._pinned: set[str] = set()
@@ -230,6 +492,7 @@ class MoELoRAMemoryPool:
         self._host_tier: OrderedDict[str, _StagedAdapter] = OrderedDict()
         self._staged: dict[str, _StagedAdapter] = {}  # resident adapters' host copies (reports, re-loads)
         self._executor: ThreadPoolExecutor | None = None
+        self._load_worker = LoadWorker() if (on_cuda if load_process is None else load_process) else None
 
     # ----------------------------------------------------------------------------------------------
     # Queries
@@ -257,6 +520,32 @@ class MoELoRAMemoryPool:
             if staged is None:
                 raise ValueError(f"adapter {name!r} is not held; loaded adapters: {self.adapters()}")
             return staged.report
+
+    def memory_report(self) -> PoolMemoryReport:
+        """Bytes per adapter, slot use, the slot layout's padding, the host tier and the pinned staging
+        buffer, with each adapter's tier, pin and live-batch count (:class:`PoolMemoryReport`)."""
+        with self._lock:
+            slot_bytes = self.nbytes // self.max_loras
+            adapters = []
+            for slot, name in enumerate(self.slot_adapters):
+                if not isinstance(name, str):
+                    continue
+                staged = self._staged[name]
+                adapters.append(AdapterMemory(
+                    name=name, tier="gpu", slot=slot, pinned=name in self._pinned,
+                    users=self._slot_users[slot], rank=staged.rank, bytes=staged.nbytes,
+                    slot_bytes=slot_bytes))
+            resident_bytes = sum(a.bytes for a in adapters)
+            for name, staged in self._host_tier.items():
+                adapters.append(AdapterMemory(name=name, tier="host", slot=None, pinned=False, users=0,
+                                              rank=staged.rank, bytes=staged.nbytes, slot_bytes=0))
+            resident = sum(a.tier == "gpu" for a in adapters)
+            return PoolMemoryReport(
+                device=str(self.device), slots=self.max_loras, free_slots=len(self.free_slots),
+                device_bytes=self.nbytes, slot_bytes=slot_bytes, resident_bytes=resident_bytes,
+                padding_bytes=resident * slot_bytes - resident_bytes,
+                host_tier_bytes=sum(s.nbytes for s in self._host_tier.values()),
+                staging_bytes=self._staging.nbytes if self._staging is not None else 0, adapters=adapters)
 
     def pin(self, name: str) -> None:
         """Never evict ``name`` (until ``unpin``); it must be resident."""
@@ -414,8 +703,9 @@ class MoELoRAMemoryPool:
                 raise ValueError(f"adapter {name!r} is pinned; unpin it before unloading")
             self._evict_slot(slot)
 
-    def _stage_from(self, name: str, path: str | Path) -> _StagedAdapter:
-        """Host-tier copy of the same adapter if there is one, else read + validate the files."""
+    def _stage_from(self, name: str, path: str | Path, *, in_worker: bool = False) -> _StagedAdapter:
+        """Host-tier copy of the same adapter if there is one, else read + validate the files (in the load
+        process with ``in_worker``)."""
         if not isinstance(name, str) or not name:
             raise AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
         # Before resolving: Path("") is the current directory (and would match a host-tier copy read from it).
@@ -427,22 +717,9 @@ class MoELoRAMemoryPool:
                 self._host_tier.move_to_end(name)
                 return cached
 
-        shard = self.shard
-        layers, report = read_peft_adapter(
-            path, num_experts=shard.num_experts if shard else self.num_experts, hidden_size=self.hidden_size,
-            intermediate_size=shard.intermediate_size if shard else self.intermediate_size,
-            layer_ids=self.layer_ids, max_rank=self.max_rank,
-            dtype=torch.float32, pool_dtype=self.dtype,  # one rounding, after any per-module rescale
-        )
-        if shard is not None:
-            layers = shard.split_adapter(name, layers)
-            report.pool_bytes = pool_slot_bytes(self.num_experts, self.hidden_size, self.intermediate_size,
-                                                len(self.layer_ids), self.max_rank, self.dtype)
-        staged = self._stage(name, layers)
-        staged.source = source
-        report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
-        staged.report = report
-        return staged
+        if in_worker:
+            return self._load_worker.stage(_AdapterStager.sizes_of(self), name, path)
+        return self._read_and_stage(name, path)
 
     def _place(self, staged: _StagedAdapter, *, stream: torch.cuda.Stream | None = None) -> int:
         """Takes a slot for ``staged`` (free, else LRU eviction) and writes it. Caller holds the lock."""
@@ -513,7 +790,7 @@ class MoELoRAMemoryPool:
         self._host_tier.pop(staged.name, None)
 
     def _load_async_job(self, name: str, path: str | Path) -> object:
-        staged = self._stage_from(name, path)
+        staged = self._stage_from(name, path, in_worker=self._load_worker is not None)
         on_cuda = self.device.type == "cuda"
         with self._lock:
             if name in self.adapter_slots:
@@ -529,10 +806,10 @@ class MoELoRAMemoryPool:
                 # ran): the copy waits for them; forwards queued later never see the slot until publish.
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    self._write_slot(slot, staged, non_blocking=True)
+                    self._write_slot(slot, staged, stream=stream)
                 done = torch.cuda.Event()
                 done.record(stream)
-                done.synchronize()  # in this background thread only; keeps the pinned sources alive too
+                done.synchronize()  # in this background thread only: publish after the copy
             else:
                 self._write_slot(slot, staged)
         except BaseException:
@@ -552,214 +829,14 @@ class MoELoRAMemoryPool:
         self.slot_ranks[slot].fill_(int(rank))
         self.slot_scalings[slot].fill_(float(scaling))
 
-    def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> _StagedAdapter:
-        """Validates the adapter and converts it on the host; raises AdapterLoadError, touches nothing."""
-        if not isinstance(layers, Mapping):
-            raise AdapterLoadError(
-                f"adapter {name!r}: layers must be a dict layer id -> ReferenceLoRA, "
-                f"got {type(layers).__name__}"
-            )
-        for lid, lora in layers.items():
-            if not _is_int(lid) or lid not in self.layers:
-                raise AdapterLoadError(
-                    f"adapter {name!r}: layer {lid!r} is not a MoE layer of this pool "
-                    f"(layer_ids {list(self.layer_ids)})"
-                )
-            if not isinstance(lora, ReferenceLoRA):
-                raise AdapterLoadError(
-                    f"adapter {name!r} layer {lid}: expected a ReferenceLoRA, got {type(lora).__name__}"
-                )
-
-        h, i = self.hidden_size, self.intermediate_size
-        dims = {"gate": (h, i), "up": (h, i), "down": (i, h)}  # (in, out)
-        raw: list[tuple[int, int, str, LoRAProjection]] = []
-        for lid in sorted(layers):
-            lora = layers[lid]
-            projs = {p: getattr(lora, p) for p in _PROJECTIONS}
-            experts: set[int] = set()
-            for p, d in projs.items():
-                if not isinstance(d, Mapping):
-                    raise AdapterLoadError(
-                        f"adapter {name!r} layer {lid} {p}: expected a dict expert -> LoRAProjection, "
-                        f"got {type(d).__name__}"
-                    )
-                for e in d:
-                    if not _is_int(e) or not 0 <= e < self.num_experts:
-                        raise AdapterLoadError(
-                            f"adapter {name!r} layer {lid} {p}: expert {e!r} out of range "
-                            f"[0, num_experts={self.num_experts})"
-                        )
-                experts.update(d)
-            for e in sorted(experts):
-                for p in _PROJECTIONS:
-                    if e in projs[p]:
-                        raw.append((lid, e, p, projs[p][e]))
-
-        staged = self._stage_stacked(name, raw, dims)
-        if staged is not None:
-            return staged
-
-        # Module by module: the reference path, and the one that names the first problem exactly.
-        for lid, e, p, proj in raw:
-            self._check_module(name, lid, e, p, proj, *dims[p])
-
-        live = [m for m in raw if m[3].a.shape[0] > 0]
-        rank = max((m[3].a.shape[0] for m in live), default=0)
-        scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
-
-        e_count, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
-                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
-        stacks: dict[int, dict[str, torch.Tensor]] = {}
-        for lid, e, p, proj in live:
-            where = f"adapter {name!r} layer {lid} expert {e} {p}"
-            a = proj.a.detach().to(device="cpu", dtype=torch.float32)
-            b = proj.b.detach().to(device="cpu", dtype=torch.float32)
-            s = float(proj.scaling)
-            if s != scaling:
-                b = b * (s / scaling)
-            a_c, b_c = a.to(self.dtype), b.to(self.dtype)
-            for what, t in (("A", a_c), ("B", b_c)):
-                if not bool(torch.isfinite(t).all()):
-                    extra = f" after rescaling by scaling {s} / slot scaling {scaling}" if what == "B" else ""
-                    raise AdapterLoadError(
-                        f"{where}: LoRA {what} overflows the pool dtype {_dtype_name(self.dtype)}{extra}"
-                    )
-            layer = stacks.setdefault(lid, {})
-            r = int(a.shape[0])
-            for key, t in ((f"{p}_a", a_c), (f"{p}_b", b_c)):
-                if key not in layer:
-                    layer[key] = torch.zeros(shapes[key], dtype=self.dtype)
-                if key.endswith("_a"):
-                    layer[key][e, :r] = t
-                else:
-                    layer[key][e, :, :r] = t
-        if self.device.type == "cuda" and self.pin_host_memory:
-            stacks = {lid: {k: t.pin_memory() for k, t in st.items()} for lid, st in stacks.items()}
-        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
-        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
-
-    def _stage_stacked(
-        self,
-        name: str,
-        raw: list[tuple[int, int, str, LoRAProjection]],
-        dims: Mapping[str, tuple[int, int]],
-    ) -> _StagedAdapter | None:
-        """:meth:`_stage` with a few tensor ops per (layer, projection) stack instead of per module.
-
-        Gives exactly the stacks of the module-by-module path, or ``None`` when that path must run: a
-        problem anywhere (it then raises the first one, in its order, with its message), or tensors off
-        the CPU. Values are checked once, on the final stacks in the pool dtype: a non-finite input stays
-        non-finite through the float32 cast, the rescale and the pool-dtype cast, and an overflow shows
-        as an infinity, so a stack is finite exactly when every module check of that path passes.
-        """
-        try:
-            for lid, e, p, proj in raw:
-                self._check_module(name, lid, e, p, proj, *dims[p], values=False)
-        except AdapterLoadError:
-            return None
-        std = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-        if any(t.device.type != "cpu" or t.dtype not in std for m in raw for t in (m[3].a, m[3].b)):
-            return None
-
-        live = [m for m in raw if m[3].a.shape[0] > 0]
-        rank = max((m[3].a.shape[0] for m in live), default=0)
-        scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
-
-        e_count, h, i, f32 = self.num_experts, self.hidden_size, self.intermediate_size, torch.float32
-        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
-                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
-        pin = self.device.type == "cuda" and self.pin_host_memory
-        groups: dict[int, dict[str, list[tuple[int, LoRAProjection]]]] = {}
-        for lid, e, p, proj in live:
-            groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
-
-        stacks: dict[int, dict[str, torch.Tensor]] = {}
-        ranges: list[torch.Tensor] = []
-        with torch.no_grad():
-            for lid, projs in groups.items():
-                layer = stacks.setdefault(lid, {})
-                for p in _PROJECTIONS:
-                    mods = projs.get(p)
-                    if not mods:
-                        continue
-                    ratios = [float(proj.scaling) / scaling if float(proj.scaling) != scaling else 1.0
-                              for _, proj in mods]
-                    full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
-                    for key in (f"{p}_a", f"{p}_b"):
-                        is_b = key.endswith("_b")
-                        ts = [proj.b if is_b else proj.a for _, proj in mods]
-                        ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
-                        if full:  # every expert at the slot rank: one stack (+ one rescale) + one cast
-                            dst = torch.empty(shapes[key], dtype=self.dtype, pin_memory=pin)
-                            if is_b and any(r != 1.0 for r in ratios):
-                                ratio = torch.tensor(ratios, dtype=torch.float64).to(f32).view(-1, 1, 1)
-                                dst.copy_(torch.stack(ts).mul_(ratio))
-                            elif self.dtype == f32:
-                                torch.stack(ts, out=dst)
-                            else:
-                                dst.copy_(torch.stack(ts))
-                        else:  # missing experts or lower ranks: zeros, then module by module
-                            dst = torch.zeros(shapes[key], dtype=self.dtype, pin_memory=pin)
-                            for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
-                                r = t.shape[1] if is_b else t.shape[0]
-                                if is_b and ratio_e != 1.0:
-                                    t = t * ratio_e
-                                (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
-                        ranges.extend(torch.aminmax(dst))
-                        layer[key] = dst
-        if ranges and not bool(torch.isfinite(torch.stack(ranges)).all()):
-            return None  # NaN propagates through aminmax; the module path names the problem
-        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
-        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
-
-    def _check_module(
-        self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int, *, values: bool = True
-    ) -> None:
-        where = f"adapter {name!r} layer {lid} expert {e} {p}"
-        if not isinstance(proj, LoRAProjection):
-            raise AdapterLoadError(f"{where}: expected a LoRAProjection, got {type(proj).__name__}")
-        for what, t in (("A", proj.a), ("B", proj.b)):
-            if not isinstance(t, torch.Tensor):
-                raise AdapterLoadError(f"{where}: LoRA {what} must be a torch.Tensor, got {type(t).__name__}")
-            if not t.is_floating_point():
-                raise AdapterLoadError(f"{where}: LoRA {what} must be a float tensor, got dtype {t.dtype}")
-            if t.dim() != 2:
-                raise AdapterLoadError(f"{where}: LoRA {what} must be 2-D, got shape {tuple(t.shape)}")
-        r = int(proj.a.shape[0])
-        if proj.a.shape[1] != in_f:
-            raise AdapterLoadError(
-                f"{where}: LoRA A has wrong shape {tuple(proj.a.shape)}, expected (r, {in_f})"
-            )
-        if proj.b.shape[0] != out_f:
-            raise AdapterLoadError(
-                f"{where}: LoRA B has wrong shape {tuple(proj.b.shape)}, expected ({out_f}, r)"
-            )
-        if proj.b.shape[1] != r:
-            raise AdapterLoadError(
-                f"{where}: rank mismatch: A has rank {r} ({tuple(proj.a.shape)}) but B has rank "
-                f"{proj.b.shape[1]} ({tuple(proj.b.shape)})"
-            )
-        if r > self.max_rank:
-            raise AdapterLoadError(f"{where}: rank {r} exceeds the pool's max_rank {self.max_rank}")
-        s = proj.scaling
-        if isinstance(s, torch.Tensor):
-            s = s.item() if s.numel() == 1 else None
-        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
-            raise AdapterLoadError(f"{where}: scaling must be a finite number, got {proj.scaling!r}")
-        if abs(s) > _FLOAT32_MAX:  # the slot table is float32: it would overflow there
-            raise AdapterLoadError(f"{where}: scaling {s!r} does not fit float32 (|s| <= {_FLOAT32_MAX:.4g})")
-        if not values:
-            return
-        for what, t in (("A", proj.a), ("B", proj.b)):
-            if not bool(torch.isfinite(t).all()):
-                bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-                raise AdapterLoadError(f"{where}: LoRA {what} holds non-finite values ({bad})")
-
-    def _write_slot(self, slot: int, staged: _StagedAdapter, *, non_blocking: bool = False) -> None:
+    def _write_slot(self, slot: int, staged: _StagedAdapter, *, stream: torch.cuda.Stream | None = None
+                    ) -> None:
         """Rewrites all of ``slot`` in every layer: a device-side zero fill, then the rank-sized stacks
-        (only the adapter's real rank crosses the bus), then the slot's rank and scaling."""
+        (only the adapter's real rank crosses the bus, through the pinned staging buffer on CUDA), then the
+        slot's rank and scaling. Queued on ``stream`` (default: the current stream)."""
         big_r, inter, r = self.max_rank, self.intermediate_size, staged.rank
+        if self._staging is not None and stream is None:
+            stream = torch.cuda.current_stream(self.device)
         for lid, buf in self.layers.items():
             for t in buf.tensors():
                 t[slot].zero_()
@@ -775,7 +852,10 @@ class MoELoRAMemoryPool:
                 "down_b": buf.down_b[slot, :, :, :r],
             }
             for key, host in st.items():
-                targets[key].copy_(host, non_blocking=non_blocking)
+                if self._staging is not None:
+                    self._staging.copy(targets[key], host, stream)
+                else:
+                    targets[key].copy_(host)
         self._set_slot_tables(slot, r, staged.scaling)
 
     # ----------------------------------------------------------------------------------------------
@@ -972,8 +1052,10 @@ class MoELoRAMemoryPool:
                     self._slot_users[slot] = max(0, self._slot_users[slot] - 1)
 
     def close(self) -> None:
-        """Stops the background loader thread (pending loads finish first)."""
+        """Stops the background loader thread and the load process (pending loads finish first)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        if self._load_worker is not None:
+            self._load_worker.close()

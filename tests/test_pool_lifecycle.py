@@ -179,6 +179,47 @@ def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
     pool.close()
 
 
+def test_async_load_in_the_load_process(tmp_path):
+    """``load_process=True``: an async load staged in the spawned process fills the slots exactly as a load
+    in this process; a bad adapter's AdapterLoadError comes back with its message and the pool unchanged."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "adapters"
+    sys.path.insert(0, str(root.parent))
+    import adapters.make_adapters as mk
+
+    cfg = mk.TINY_QWEN3_MOE
+    kw = dict(num_experts=cfg["num_experts"], hidden_size=cfg["hidden_size"],
+              intermediate_size=cfg["moe_intermediate_size"], layer_ids=mk.MOE_LAYER_IDS, max_loras=2,
+              max_rank=16, dtype=torch.bfloat16, device="cpu")
+    in_process = MoELoRAMemoryPool(**kw)
+    in_process.load_adapter("sql", root / "sql")
+    pool = MoELoRAMemoryPool(**kw, load_process=True)
+    try:
+        report = pool.load_adapter_async("sql", root / "sql").result(timeout=120)
+        assert report.dtype == "bfloat16" and pool.adapter_slots == {"sql": 0}
+        assert pool.memory_report().adapters[0].bytes == in_process.memory_report().adapters[0].bytes
+        for lid in mk.MOE_LAYER_IDS:
+            for got, want in zip(pool.layer(lid).tensors(), in_process.layer(lid).tensors(), strict=True):
+                assert torch.equal(got, want)
+        before = [t.clone() for lid in mk.MOE_LAYER_IDS for t in pool.layer(lid).tensors()]
+        bad = tmp_path / "bad"
+        shutil.copytree(root / "sql", bad)
+        (bad / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+        with pytest.raises(AdapterLoadError, match="adapter_model.safetensors"):
+            pool.load_adapter_async("bad", bad).result(timeout=120)
+        after = [t for lid in mk.MOE_LAYER_IDS for t in pool.layer(lid).tensors()]
+        assert pool.adapter_slots == {"sql": 0} and all(map(torch.equal, before, after))
+        pool._load_worker._process.kill()  # a worker that died is started again
+        pool._load_worker._process.wait()
+        pool.load_adapter_async("chat", root / "chat").result(timeout=120)
+        assert pool.adapter_slots == {"sql": 0, "chat": 1}
+    finally:
+        pool.close()
+
+
 @pytest.mark.gpu
 def test_gpu_async_load_while_forwarding():
     """An adapter loaded from a PEFT dir on a side stream while CUDA-graph forwards run: the running
@@ -226,3 +267,92 @@ def test_gpu_async_load_while_forwarding():
     sync_layer = FusedMoEWithLoRA(w13, w2, pool=sync_pool, layer_id=lid)
     torch.testing.assert_close(chat_out, sync_layer(x, weights, ids, sync_pool.prepare_batch(["chat"] * 8)))
     pool.close()
+
+
+def test_memory_report():
+    """Bytes per adapter at its rank, the slots' padding, tiers, pins and live batches."""
+    import json
+
+    from moelora import PoolMemoryReport
+
+    pool = MoELoRAMemoryPool(num_experts=6, hidden_size=48, intermediate_size=40, layer_ids=[3, 7],
+                             max_loras=2, max_rank=16, dtype=torch.float32, device="cpu", max_cpu_loras=2)
+    # Rank 4 on every expert of one layer; rank 16 on two experts of both layers (partial coverage).
+    pool.add_adapter_weights("small", {3: make_adapter(4, 1.0)})
+    pool.add_adapter_weights("big", {3: make_adapter(16, 0.5, experts=[0, 5]), 7: make_adapter(16, 0.5)})
+    pool.pin("small")
+    batch = pool.prepare_batch(["big", None])
+    report = pool.memory_report()
+    assert isinstance(report, PoolMemoryReport)
+    slot_bytes = 2 * 6 * (2 * 16 * 48 + 2 * 40 * 16 + 16 * 40 + 48 * 16) * 4  # two layers, four buffers, fp32
+    assert (report.slots, report.free_slots) == (2, 0)
+    assert (report.slot_bytes, report.device_bytes) == (slot_bytes, 2 * slot_bytes)
+    # Stacks of all six experts of each layer an adapter has, at its rank: gate/up/down A and B.
+    per_layer = {r: 6 * r * (48 + 40) * 2 + 6 * r * (40 + 48) for r in (4, 16)}
+    small, big = report.adapters
+    assert (small.name, small.tier, small.slot, small.pinned, small.users, small.rank) == (
+        "small", "gpu", 0, True, 0, 4)
+    assert (big.name, big.slot, big.pinned, big.users, big.rank) == ("big", 1, False, 1, 16)
+    assert small.bytes == per_layer[4] * 4 and big.bytes == 2 * per_layer[16] * 4
+    assert report.resident_bytes == small.bytes + big.bytes
+    assert report.padding_bytes == 2 * slot_bytes - report.resident_bytes
+    assert report.padding_fraction == pytest.approx(report.padding_bytes / (2 * slot_bytes))
+    assert report.staging_bytes == 0 and report.host_tier_bytes == 0  # on the CPU: no pinned staging
+    batch.release()
+    pool.unpin("small")
+    pool.add_adapter_weights("third", {3: make_adapter(8, 1.0)})  # evicts "small" (least recent) to the host
+    report = pool.memory_report()
+    assert [(a.name, a.tier, a.slot_bytes) for a in report.adapters] == [
+        ("third", "gpu", slot_bytes), ("big", "gpu", slot_bytes), ("small", "host", 0)]
+    assert report.host_tier_bytes == small.bytes
+    json.dumps(report.as_dict())  # dashboards take it as JSON
+
+
+def test_staging_refusals():
+    """A staging buffer whose chunk cannot hold one expert of the widest stack is refused before any pinned
+    memory is allocated, naming the size that would do; staging_bytes must be a positive int."""
+    from moelora.staging import PinnedStaging
+
+    with pytest.raises(ValueError, match="one expert of a rank-64 LoRA stack takes 100: give "
+                                         "staging_bytes of at least 400"):
+        PinnedStaging(64, torch.device("cuda"), widest_row=100, what="a rank-64 LoRA stack")
+    with pytest.raises(ValueError, match="staging_bytes must be an int of at least 4"):
+        PinnedStaging(2, torch.device("cuda"), widest_row=1, what="x")
+    with pytest.raises(ValueError, match="staging_bytes must be a positive int, got -1"):
+        MoELoRAMemoryPool(num_experts=6, hidden_size=48, intermediate_size=40, layer_ids=[3], device="cpu",
+                          staging_bytes=-1)
+
+
+@pytest.mark.gpu
+def test_gpu_staging_chunks_write_the_same_slots():
+    """Slots written through a staging buffer of one expert a chunk (every stack in many chunks, each chunk
+    reused many times in one write), synchronously, asynchronously and from the host tier, hold exactly the
+    bytes of slots written from pageable memory."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "adapters"
+    sys.path.insert(0, str(root.parent))
+    import adapters.make_adapters as mk
+
+    cfg = mk.TINY_QWEN3_MOE
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    kw = dict(num_experts=cfg["num_experts"], hidden_size=hidden, intermediate_size=inter,
+              layer_ids=mk.MOE_LAYER_IDS, max_loras=2, max_rank=16, dtype=torch.bfloat16, device="cuda",
+              max_cpu_loras=2)
+    one_expert = 16 * max(hidden, inter) * 2
+    staged = MoELoRAMemoryPool(**kw, staging_bytes=4 * one_expert)
+    pageable = MoELoRAMemoryPool(**kw, pin_host_memory=False)
+    assert staged.memory_report().staging_bytes == 4 * one_expert
+    assert pageable.memory_report().staging_bytes == 0
+    for pool in (staged, pageable):
+        pool.load_adapter("sql", root / "sql")
+        pool.load_adapter_async("chat", root / "chat").result(timeout=60)
+        pool.load_adapter("math", root / "math")  # evicts "sql" to the host tier
+        pool.prepare_batch(["sql"]).release()  # back from the host tier, evicting "chat"
+        pool.close()
+    torch.cuda.synchronize()
+    assert staged.adapter_slots == pageable.adapter_slots == {"math": 0, "sql": 1}
+    for lid in mk.MOE_LAYER_IDS:
+        for got, want in zip(staged.layer(lid).tensors(), pageable.layer(lid).tensors(), strict=True):
+            assert torch.equal(got, want)
