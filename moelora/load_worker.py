@@ -5,12 +5,12 @@ serving process they hold its interpreter lock for milliseconds at a time, and a
 the lock misses its step (a decode step's mean grew by a fifth, its p99 fourfold, on an H100). In a
 process of its own the work holds no lock of the serving process.
 
-The worker is ``python -m moelora.load_worker`` with two pipes: it takes (stager, name, path) requests,
-writes each staged adapter's stacks into one file in shared memory (``/dev/shm`` where there is one) and
-answers with the adapter's metadata and the file's layout; the serving process maps the file (the stacks
-become views of it), removes its name, and only copies the stacks into the slot. Being a plain
-subprocess, the worker runs none of the serving program's own code (multiprocessing's spawn would
-import its main module).
+The worker is a ``python`` process running ``load_worker.main`` with two pipes: it takes (stager,
+name, path) requests, writes each staged adapter's stacks into one file in shared memory (``/dev/shm``
+where there is one) and answers with the adapter's metadata and the file's layout; the serving process
+maps the file (the stacks become views of it), removes its name, and only copies the stacks into the
+slot. Being a plain subprocess, the worker runs none of the serving program's own code
+(multiprocessing's spawn would import its main module).
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ class LoadWorker:
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "moelora.load_worker", str(to_worker_r), str(from_worker_w)],
+            [sys.executable, "-c", "import sys; from moelora.load_worker import main; main(sys.argv[1:])",
+             str(to_worker_r), str(from_worker_w)],
             pass_fds=(to_worker_r, from_worker_w), stdin=subprocess.DEVNULL,
             # The modules this process found (moelora among them), wherever its path came from.
             env=os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
@@ -139,5 +140,7 @@ class LoadWorker:
             self._stop()
 
 
-if __name__ == "__main__":
-    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+def main(fds: list[str]) -> None:
+    """The worker process's entry: ``fds`` are its request pipe's read end and its answer pipe's write
+    end."""
+    _serve(Connection(int(fds[0]), writable=False), Connection(int(fds[1]), readable=False))

@@ -1731,3 +1731,22 @@ def test_file_changed_between_header_and_data_is_refused(loaded_pool, tmp_path, 
         monkeypatch.setattr(loader, "_read_safetensors_header", swap_after_header)
         assert_refused(loaded_pool, path, r"the file changed while it was read", why)
         write_adapter(path, cfg, sd)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_file_read_in_parallel_parts_is_the_same(tmp_path, monkeypatch, parts):
+    """A file past the parallel-read size is read by threads, a part each: the bytes are the file's, and
+    a file that shrank mid-read still reports how much it gave."""
+    import moelora.peft_loader as loader
+
+    data = bytes(range(256)) * 1001 + b"tail"  # not a multiple of the part count
+    file = tmp_path / "blob"
+    file.write_bytes(data)
+    monkeypatch.setattr(loader, "_PARALLEL_READ_BYTES", 0 if parts > 1 else len(data))
+    monkeypatch.setattr(loader, "_READ_THREADS", parts)
+    monkeypatch.setattr(loader.os, "cpu_count", lambda: 8)
+    view = memoryview(bytearray(len(data) + 10))
+    with open(file, "rb", buffering=0) as fh:
+        assert loader._read_into(fh.fileno(), view, len(data)) == len(data)
+        assert bytes(view[: len(data)]) == data
+        assert loader._read_into(fh.fileno(), view, len(data) + 10) == len(data)  # 10 bytes past the end
