@@ -769,12 +769,6 @@ def _read_into(fd: int, view: memoryview, size: int) -> int:
         return sum(pool.map(read_part, bounds[:-1], bounds[1:]))
 
 
-def owned_zeros(n: int) -> torch.Tensor:
-    """``n`` zero bytes (uint8) in private memory, in huge pages where the OS has them (``_owned_buffer``:
-    anonymous memory starts zeroed)."""
-    return _owned_buffer(max(n, 1))[1][:n]
-
-
 def _read_safetensors_once(
     file: Path, header: _Header | None = None, keys: Iterable[str] | None = None
 ) -> dict[str, torch.Tensor]:

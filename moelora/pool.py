@@ -28,7 +28,6 @@ allocate no pinned memory while serving. All public methods are thread-safe.
 from __future__ import annotations
 
 import array
-import itertools
 import math
 import threading
 import weakref
@@ -44,7 +43,7 @@ from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceL
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.load_worker import LoadWorker
 from moelora.parallel import MoEShard
-from moelora.peft_loader import check_adapter_path, owned_zeros, pool_slot_bytes, read_peft_adapter
+from moelora.peft_loader import check_adapter_path, pool_slot_bytes, read_peft_adapter
 from moelora.pool_report import AdapterMemory, PoolMemoryReport
 from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
 
@@ -281,19 +280,6 @@ class _AdapterStager:
         for lid, e, p, proj in live:
             groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
 
-        # Every stack a view of one zeroed block of memory, asked for in huge pages (``owned_zeros``):
-        # a fresh allocation per stack faulted its pages in 4 KiB at a time, as long as the copy itself.
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        wanted = [(lid, f"{p}{ab}") for lid, projs in groups.items() for p in _PROJECTIONS if p in projs
-                  for ab in ("_a", "_b")]
-        sizes = [math.prod(shapes[key]) * elem for _, key in wanted]
-        block = owned_zeros(sum(sizes))
-        offsets = dict(zip(wanted, itertools.accumulate([0, *sizes]), strict=False))
-
-        def zeroed(lid: int, key: str) -> torch.Tensor:
-            start = offsets[lid, key]
-            return block[start : start + math.prod(shapes[key]) * elem].view(self.dtype).view(shapes[key])
-
         stacks: dict[int, dict[str, torch.Tensor]] = {}
         ranges: list[torch.Tensor] = []
         with torch.no_grad():
@@ -310,14 +296,15 @@ class _AdapterStager:
                         is_b = key.endswith("_b")
                         ts = [proj.b if is_b else proj.a for _, proj in mods]
                         ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
-                        dst = zeroed(lid, key)
                         if full:  # every expert at the slot rank: one pass (a rescale first where needed)
+                            dst = torch.empty(shapes[key], dtype=self.dtype)
                             if is_b and any(r != 1.0 for r in ratios):
                                 ratio = torch.tensor(ratios, dtype=torch.float64).to(f32).view(-1, 1, 1)
                                 dst.copy_(torch.stack(ts).mul_(ratio))
                             else:  # cast as copied: no float32 stack in between
                                 torch._foreach_copy_(list(dst.unbind(0)), ts)
                         else:  # missing experts or lower ranks: zeros, then module by module
+                            dst = torch.zeros(shapes[key], dtype=self.dtype)
                             for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
                                 r = t.shape[1] if is_b else t.shape[0]
                                 if is_b and ratio_e != 1.0:
