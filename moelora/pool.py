@@ -52,6 +52,7 @@ __all__ = ["AdapterLoadError", "LoRALayerBuffers", "MoELoRAMemoryPool"]
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PROJECTIONS = ("gate", "up", "down")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_STAGE_THREADS = 8
 
 
 @dataclass
@@ -280,38 +281,40 @@ class _AdapterStager:
         for lid, e, p, proj in live:
             groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
 
+        def build(lid: int, p: str, key: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            mods = groups[lid][p]
+            ratios = [float(proj.scaling) / scaling if float(proj.scaling) != scaling else 1.0
+                      for _, proj in mods]
+            full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
+            is_b = key.endswith("_b")
+            ts = [proj.b if is_b else proj.a for _, proj in mods]
+            ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
+            with torch.no_grad():
+                if full:  # every expert at the slot rank: one pass (a rescale first where needed)
+                    dst = torch.empty(shapes[key], dtype=self.dtype)
+                    if is_b and any(r != 1.0 for r in ratios):
+                        ratio = torch.tensor(ratios, dtype=torch.float64).to(f32).view(-1, 1, 1)
+                        dst.copy_(torch.stack(ts).mul_(ratio))
+                    else:  # cast as copied: no float32 stack in between
+                        torch._foreach_copy_(list(dst.unbind(0)), ts)
+                else:  # missing experts or lower ranks: zeros, then module by module
+                    dst = torch.zeros(shapes[key], dtype=self.dtype)
+                    for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
+                        r = t.shape[1] if is_b else t.shape[0]
+                        if is_b and ratio_e != 1.0:
+                            t = t * ratio_e
+                        (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
+            return dst, torch.aminmax(dst)
+
+        # The stacks are independent and their copies release the interpreter lock: built side by side.
+        wanted = [(lid, p, f"{p}{ab}") for lid, projs in groups.items() for p in _PROJECTIONS if p in projs
+                  for ab in ("_a", "_b")]
+        with ThreadPoolExecutor(max_workers=_STAGE_THREADS, thread_name_prefix="moelora-stage") as threads:
+            built = list(threads.map(lambda job: build(*job), wanted))
         stacks: dict[int, dict[str, torch.Tensor]] = {}
-        ranges: list[torch.Tensor] = []
-        with torch.no_grad():
-            for lid, projs in groups.items():
-                layer = stacks.setdefault(lid, {})
-                for p in _PROJECTIONS:
-                    mods = projs.get(p)
-                    if not mods:
-                        continue
-                    ratios = [float(proj.scaling) / scaling if float(proj.scaling) != scaling else 1.0
-                              for _, proj in mods]
-                    full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
-                    for key in (f"{p}_a", f"{p}_b"):
-                        is_b = key.endswith("_b")
-                        ts = [proj.b if is_b else proj.a for _, proj in mods]
-                        ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
-                        if full:  # every expert at the slot rank: one pass (a rescale first where needed)
-                            dst = torch.empty(shapes[key], dtype=self.dtype)
-                            if is_b and any(r != 1.0 for r in ratios):
-                                ratio = torch.tensor(ratios, dtype=torch.float64).to(f32).view(-1, 1, 1)
-                                dst.copy_(torch.stack(ts).mul_(ratio))
-                            else:  # cast as copied: no float32 stack in between
-                                torch._foreach_copy_(list(dst.unbind(0)), ts)
-                        else:  # missing experts or lower ranks: zeros, then module by module
-                            dst = torch.zeros(shapes[key], dtype=self.dtype)
-                            for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
-                                r = t.shape[1] if is_b else t.shape[0]
-                                if is_b and ratio_e != 1.0:
-                                    t = t * ratio_e
-                                (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
-                        ranges.extend(torch.aminmax(dst))
-                        layer[key] = dst
+        for (lid, _, key), (dst, _) in zip(wanted, built, strict=True):
+            stacks.setdefault(lid, {})[key] = dst
+        ranges = [bound for _, bounds in built for bound in bounds]
         if ranges and not bool(torch.isfinite(torch.stack(ranges)).all()):
             return None  # NaN propagates through aminmax; the module path names the problem
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
