@@ -212,6 +212,17 @@ def test_async_load_in_the_load_process(tmp_path):
             pool.load_adapter_async("bad", bad).result(timeout=120)
         after = [t for lid in mk.MOE_LAYER_IDS for t in pool.layer(lid).tensors()]
         assert pool.adapter_slots == {"sql": 0} and all(map(torch.equal, before, after))
+        # What the worker is sent: the pool's sizes, a tensor- or expert-parallel shard among them.
+        import pickle
+
+        from moelora.parallel import MoEShard
+        from moelora.pool import _AdapterStager
+
+        sharded = MoELoRAMemoryPool(**{**kw, "max_loras": 1}, shard=MoEShard(
+            cfg["num_experts"], cfg["moe_intermediate_size"], ep_rank=1, ep_size=2))
+        sent = pickle.loads(pickle.dumps(_AdapterStager.sizes_of(sharded)))
+        assert (sent.shard, sent.num_experts, sent.layer_ids) == (sharded.shard, sharded.num_experts,
+                                                                  sharded.layer_ids)
         pool._load_worker._process.kill()  # a worker that died is started again
         pool._load_worker._process.wait()
         pool.load_adapter_async("chat", root / "chat").result(timeout=120)
