@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 import reprlib
@@ -72,7 +73,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -107,9 +108,11 @@ _F1_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "ga
 # fused parameters in the order transformers-5 experts modules register them (innermost wrapper first)
 _F2_PARAMS = ("gate_up_proj", "down_proj")
 _PROJ_ORDER = ("gate", "up", "down")
+_PROJ_RANK = {p: i for i, p in enumerate(_PROJ_ORDER)}
 
 _LORA_BIAS = re.compile(r"\.lora_[AB]\.bias$")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<ab>lora_A|lora_B)\.weight$")
+_LORA_KEY_ENDS = (".lora_A.weight", ".lora_B.weight")
 _F1_MODULE = re.compile(
     r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$"
 )
@@ -523,12 +526,20 @@ def _matches_module(module: str, names: Iterable[str]) -> bool:
     return any(module == n or module.endswith("." + n) or f".{n}." in f".{module}." for n in names)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pair:
     """The safetensors keys of one module's lora_A and lora_B."""
 
     a: str | None = None
     b: str | None = None
+
+
+def _lora_weight(name: str) -> tuple[str, str] | None:
+    """``(module, "lora_A" | "lora_B")`` when ``name`` is a LoRA A/B weight (``_LORA_KEY``), else None."""
+    if name.endswith(_LORA_KEY_ENDS):  # the common case, decided without the regex
+        return (name[:-14], name[-13:-7]) if len(name) > 14 and "\n" not in name else None
+    m = _LORA_KEY.match(name)  # e.g. a name ending in a newline, which ``$`` lets the regex match
+    return None if m is None else (m.group("module"), m.group("ab"))
 
 
 def _first_key(pairs: Mapping[Any, _Pair]) -> str | None:
@@ -599,9 +610,12 @@ _ST_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 _ST_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 
-@dataclass(frozen=True)
-class _TensorMeta:
-    """One tensor as the safetensors header describes it (none of its data read)."""
+class _TensorMeta(NamedTuple):
+    """One tensor as the safetensors header describes it (none of its data read).
+
+    A named tuple: a header holds one per tensor (tens of thousands in a per-expert adapter), and a tuple
+    of strings and ints is quick to build and soon left alone by the garbage collector.
+    """
 
     dtype: str  # safetensors name, e.g. "BF16"
     shape: tuple[int, ...]
@@ -654,7 +668,6 @@ def _parse_header(file: Path, text: bytes, data_len: int) -> dict[str, _TensorMe
     if not isinstance(header, dict):
         raise _bad_file(file, f"the header is not a JSON object (got a JSON {_json_type(header)})")
     out: dict[str, _TensorMeta] = {}
-    spans: list[tuple[int, int, str]] = []
     for key, info in header.items():
         if key == "__metadata__":
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
@@ -663,20 +676,21 @@ def _parse_header(file: Path, text: bytes, data_len: int) -> dict[str, _TensorMe
         if not isinstance(info, dict):
             raise _bad_file(file, f"header entry {_brief(info)} is not an object", key)
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dt, str) or dt not in _ST_BITS:
+        dt_bits = _ST_BITS.get(dt) if isinstance(dt, str) else None
+        if dt_bits is None:
             raise _fail(
                 file,
                 f"unknown dtype {_brief(dt)} in the safetensors header: LoRA weights must have one of the "
                 f"dtypes {', '.join(_LORA_DTYPES)} (the safetensors format defines {', '.join(_ST_BITS)})",
                 key,
             )
-        if type(shape) is not list or not all(type(d) is int and 0 <= d <= _ST_MAX_DIM for d in shape):
+        if not _is_shape(shape):
             raise _bad_file(file, f"invalid shape {_brief(shape)}: expected a list of non-negative ints", key)
-        if type(offs) is not list or len(offs) != 2 or not all(type(o) is int for o in offs):
+        if type(offs) is not list or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int:
             raise _bad_file(
                 file, f"invalid data_offsets {_brief(offs)}: expected [begin, end] byte offsets", key
             )
-        bits = math.prod(shape) * _ST_BITS[dt]
+        bits = math.prod(shape) * dt_bits
         if bits % 8:
             raise _bad_file(file, f"a {dt} tensor of shape {shape} is not a whole number of bytes", key)
         begin, end = offs
@@ -687,17 +701,46 @@ def _parse_header(file: Path, text: bytes, data_len: int) -> dict[str, _TensorMe
                 f"{_brief(shape)} within the {data_len} data bytes of the file",
                 key,
             )
-        spans.append((begin, end, key))
         out[key] = _TensorMeta(dt, tuple(shape), begin, end)
-    spans.sort()
+    _check_tiling(file, out, data_len)
+    return out
+
+
+def _is_shape(shape: Any) -> bool:
+    """Whether a header value is a shape: a list of ints in torch's size range (bools are no ints)."""
+    if type(shape) is not list:
+        return False
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= _ST_MAX_DIM:
+            return False
+    return True
+
+
+_BEGIN = operator.attrgetter("begin")
+_END = operator.attrgetter("end")
+
+
+def _check_tiling(file: Path, metas: Mapping[str, _TensorMeta], data_len: int) -> None:
+    """Refuses tensors that do not tile the ``data_len`` data bytes exactly (a gap, an overlap, bytes left
+    over), naming the first offending tensor in (begin, end, key) order."""
+    by_begin = sorted(metas.values(), key=_BEGIN)
+    begins = [m.begin for m in by_begin]
+    ends = [m.end for m in by_begin]
+    # Ordered by begin alone, tensors that tile the data follow each other without a gap; a failure here
+    # may still be a valid file (empty tensors sharing a begin), which the exact order below decides.
+    if by_begin:
+        tiled = begins[0] == 0 and begins[1:] == ends[:-1] and ends[-1] == data_len
+    else:
+        tiled = data_len == 0
+    if tiled:
+        return
     pos = 0
-    for begin, end, key in spans:
+    for begin, end, key in sorted((m.begin, m.end, k) for k, m in metas.items()):
         if begin != pos:
             raise _bad_file(file, f"data_offsets overlap or leave a gap at byte {pos}", key)
         pos = end
     if pos != data_len:
         raise _bad_file(file, f"the tensors cover {pos} of the {data_len} data bytes")
-    return out
 
 
 def _read_safetensors_header(file: Path) -> _Header:
@@ -769,11 +812,30 @@ def _read_into(fd: int, view: memoryview, size: int) -> int:
         return sum(pool.map(read_part, bounds[:-1], bounds[1:]))
 
 
+@dataclass
+class _FileTensors:
+    """Tensors of a safetensors file, and how they lie in memory.
+
+    ``batches`` and ``regions`` each hold every tensor exactly once, as zero-copy views: a batch is
+    ``(keys, view)`` with ``view[j]`` the tensor ``keys[j]`` (tensors of one group, dtype and shape lying
+    at a constant stride share one ``(n, *shape)`` view, so an op over thousands of them runs as a few
+    large ops); a region is ``(keys, 1-D view of all their elements)`` for tensors of one dtype lying back
+    to back. A tensor read on its own is a batch and a region by itself.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    batches: list[tuple[list[str], torch.Tensor]]
+    regions: list[tuple[list[str], torch.Tensor]]
+
+
 def _read_safetensors_once(
-    file: Path, header: _Header | None = None, keys: Iterable[str] | None = None
-) -> dict[str, torch.Tensor]:
+    file: Path,
+    header: _Header | None = None,
+    keys: Iterable[str] | None = None,
+    groups: Iterable[Sequence[str]] = (),
+) -> _FileTensors:
     """Reads the whole file with one ``read`` into private memory and returns views of it: tensors ``keys``
-    (default: all).
+    (default: all), batched along ``groups`` (see :func:`_file_views`).
 
     The tensors own their memory (not a map of the file, which could change or shrink under them after
     they were validated). ``header`` is the one :func:`_read_safetensors_header` checked; the bytes read
@@ -801,8 +863,61 @@ def _read_safetensors_once(
         if view[: len(header.raw)] != header.raw:
             raise _bad_file(file, "the file changed while it was read (its header is not the one checked)")
         metas, base = header.tensors, len(header.raw)
+    return _file_views(buf, base, metas, list(metas) if keys is None else list(keys), groups)
+
+
+def _file_views(
+    buf: torch.Tensor,
+    base: int,
+    metas: Mapping[str, _TensorMeta],
+    keys: Sequence[str],
+    groups: Iterable[Sequence[str]],
+) -> _FileTensors:
+    """The tensors ``keys`` as views of ``buf`` (the file's bytes, tensor data from byte ``base`` on).
+
+    Each of ``groups`` (disjoint subsets of ``keys``, e.g. one layer's experts' gate lora_A) is cut into
+    runs of one dtype and 2-D shape at a constant stride, and each run's tensors come from one strided
+    view: a tensor per run element in one call, not a few calls per tensor. A tensor not aligned for its
+    dtype is an aligned copy; a dtype without a torch view here raises :class:`_UseSafetensorsReader`.
+    """
+    typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def as_dtype(dtype: torch.dtype) -> torch.Tensor:
+        """The whole buffer as ``dtype`` elements (so storage offsets count in them)."""
+        if dtype not in typed:
+            typed[dtype] = buf[: buf.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        return typed[dtype]
+
     out: dict[str, torch.Tensor] = {}
-    for key in metas if keys is None else keys:
+    batches: list[tuple[list[str], torch.Tensor]] = []
+    # with the buffer aligned for every dtype, a tensor is aligned exactly when its offset in it is
+    for group in groups if buf.data_ptr() % 8 == 0 else ():
+        group_metas = [metas[key] for key in group]
+        layouts: dict[tuple[str, tuple[int, ...]], list[tuple[int, str]]] = {}
+        if len({(m.dtype, m.shape) for m in group_metas}) == 1:  # the usual case
+            first = group_metas[0]
+            layouts[(first.dtype, first.shape)] = list(zip(map(_BEGIN, group_metas), group, strict=True))
+        else:
+            for key, m in zip(group, group_metas, strict=True):
+                layouts.setdefault((m.dtype, m.shape), []).append((m.begin, key))
+        for (dt_name, shape), spans in layouts.items():
+            dtype = _ST_DTYPES.get(dt_name)
+            if dtype is None or len(shape) != 2 or 0 in shape:
+                continue  # tensor by tensor, below
+            (rows, cols), item = shape, dtype.itemsize
+            spans.sort()
+            for run, start, step in _constant_stride_runs(spans, rows * cols * item):
+                if (base + start) % item or step % item:
+                    continue  # not all aligned: tensor by tensor, below
+                view = as_dtype(dtype).as_strided(
+                    (len(run), rows, cols), (step // item, cols, 1), (base + start) // item
+                )
+                out.update(zip(run, view.unbind(0), strict=True))
+                batches.append((run, view))
+    copied: set[str] = set()
+    for key in keys if len(out) < len(keys) else ():
+        if key in out:
+            continue
         m = metas[key]
         dtype = _ST_DTYPES.get(m.dtype)
         if dtype is None:
@@ -810,12 +925,88 @@ def _read_safetensors_once(
         chunk = buf[base + m.begin : base + m.end]
         if chunk.data_ptr() % dtype.itemsize:
             chunk = chunk.clone()  # not aligned for its dtype: an aligned copy
-        out[key] = chunk.view(dtype).view(m.shape)
-    return out
+            copied.add(key)
+        t = out[key] = chunk.view(dtype).view(m.shape)
+        batches.append(([key], t.unsqueeze(0)))
+    return _FileTensors(out, batches, _file_regions(out, metas, keys, copied))
 
 
-def _read_safetensors(file: Path, header: _Header, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Tensors ``keys`` of a safetensors file whose ``header`` was checked, in memory the tensors own."""
+def _constant_stride_runs(
+    spans: Sequence[tuple[int, str]], nbytes: int
+) -> list[tuple[list[str], int, int]]:
+    """``spans`` (begin, key) of ``nbytes`` tensors, sorted, cut into runs at a constant stride: ``(keys,
+    first begin, stride)``, the stride of a lone tensor being ``nbytes``."""
+    begins = [b for b, _ in spans]
+    step = begins[1] - begins[0] if len(begins) > 1 else nbytes
+    if step >= nbytes and begins == list(range(begins[0], begins[0] + step * len(begins), step)):
+        return [([k for _, k in spans], begins[0], step)]  # the usual case: all of them
+    runs: list[tuple[list[str], int, int]] = []
+    j = 0
+    while j < len(spans):
+        k, step = j + 1, 0
+        while k < len(spans):
+            d = begins[k] - begins[k - 1]
+            if (step and d != step) or (not step and d < nbytes):
+                break
+            step, k = d, k + 1
+        runs.append(([key for _, key in spans[j:k]], begins[j], step or nbytes))
+        j = k
+    return runs
+
+
+def _file_regions(
+    tensors: Mapping[str, torch.Tensor],
+    metas: Mapping[str, _TensorMeta],
+    keys: Sequence[str],
+    copied: set[str],
+) -> list[tuple[list[str], torch.Tensor]]:
+    """The regions (:class:`_FileTensors`) of ``tensors``, views of one buffer at their ``metas`` offsets
+    but for those ``copied``."""
+    key_metas = [metas[k] for k in keys]
+    order = sorted(range(len(keys)), key=list(map(_BEGIN, key_metas)).__getitem__)
+    ordered = [keys[i] for i in order]
+    spans = [key_metas[i] for i in order]
+    begins = list(map(_BEGIN, spans))
+    ends = list(map(_END, spans))
+    if (
+        spans
+        and not copied
+        and len({m.dtype for m in spans}) == 1
+        and begins[1:] == ends[:-1]
+        and all(e > b for b, e in zip(begins, ends, strict=True))
+    ):  # the usual case: one dtype, back to back
+        return [_region(tensors, metas, ordered)]
+    regions: list[tuple[list[str], torch.Tensor]] = []
+    run: list[str] = []
+    for key, m in zip(ordered, spans, strict=True):
+        if key in copied or m.end == m.begin:
+            regions.append(([key], tensors[key].reshape(-1)))
+            continue
+        if run and m.begin == metas[run[-1]].end and m.dtype == metas[run[-1]].dtype:
+            run.append(key)
+            continue
+        if run:
+            regions.append(_region(tensors, metas, run))
+        run = [key]
+    if run:
+        regions.append(_region(tensors, metas, run))
+    return regions
+
+
+def _region(
+    tensors: Mapping[str, torch.Tensor], metas: Mapping[str, _TensorMeta], run: list[str]
+) -> tuple[list[str], torch.Tensor]:
+    """``run`` (keys of tensors lying back to back, in order) with a 1-D view of all their elements."""
+    first = tensors[run[0]]
+    n = (metas[run[-1]].end - metas[run[0]].begin) // first.element_size()
+    return run, first.as_strided((n,), (1,), first.storage_offset())
+
+
+def _read_safetensors(
+    file: Path, header: _Header, keys: Sequence[str], groups: Iterable[Sequence[str]] = ()
+) -> _FileTensors:
+    """Tensors ``keys`` of a safetensors file whose ``header`` was checked, in memory the tensors own;
+    ``groups`` (subsets of ``keys``) are batched where they lie at a constant stride (:func:`_file_views`)."""
     try:
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover - safetensors is a dependency
@@ -830,7 +1021,7 @@ def _read_safetensors(file: Path, header: _Header, keys: Sequence[str]) -> dict[
             if sys.byteorder == "little":
                 try:
                     # ... and the data is read once, into private memory (views, no per-tensor copy)
-                    return _read_safetensors_once(file, header, keys)
+                    return _read_safetensors_once(file, header, keys, groups)
                 except _UseSafetensorsReader:
                     pass
             # per tensor, through safetensors (its tensors map the file: copy them into owned memory)
@@ -840,7 +1031,10 @@ def _read_safetensors(file: Path, header: _Header, keys: Sequence[str]) -> dict[
                 if sl.get_dtype() != m.dtype or tuple(sl.get_shape()) != m.shape:
                     raise _bad_file(file, "the file changed while it was read (another dtype or shape)", k)
                 out[k] = f.get_tensor(k).clone()
-            return out
+            alone = [([k], t) for k, t in out.items()]
+            return _FileTensors(
+                out, [(k, t.unsqueeze(0)) for k, t in alone], [(k, t.reshape(-1)) for k, t in alone]
+            )
     except AdapterLoadError:
         raise
     except Exception as e:  # SafetensorError, OSError, ...: truncated, unreadable, not a safetensors file
@@ -860,9 +1054,9 @@ def _batches(
     """Zero-copy batches of ``ts``: ``(indices, view)`` pairs where ``view[j]`` is ``ts[indices[j]]``.
 
     Tensors of one kind (``kinds[i]``, e.g. the gate lora_A of one layer's experts), dtype and shape lying
-    at a constant stride in one storage (as such tensors of a file read by :func:`_read_safetensors` do)
-    share one ``(n, *shape)`` strided view, so an op over thousands of small tensors runs as a few large
-    ops; any other tensor is a batch of its own.
+    at a constant stride in one storage (as the per-expert slices of a fused F2 tensor do) share one
+    ``(n, *shape)`` strided view, so an op over thousands of small tensors runs as a few large ops; any
+    other tensor is a batch of its own.
     """
     out: list[tuple[list[int], torch.Tensor]] = []
     same: dict[tuple[Any, torch.dtype, tuple[int, ...], int], list[int]] = {}
@@ -909,63 +1103,30 @@ def _aminmax_each(ts: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
     return [(got[dt][0][j], got[dt][1][j]) for dt, j in where]
 
 
-def _regions(ts: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """Contiguous, non-empty tensors of one dtype lying back to back in one storage, as ``(indices,
-    1-D view of all their elements)``; any other tensor is a region of its own."""
-    out: list[tuple[list[int], torch.Tensor]] = []
-    order = sorted(
-        (i for i, t in enumerate(ts) if t.numel() and t.is_contiguous()), key=lambda i: ts[i].data_ptr()
-    )
-    out.extend(([i], ts[i].reshape(-1)) for i, t in enumerate(ts) if not (t.numel() and t.is_contiguous()))
-    run: list[int] = []
-    for i in [*order, None]:
-        t = ts[i] if i is not None else None
-        if run:
-            last = ts[run[-1]]
-            if (
-                t is not None
-                and t.dtype == last.dtype
-                and t.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
-                and t.data_ptr() == last.data_ptr() + last.numel() * last.element_size()
-            ):
-                run.append(i)
-                continue
-            first, n = ts[run[0]], sum(ts[j].numel() for j in run)
-            out.append((run, first.as_strided((n,), (1,), first.storage_offset())))
-        run = [i] if i is not None else []
-    return out
-
-
-def _value_bounds(ts: Mapping[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
-    """key -> (lo, hi) for each non-empty floating-point tensor, from one reduction per region.
+def _value_bounds(
+    regions: Sequence[tuple[Sequence[str], torch.Tensor]], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[float, float]]:
+    """key -> (lo, hi) for each non-empty floating-point tensor of ``regions`` (:class:`_FileTensors`),
+    from one reduction per region.
 
     ``lo`` or ``hi`` is NaN exactly when the tensor holds a NaN; otherwise one is infinite exactly when it
-    holds an infinity; and always ``lo <= min`` and ``max <= hi``: the range of its region
-    (:func:`_regions`: all tensors of a file of one dtype, typically), or its own range where its region
-    holds a non-finite value.
+    holds an infinity; and always ``lo <= min`` and ``max <= hi``: the range of its region, or its own
+    range (from ``tensors``) where its region holds a non-finite value.
     """
-    keys = [k for k, t in ts.items() if t.is_floating_point() and t.numel()]
-    tensors = [ts[k] if ts[k].dtype in _STAT_DTYPES else ts[k].float() for k in keys]
-    regions = _regions(tensors)
+    live = [
+        (keys, view if view.dtype in _STAT_DTYPES else view.float())
+        for keys, view in regions
+        if view.is_floating_point() and view.numel()
+    ]
     out: dict[str, tuple[float, float]] = {}
-    recheck: list[int] = []
-    for (idx, _), (lo, hi) in zip(regions, _aminmax_each([v for _, v in regions]), strict=True):
-        if len(idx) == 1 or (math.isfinite(lo) and math.isfinite(hi)):
-            out.update((keys[i], (lo, hi)) for i in idx)
+    recheck: list[str] = []
+    for (keys, _), value_range in zip(live, _aminmax_each([v for _, v in live]), strict=True):
+        if len(keys) == 1 or (math.isfinite(value_range[0]) and math.isfinite(value_range[1])):
+            out.update(dict.fromkeys(keys, value_range))
         else:
-            recheck.extend(idx)  # which tensors of the region: each one's own range
-    out.update(zip([keys[i] for i in recheck], _aminmax_each([tensors[i] for i in recheck]), strict=True))
-    return out
-
-
-def _as_float32(ts: Sequence[torch.Tensor], kinds: Sequence[Any]) -> list[torch.Tensor]:
-    """``[t.float() for t in ts]``, converting whole batches (:func:`_batches`) at a time."""
-    out = list(ts)
-    todo = [i for i, t in enumerate(ts) if t.dtype != torch.float32]
-    for idx, view in _batches([ts[i] for i in todo], [kinds[i] for i in todo]):
-        conv = view.float()
-        for j, i in enumerate(idx):
-            out[todo[i]] = conv[j]
+            recheck.extend(keys)  # which tensors of the region: each one's own range
+    own = [tensors[k] if tensors[k].dtype in _STAT_DTYPES else tensors[k].float() for k in recheck]
+    out.update(zip(recheck, _aminmax_each(own), strict=True))
     return out
 
 
@@ -1018,30 +1179,35 @@ def _compact(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _maybe_zero_components(
-    mods: Sequence[tuple[torch.Tensor, torch.Tensor]], kinds: Sequence[Any] | None = None
-) -> list[bool]:
-    """Per (a, b): whether an A row or a B column *may* be all zero (then :func:`_compact` decides).
+    a_batches: Sequence[tuple[Sequence[Any], torch.Tensor]],
+    b_batches: Sequence[tuple[Sequence[Any], torch.Tensor]],
+) -> set[Any]:
+    """The labels whose A may have an all-zero row (``a_batches``: ``(labels, (n, r, in) view)``) or whose
+    B may have an all-zero column (``b_batches``: ``(labels, (n, out, r) view)``); :func:`_compact`
+    decides exactly.
 
-    Sums, batched (:func:`_batches`): an all-zero row or column sums to exactly 0, so a non-zero sum
-    (an infinite or NaN one too) proves the component live; only modules with a zero sum need the exact
-    test.
+    A component whose first element is non-zero is live, so only the first elements of all components
+    are read; where one is zero, its module's components are summed (an all-zero row or column sums to
+    exactly 0, so a non-zero sum, an infinite or NaN one too, proves the component live).
     """
-    zero = [False] * len(mods)
-    for which, dim in ((0, 1), (1, 0)):  # A: row sums; B: column sums
-        parts, owners = [], []
-        for idx, view in _batches([m[which] for m in mods], kinds):
-            sums = view.sum(dim=dim + 1)  # (n, r)
-            parts.append(sums.reshape(-1))
-            owners.append((idx, sums.shape[1]))
-        if not parts:
+    maybe: set[Any] = set()
+    for batches, dim in ((a_batches, 2), (b_batches, 1)):  # the dim A rows / B columns run along
+        if not batches:
             continue
-        flat = torch.cat(parts).tolist()
+        # per module: whether a component starts with a zero (every module, where components are empty)
+        heads = [
+            (view.select(dim, 0) == 0).any(dim=1) if view.shape[dim] else torch.ones(len(view), dtype=bool)
+            for _, view in batches
+        ]
+        suspect = torch.cat(heads).tolist()
         pos = 0
-        for idx, r in owners:
-            for i in idx:
-                zero[i] = zero[i] or 0.0 in flat[pos : pos + r]
-                pos += r
-    return zero
+        for labels, view in batches:
+            picked = [j for j, head_is_zero in enumerate(suspect[pos : pos + len(labels)]) if head_is_zero]
+            pos += len(labels)
+            if picked:
+                zero_sum = (view[picked].sum(dim=dim) == 0).any(dim=1).tolist()
+                maybe.update(labels[j] for j, z in zip(picked, zero_sum, strict=True) if z)
+    return maybe
 
 
 def pool_slot_bytes(
@@ -1163,6 +1329,11 @@ def read_peft_adapter(
     )
 
 
+# (layer, expert, proj), a, b (float32), scaling, module name, file key of this A, of this B, and whether a
+# rank component may be exactly zero (:func:`_maybe_zero_components`)
+_ModuleRow = tuple[tuple[int, int, str], torch.Tensor, torch.Tensor, float, str, str, str, bool]
+
+
 def _read(
     path: str | os.PathLike[str],
     *,
@@ -1211,7 +1382,8 @@ def _read(
     f2, f2_layer = classified.f2, classified.f2_layer
 
     # ---- layers, experts ----------------------------------------------------------------------------
-    for (lid, e, _), p in f1.items():
+    f1_fits = {lid for lid, _, _ in f1} <= valid_layers and max((e for _, e, _ in f1), default=-1) < n_exp
+    for (lid, e, _), p in f1.items() if not f1_fits else ():  # to name the first offender
         if lid not in valid_layers:
             raise _fail(
                 w_file, f"layer {lid} is not an MoE layer of this model (layer_ids {sorted(lids)})", p.a
@@ -1232,13 +1404,24 @@ def _read(
     notes: list[str] = []
     dims = {"gate": (hid, inter), "up": (hid, inter), "down": (inter, hid)}  # (in, out)
     dim_names = {"gate": ("H", "I"), "up": ("H", "I"), "down": ("I", "H")}
-    # F1: (layer, expert, proj) -> (scaling, module name); F2: (container, depth) -> (param, swapped, r, s)
-    f1_plan: dict[tuple[int, int, str], tuple[float, str]] = {}
+    # F2: (container, depth) -> (param, swapped, r, s)
     f2_plan: dict[tuple[str, int], tuple[str, bool, int, float]] = {}
+    # F1: (layer, proj) -> (its experts' lora_A keys, lora_B keys), read as a few strided batches
+    f1_groups: dict[tuple[int, str], tuple[list[str], list[str]]] = {}
 
     if f1:
         fmt = FORMAT_F1
-        for (lid, e, proj), p in f1.items():
+        # Without rank/alpha patterns every module has the config's rank and alpha, so one expected
+        # (A, B) shape per projection decides all the checks below; any other case goes module by module.
+        expected = {proj: ((settings.r, n_in), (n_out, settings.r)) for proj, (n_in, n_out) in dims.items()}
+        uniform = not settings.rank_pattern and not settings.alpha_pattern and all(
+            (metas[p.a].shape, metas[p.b].shape) == expected[proj] for (_, _, proj), p in f1.items()
+        )
+        if uniform:
+            f1_mods = [f1_module[slot] for slot in f1]
+            ranks = dict.fromkeys(f1_mods, settings.r)
+            scalings = dict.fromkeys(f1_mods, settings.scaling(settings.r, settings.alpha))
+        for (lid, e, proj), p in f1.items() if not uniform else ():
             assert p.a is not None and p.b is not None
             mod = f1_module[(lid, e, proj)]
             a_shape, b_shape = metas[p.a].shape, metas[p.b].shape
@@ -1260,9 +1443,14 @@ def _read(
                     p.b,
                 )
             alpha = _f1_module_alpha(w_file, p, a_shape, b_shape, settings, mod)
-            s = settings.scaling(r, alpha)
-            ranks[mod], scalings[mod] = r, s
-            f1_plan[(lid, e, proj)] = (s, mod)
+            ranks[mod], scalings[mod] = r, settings.scaling(r, alpha)
+        for (lid, _, proj), p in f1.items():
+            assert p.a is not None and p.b is not None
+            group = f1_groups.get((lid, proj))
+            if group is None:
+                group = f1_groups[(lid, proj)] = ([], [])
+            group[0].append(p.a)
+            group[1].append(p.b)
     else:
         fmt, f2_params = _resolve_f2(f2, f2_layer, metas, settings, w_file, n_exp, hid, inter, notes)
         for (container, depth), (param, swapped) in f2_params.items():
@@ -1284,30 +1472,51 @@ def _read(
             f2_plan[(container, depth)] = (param, swapped, r, s)
 
     # ---- tensor data: read only now, for a file whose header and shapes all passed -------------------
-    tensors = _read_safetensors(w_file, header, factor_keys)
-    bounds = _value_bounds({k: tensors[k] for k in factor_keys})  # one reduction per region
-    for k in factor_keys:
-        _check_finite(w_file, k, bounds.get(k))
+    f1_batched = [keys for a_and_b in f1_groups.values() for keys in a_and_b]
+    data = _read_safetensors(w_file, header, factor_keys, f1_batched)
+    tensors = data.tensors
+    bounds = _value_bounds(data.regions, tensors)  # one reduction per region
+    value_ranges = list(set(bounds.values()))  # a few: most tensors share their region's
+    if not all(math.isfinite(lo) and math.isfinite(hi) for lo, hi in value_ranges):
+        for k in factor_keys:
+            _check_finite(w_file, k, bounds.get(k))
     # file tensors that may overflow the checked dtype (their modules are cast to find out exactly; a
     # module is a part of its file tensor, so no other module can)
-    abs_max = {k: max(-lo, hi) for k, (lo, hi) in bounds.items()}
-    over_keys = dict(zip(abs_max, _overflows(list(abs_max.values()), dtype), strict=True))
+    overflows = dict(
+        zip(value_ranges, _overflows([max(-lo, hi) for lo, hi in value_ranges], dtype), strict=True)
+    )
+    if any(overflows.values()):
+        over_keys = {k: overflows[value_range] for k, value_range in bounds.items()}
+    else:
+        over_keys = dict.fromkeys(bounds, False)
 
     # ---- per-module (a, b, scaling) in float32 ---------------------------------------------------------
-    # (layer, expert, proj) -> (a, b, scaling, module name, file key of this A, file key of this B)
-    modules: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor, float, str, str, str]] = {}
+    module_rows: Iterable[_ModuleRow]  # in (layer, expert, projection) order
     if f1:
         # to float32 (``.float()``), whole batches of file tensors at a time: one layer's experts' lora_A
         # (lora_B) of one projection lie at a constant stride in the file
-        kind_of = {k: (lid, proj, k == p.b) for (lid, _, proj), p in f1.items() for k in (p.a, p.b)}
-        f1_keys = [k for slot in f1_plan for k in (f1[slot].a, f1[slot].b)]
-        f32 = _as_float32([tensors[k] for k in f1_keys], [kind_of[k] for k in f1_keys])
-        as_f32 = dict(zip(f1_keys, f32, strict=True))
-        for slot, (s, mod) in f1_plan.items():
-            ka, kb = f1[slot].a, f1[slot].b
-            assert ka is not None and kb is not None
-            modules[slot] = (as_f32[ka], as_f32[kb], s, mod, ka, kb)
+        f32, f32_batches = tensors, data.batches
+        if any(view.dtype != torch.float32 for _, view in data.batches):
+            f32, f32_batches = dict(tensors), []
+            for keys, view in data.batches:
+                if view.dtype != torch.float32:
+                    view = view.float()
+                    f32.update(zip(keys, view.unbind(0), strict=True))
+                f32_batches.append((keys, view))
+        a_keys = {p.a for p in f1.values()}
+        maybe = _maybe_zero_components(
+            [batch for batch in f32_batches if batch[0][0] in a_keys],
+            [batch for batch in f32_batches if batch[0][0] not in a_keys],
+        )
+        # generated as consumed: no per-module objects beyond the result's
+        module_rows = (
+            (slot, f32[p.a], f32[p.b], scalings[mod], mod, p.a, p.b, p.a in maybe or p.b in maybe)
+            for slot, p in f1.items()
+            for mod in (f1_module[slot],)
+        )
     else:
+        # (layer, expert, proj) -> (a, b, scaling, module name, file key of this A, file key of this B)
+        modules: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor, float, str, str, str]] = {}
         for (container, depth), (param, swapped, r, s) in f2_plan.items():
             p = f2[(container, depth)]
             assert p.a is not None and p.b is not None
@@ -1329,6 +1538,12 @@ def _read(
                     modules[(lid, e, "up")] = (a_e, b_e[inter:], s, f"{pname}[expert {e} up]", *keys)
                 else:
                     modules[(lid, e, "down")] = (a_e, b_e, s, f"{pname}[expert {e}]", *keys)
+        ordered = sorted(modules.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_RANK[kv[0][2]]))
+        kinds = [(slot[0], slot[2]) for slot, _ in ordered]
+        maybe = _maybe_zero_components(
+            _batches([m[0] for _, m in ordered], kinds), _batches([m[1] for _, m in ordered], kinds)
+        )
+        module_rows = ((slot, *m, i in maybe) for i, (slot, m) in enumerate(ordered))
 
     # ---- effective ranks, max_rank, cast ------------------------------------------------------------
     layers: dict[int, ReferenceLoRA] = {}
@@ -1336,15 +1551,17 @@ def _read(
     eff_max = 0
     dropped_components = 0
     zero_modules = 0
-    ordered = sorted(modules.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2])))
-    maybe_zero = _maybe_zero_components(
-        [(m[0], m[1]) for _, m in ordered], [(s[0], s[2]) for s, _ in ordered]
-    )
-    for ((lid, e, proj), (a, b, s, mod, key_a, key_b)), may_drop in zip(ordered, maybe_zero, strict=True):
-        layers.setdefault(lid, ReferenceLoRA())
-        experts_per_layer.setdefault(lid, set()).add(e)
-        ac, bc = _compact(a, b) if may_drop else (a, b)
-        dropped_components += a.shape[0] - ac.shape[0]
+    for (lid, e, proj), a, b, s, mod, key_a, key_b, may_drop in module_rows:
+        layer = layers.get(lid)
+        if layer is None:
+            layer = layers[lid] = ReferenceLoRA()
+            experts_per_layer[lid] = set()
+        experts_per_layer[lid].add(e)
+        if may_drop:
+            ac, bc = _compact(a, b)
+            dropped_components += a.shape[0] - ac.shape[0]
+        else:
+            ac, bc = a, b
         r_eff = int(ac.shape[0])
         if r_eff > max_r:
             extra = f" (rank {a.shape[0]} in the file)" if r_eff != a.shape[0] else ""
@@ -1360,11 +1577,12 @@ def _read(
                     raise _fail(w_file, f"module {mod}: LoRA {what} overflows {dname}", key)
         # F1 factors are whole file tensors, in memory of their own (``_read_safetensors``): no copy
         # unless the dtype changes. F2 factors are slices of fused tensors (gate and up share one A).
-        a_out = ac.to(out_dtype).contiguous()
-        b_out = bc.to(out_dtype).contiguous()
+        # (a tensor already in out_dtype skips ``to``, which would return it, at a cost per call)
+        a_out = (ac if ac.dtype == out_dtype else ac.to(out_dtype)).contiguous()
+        b_out = (bc if bc.dtype == out_dtype else bc.to(out_dtype)).contiguous()
         if fmt != FORMAT_F1:
             a_out, b_out = a_out.clone(), b_out.clone()
-        getattr(layers[lid], proj)[e] = LoRAProjection(a_out, b_out, float(s))
+        getattr(layer, proj)[e] = LoRAProjection(a_out, b_out, float(s))
 
     if dropped_components:
         notes.append(
@@ -1649,16 +1867,18 @@ def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_
     f1_module: dict[tuple[int, int, str], str] = {}
     f2: dict[tuple[str, int], _Pair] = {}
     f2_layer: dict[str, int] = {}
+    # F1 module -> its (layer, expert, projection): the second factor of a module is not parsed again
+    f1_slot_of: dict[str, tuple[int, int, str]] = {}
     for key in metas:
         name = key.removeprefix(_PEFT_PREFIX)
         if "lora_magnitude_vector" in name:
             raise _fail(w_file, "DoRA magnitude vector: DoRA adapters are not supported (not W + s*B*A)", key)
-        if _LORA_BIAS.search(name):
+        if "bias" in name and _LORA_BIAS.search(name):
             raise _fail(
                 w_file, "LoRA bias (lora_bias): a trained bias on the LoRA factors is not supported", key
             )
-        m = _LORA_KEY.match(name)
-        if m is None:
+        lora = _lora_weight(name)
+        if lora is None:
             module = name.rpartition(".")[0]
             if settings.modules_to_save and _matches_module(module, settings.modules_to_save):
                 if _is_expertish(module) and not _is_shared(module):
@@ -1683,14 +1903,20 @@ def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_
             else:
                 ignored[key] = "not a LoRA A/B weight: " + _non_expert_reason(module)
             continue
-        module, ab = m.group("module"), m.group("ab")
-        if _is_shared(module):
-            ignored[key] = _non_expert_reason(module)
-            continue
-        m1 = _F1_MODULE.match(module)
-        if m1 is not None and m1.group("proj") in _F1_PROJ:
-            slot = (int(m1.group("layer")), int(m1.group("expert")), _F1_PROJ[m1.group("proj")])
-            pair = f1.setdefault(slot, _Pair())
+        module, ab = lora
+        slot = f1_slot_of.get(module)
+        if slot is None:
+            if _is_shared(module):
+                ignored[key] = _non_expert_reason(module)
+                continue
+            m1 = _F1_MODULE.match(module)
+            if m1 is not None and m1.group("proj") in _F1_PROJ:
+                layer, expert, proj = m1.group("layer", "expert", "proj")
+                slot = f1_slot_of[module] = (int(layer), int(expert), _F1_PROJ[proj])
+        if slot is not None:
+            pair = f1.get(slot)
+            if pair is None:
+                pair = f1[slot] = _Pair()
             prev = f1_module.setdefault(slot, module)
             if prev != module or (pair.a if ab == "lora_A" else pair.b) is not None:
                 raise _fail(
@@ -1722,7 +1948,7 @@ def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_
         else:
             pair.b = key
 
-    f1 = dict(sorted(f1.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_ORDER.index(kv[0][2]))))
+    f1 = dict(sorted(f1.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_RANK[kv[0][2]])))
     f2 = dict(sorted(f2.items(), key=lambda kv: (f2_layer[kv[0][0]], -kv[0][1])))
     if f1 and f2:
         raise _fail(
@@ -1744,7 +1970,9 @@ def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_
             raise _fail(w_file, f"lone LoRA factor: its {missing} counterpart is missing", have)
     factor_keys = [k for p in pairs for k in (p.a, p.b) if k is not None]
     for k in factor_keys:
-        _check_factor_meta(w_file, k, metas[k])
+        m = metas[k]
+        if m.dtype not in _LORA_DTYPES or len(m.shape) != 2:  # the cases _check_factor_meta refuses
+            _check_factor_meta(w_file, k, m)
     return _Classified(ignored, f1, f1_module, f2, f2_layer, factor_keys)
 
 

@@ -1156,6 +1156,73 @@ def test_one_read_path_checks_offsets(tmp_path, spans, why):
         _read_safetensors_once(f)
 
 
+def test_empty_tensors_sharing_an_offset_tile_the_data(tmp_path):
+    """Ordered by offset alone, an empty tensor may seem to overlap the one it shares a begin with; the
+    exact (begin, end, key) order, which safetensors uses too, accepts the file."""
+    from moelora.peft_loader import _read_safetensors_once
+
+    hdr = {
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},
+        "c": {"dtype": "F32", "shape": [0, 3], "data_offsets": [8, 8]},
+    }
+    h = json.dumps(hdr).encode()
+    h += b" " * (-len(h) % 8)  # data aligned, as safetensors writes it
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(len(h).to_bytes(8, "little") + h + bytes(8))
+    got = _read_safetensors_once(f).tensors
+    assert got["b"].tolist() == [0.0, 0.0] and got["a"].shape == (0,) and got["c"].shape == (0, 3)
+
+
+def test_batched_views_are_the_per_tensor_views(tmp_path):
+    """Tensors of a group read as one strided view are exactly the views read one at a time (storage,
+    offset, strides, values), also across a missing expert, a second dtype and an ignored tensor between
+    them; every tensor lies in exactly one batch and one region."""
+    from moelora.peft_loader import _read_safetensors_header, _read_safetensors_once
+
+    cfg, sd = good_f1()
+    del sd[KA.replace("experts.0", "experts.2")], sd[KB.replace("experts.0", "experts.2")]
+    sd = {k: (v.bfloat16() if "layers.2" in k and "down_proj" in k else v) for k, v in sd.items()}
+    sd["base_model.model.model.layers.1.mlp.experts.1.gate_proj.lora_C.weight"] = torch.randn(3)
+    path = write_adapter(tmp_path / "a", cfg, sd)
+    header = _read_safetensors_header(path / WEIGHTS)
+    keys = [k for k in sd if "lora_C" not in k]
+    groups = [[k for k in keys if f"layers.{lid}." in k and f"{p}.lora_{ab}" in k]
+              for lid in MOE_LAYERS for p in ("gate_proj", "up_proj", "down_proj") for ab in "AB"]
+    one_by_one = _read_safetensors_once(path / WEIGHTS, header, keys).tensors
+    read = _read_safetensors_once(path / WEIGHTS, header, keys, groups)
+    assert any(len(batch_keys) > 1 for batch_keys, _ in read.batches)
+    assert read.tensors.keys() == one_by_one.keys()
+    assert len({t.untyped_storage().data_ptr() for t in read.tensors.values()}) == 1  # views of the buffer
+    for k, t in read.tensors.items():
+        u = one_by_one[k]
+        layout = (t.dtype, t.shape, t.stride(), t.storage_offset())
+        assert layout == (u.dtype, u.shape, u.stride(), u.storage_offset())
+        assert torch.equal(t, sd[k])
+    for parts in (read.batches, read.regions):
+        assert sorted(k for part_keys, _ in parts for k in part_keys) == sorted(keys)
+    for batch_keys, view in read.batches:
+        for j, k in enumerate(batch_keys):
+            assert view[j].data_ptr() == read.tensors[k].data_ptr() and torch.equal(view[j], sd[k])
+    for region_keys, flat in read.regions:
+        assert torch.equal(flat, torch.cat([sd[k].reshape(-1) for k in region_keys]))
+
+
+def test_zero_first_elements_do_not_drop_live_components(tmp_path):
+    """Zero-component checks read the first element of each A row and B column and sum only where it is
+    zero: a zero there is no zero component, a zero row or column is one."""
+    cfg, sd = good_f1(r=3)
+    ka2, kb2 = KA.replace("experts.0", "experts.2"), KB.replace("experts.0", "experts.2")
+    sd[KA][:, 0] = 0  # every row starts with a zero, none is zero
+    sd[KB][0, :] = 0
+    sd[ka2][:, 0] = 0
+    sd[kb2][:, 1] = 0  # a zero column: component 1 adds nothing
+    layers, report = read(write_adapter(tmp_path / "a", cfg, sd))
+    assert layers[1].gate[0].rank == 3 and torch.equal(layers[1].gate[0].a, sd[KA])
+    assert layers[1].gate[2].rank == 2 and torch.equal(layers[1].gate[2].a, sd[ka2][[0, 2]])
+    assert any("1 exactly-zero rank components dropped (0 modules all zero)" in n for n in report.notes)
+
+
 def test_batched_value_checks_name_the_right_tensor(tmp_path):
     """Finiteness, overflow and zero-component checks run on whole regions/batches of tensors; the
     refusal still names the one bad tensor, and overflow hidden in a dropped component is no overflow."""
