@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadWorker"]
 
+_WORKER_NICENESS = 10
+_WORKER_TORCH_THREADS = 4
+
 
 def _shared_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -142,5 +145,11 @@ class LoadWorker:
 
 def main(fds: list[str]) -> None:
     """The worker process's entry: ``fds`` are its request pipe's read end and its answer pipe's write
-    end."""
+    end. The worker yields the CPU to the serving process: a lower scheduling priority, and few threads
+    for torch's own operations."""
+    try:
+        os.nice(_WORKER_NICENESS)
+    except OSError:  # pragma: no cover - not permitted here: same priority
+        pass
+    torch.set_num_threads(_WORKER_TORCH_THREADS)
     _serve(Connection(int(fds[0]), writable=False), Connection(int(fds[1]), readable=False))
