@@ -103,6 +103,13 @@ class LoadWorker:
         self._requests = Connection(to_worker_w, readable=False)
         self._answers = Connection(from_worker_r, writable=False)
 
+    def start(self) -> None:
+        """Starts the worker now if it is not running (its imports then overlap whatever the caller does
+        next, instead of delaying the first ``stage``)."""
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                self._start()
+
     def stage(self, stager: _AdapterStager, name: str, path: Path) -> _StagedAdapter:
         """``stager._read_and_stage(name, path)`` in the worker; its AdapterLoadError is raised here. A
         worker that died (killed, out of memory) raises AdapterLoadError naming the adapter, and is

@@ -688,6 +688,15 @@ class MoELoRAMemoryPool(_AdapterStager):
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moelora-load")
             return self._executor.submit(self._load_async_job, name, path)
 
+    def start_load_process(self) -> None:
+        """Starts the load process of asynchronous loads now (it otherwise starts at the first
+        ``load_adapter_async``, which then waits a few seconds for it to import torch). ValueError for a
+        pool built with ``load_process=False`` (or on the CPU, without ``load_process=True``)."""
+        if self._load_worker is None:
+            raise ValueError("this pool loads asynchronously in a thread: build it with load_process=True "
+                             "(the default on CUDA) to have a load process")
+        self._load_worker.start()
+
     def unload_adapter(self, name: str) -> None:
         """Frees adapter ``name``'s slot (its rank and scaling become 0); a host-tier copy stays when
         the host tier is enabled; an adapter only in the host tier is dropped from it.

@@ -196,9 +196,15 @@ def test_async_load_in_the_load_process(tmp_path):
               max_rank=16, dtype=torch.bfloat16, device="cpu")
     in_process = MoELoRAMemoryPool(**kw)
     in_process.load_adapter("sql", root / "sql")
+    with pytest.raises(ValueError, match="build it with load_process=True"):
+        in_process.start_load_process()
     pool = MoELoRAMemoryPool(**kw, load_process=True)
     try:
+        pool.start_load_process()  # started ahead of the first load, which then finds it running
+        started = pool._load_worker._process
+        assert started.poll() is None
         report = pool.load_adapter_async("sql", root / "sql").result(timeout=120)
+        assert pool._load_worker._process is started
         assert report.dtype == "bfloat16" and pool.adapter_slots == {"sql": 0}
         assert pool.memory_report().adapters[0].bytes == in_process.memory_report().adapters[0].bytes
         for lid in mk.MOE_LAYER_IDS:
