@@ -162,6 +162,12 @@ class _AdapterStager:
         staged.report = report
         return staged
 
+    def _stack_shapes(self, rank: int) -> dict[str, tuple[int, int, int]]:
+        """The shape of each host stack of one layer at ``rank``: A (E, rank, in), B (E, out, rank)."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        return {"gate_a": (e, rank, h), "up_a": (e, rank, h), "down_a": (e, rank, i),
+                "gate_b": (e, i, rank), "up_b": (e, i, rank), "down_b": (e, h, rank)}
+
     def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> _StagedAdapter:
         """Validates the adapter and converts it on the host; raises AdapterLoadError, touches nothing."""
         if not isinstance(layers, Mapping):
@@ -217,9 +223,7 @@ class _AdapterStager:
         rank = max((m[3].a.shape[0] for m in live), default=0)
         scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
 
-        e_count, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
-                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
+        shapes = self._stack_shapes(rank)
         stacks: dict[int, dict[str, torch.Tensor]] = {}
         for lid, e, p, proj in live:
             where = f"adapter {name!r} layer {lid} expert {e} {p}"
@@ -274,9 +278,8 @@ class _AdapterStager:
         rank = max((m[3].a.shape[0] for m in live), default=0)
         scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
 
-        e_count, h, i, f32 = self.num_experts, self.hidden_size, self.intermediate_size, torch.float32
-        shapes = {"gate_a": (e_count, rank, h), "up_a": (e_count, rank, h), "down_a": (e_count, rank, i),
-                  "gate_b": (e_count, i, rank), "up_b": (e_count, i, rank), "down_b": (e_count, h, rank)}
+        e_count, f32 = self.num_experts, torch.float32
+        shapes = self._stack_shapes(rank)
         groups: dict[int, dict[str, list[tuple[int, LoRAProjection]]]] = {}
         for lid, e, p, proj in live:
             groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
@@ -481,8 +484,8 @@ class MoELoRAMemoryPool(_AdapterStager):
             raise ValueError(f"staging_bytes must be a positive int, got {staging_bytes!r}")
         if on_cuda and self.pin_host_memory:
             widest = self.max_rank * max(h, i) * torch.empty((), dtype=dtype).element_size()
-            self._staging = PinnedStaging(staging_bytes or DEFAULT_STAGING_BYTES, self.device,
-                                          widest_row=widest, what=f"a rank-{self.max_rank} LoRA stack")
+            self._staging = PinnedStaging(staging_bytes or DEFAULT_STAGING_BYTES, widest_row=widest,
+                                          what=f"a rank-{self.max_rank} LoRA stack")
         self._lock = threading.RLock()
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recent first
         self._pinned: set[str] = set()
@@ -536,11 +539,10 @@ class MoELoRAMemoryPool(_AdapterStager):
                     name=name, tier="gpu", slot=slot, pinned=name in self._pinned,
                     users=self._slot_users[slot], rank=staged.rank, bytes=staged.nbytes,
                     slot_bytes=slot_bytes))
-            resident_bytes = sum(a.bytes for a in adapters)
+            resident, resident_bytes = len(adapters), sum(a.bytes for a in adapters)
             for name, staged in self._host_tier.items():
                 adapters.append(AdapterMemory(name=name, tier="host", slot=None, pinned=False, users=0,
                                               rank=staged.rank, bytes=staged.nbytes, slot_bytes=0))
-            resident = sum(a.tier == "gpu" for a in adapters)
             return PoolMemoryReport(
                 device=str(self.device), slots=self.max_loras, free_slots=len(self.free_slots),
                 device_bytes=self.nbytes, slot_bytes=slot_bytes, resident_bytes=resident_bytes,

@@ -28,12 +28,11 @@ class PinnedStaging:
     queued, and the sources may be freed then.
     """
 
-    def __init__(self, nbytes: int, device: torch.device, *, widest_row: int, what: str) -> None:
+    def __init__(self, nbytes: int, *, widest_row: int, what: str) -> None:
         """``widest_row``: bytes of one index of the first dimension of the largest source ``what``
         names; ValueError, before any allocation, where it would not fit a chunk."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < _CHUNKS:
             raise ValueError(f"staging_bytes must be an int of at least {_CHUNKS}, got {nbytes!r}")
-        self.device = torch.device(device)
         self.chunk_bytes = nbytes // _CHUNKS
         self.check_fits(widest_row, what)
         self.buffer = torch.empty(self.chunk_bytes * _CHUNKS, dtype=torch.uint8, pin_memory=True)

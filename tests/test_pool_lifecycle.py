@@ -332,9 +332,9 @@ def test_staging_refusals():
 
     with pytest.raises(ValueError, match="one expert of a rank-64 LoRA stack takes 100: give "
                                          "staging_bytes of at least 400"):
-        PinnedStaging(64, torch.device("cuda"), widest_row=100, what="a rank-64 LoRA stack")
+        PinnedStaging(64, widest_row=100, what="a rank-64 LoRA stack")
     with pytest.raises(ValueError, match="staging_bytes must be an int of at least 4"):
-        PinnedStaging(2, torch.device("cuda"), widest_row=1, what="x")
+        PinnedStaging(2, widest_row=1, what="x")
     with pytest.raises(ValueError, match="staging_bytes must be a positive int, got -1"):
         MoELoRAMemoryPool(num_experts=6, hidden_size=48, intermediate_size=40, layer_ids=[3], device="cpu",
                           staging_bytes=-1)

@@ -28,12 +28,7 @@ import triton.language as tl
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
-from triton_ops.pdl import (
-    dependent_launch_supported,
-    programmatic_launch,
-    releasing_launch,
-    wait_for_previous_kernel,
-)
+from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -267,7 +262,7 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
         BLOCK_K=block_k,
         ALIGN=align,
         GATED=gated,
-        **(releasing_launch(x.device, release_next) | programmatic_launch(x.device, always=dependent)),
+        **releasing_launch(x.device, release_next, dependent=dependent),
         num_warps=num_warps,
     )
     return (sorted_ids, expert_ids, num_post_padded) if align else None

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
-from triton_ops.pdl import programmatic_launch, releasing_launch, wait_for_previous_kernel
+from triton_ops.pdl import releasing_launch, wait_for_previous_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -201,5 +201,5 @@ def quantize_fp8_groups(x: torch.Tensor, group: int, *, out: torch.Tensor | None
            x_ptr=x, stride_xm=x.stride(0), q_ptr=out, stride_qm=out.stride(0), scale_ptr=scales,
            stride_sm=scales.stride(0), rows=rows, K=k, MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, GROUP=group,
            BLOCK_ROWS=block_rows,
-           **(releasing_launch(x.device, release_next) | programmatic_launch(x.device, always=dependent)))
+           **releasing_launch(x.device, release_next, dependent=dependent))
     return out, scales

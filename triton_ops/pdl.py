@@ -106,11 +106,12 @@ def dependent_fp8_decode(device: torch.device) -> bool:
             and dependent_launch_supported(device))
 
 
-def releasing_launch(device: torch.device, release_next: bool) -> dict:
+def releasing_launch(device: torch.device, release_next: bool, *, dependent: bool = False) -> dict:
     """Keyword arguments for a launch of a kernel whose ``USE_PDL`` prologue waits for the kernel before
     it and then releases the next (``wait_for_previous_kernel``): ``programmatic_launch``'s, plus the
-    prologue compiled in with ``release_next`` (the launch itself dependent only with ``MOELORA_PDL=1``)."""
-    return programmatic_launch(device) | ({"USE_PDL": True} if release_next else {})
+    prologue compiled in with ``release_next`` (the launch itself dependent with ``dependent``, else only
+    with ``MOELORA_PDL=1``)."""
+    return programmatic_launch(device, always=dependent) | ({"USE_PDL": True} if release_next else {})
 
 
 def programmatic_launch(device: torch.device, *, always: bool = False) -> dict:
