@@ -2,8 +2,8 @@
 
 Staging an adapter is thousands of small host operations, most of them Python. Run in a thread of the
 serving process they hold its interpreter lock for milliseconds at a time, and a serving loop waiting for
-the lock misses its step (a decode step's mean grew by a fifth, its p99 fourfold, on an H100). In a
-process of its own the work holds no lock of the serving process.
+the lock misses its step (docs/performance.md, hot-load). In a process of its own the work holds no lock
+of the serving process.
 
 The worker is a ``python`` process running ``load_worker.main`` with two pipes: it takes (stager,
 name, path) requests, writes each staged adapter's stacks into one file in shared memory (``/dev/shm``
