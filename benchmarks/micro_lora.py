@@ -62,8 +62,7 @@ def make_lora(shape, rank: int, n_adapters: int, m: int, dtype: torch.dtype) -> 
     ranks[:n_adapters] = rank
     token_slots = token_slots_for(m, n_adapters, "uniform", seed=m)
     return MoELoRAInputs(
-        token_slots=token_slots.cuda(), gate_up_a=buf.gate_up_a,
-        gate_up_b=buf.gate_up_b, down_a=buf.down_a, down_b=buf.down_b, slot_ranks=ranks.cuda(),
+        token_slots=token_slots.cuda(), **buf.weights, slot_ranks=ranks.cuda(),
         slot_scalings=torch.full((slots,), 2.0, device="cuda"), max_rank=rank,
         num_adapters=int(torch.unique(token_slots).numel()),
     )

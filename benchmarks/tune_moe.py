@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moelora.bench import cold_l2_time_ms, graph_time_us  # noqa: E402
+from moelora.bench import LoRABuffers, arena_weights, cold_l2_time_ms, graph_time_us  # noqa: E402
 from moelora.torch_path import quantize_fp8_blocks  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     GemmConfig,
@@ -191,12 +191,15 @@ def lora_inputs(m: int, w13: torch.Tensor, rank: int, adapters: int, gen: torch.
     kw = dict(device=device, dtype=dtype, generator=gen)
     ranks = torch.zeros(slots, dtype=torch.int32, device=device)
     ranks[:adapters] = rank
-    return MoELoRAInputs(
-        token_slots=torch.randint(0, adapters, (m,), device=device, generator=gen, dtype=torch.int32),
+    dense = LoRABuffers(
         gate_up_a=torch.randn(slots, num_experts, 2 * rank, hidden, **kw) / hidden**0.5,
         gate_up_b=torch.randn(slots, num_experts, two_i, rank, **kw) / rank**0.5,
         down_a=torch.randn(slots, num_experts, rank, inter, **kw) / inter**0.5,
         down_b=torch.randn(slots, num_experts, hidden, rank, **kw) / rank**0.5,
+    )
+    return MoELoRAInputs(
+        token_slots=torch.randint(0, adapters, (m,), device=device, generator=gen, dtype=torch.int32),
+        **arena_weights(dense),  # the pool's layout, as served
         slot_ranks=ranks, slot_scalings=torch.full((slots,), 2.0, device=device), max_rank=rank,
         num_adapters=adapters,
     )

@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -204,10 +204,14 @@ def token_slots_for(m: int, n_adapters: int, popularity: str, seed: int) -> torc
 
 @dataclass
 class LoRABuffers:
+    """Random adapters in every slot: the dense tensors (DESIGN §2, what the naive loop reads) and the
+    same values in the pool's arena layout (``weights``: what the kernels read, as they do when serving)."""
+
     gate_up_a: torch.Tensor  # (L, E, 2R, H)
     gate_up_b: torch.Tensor  # (L, E, 2I, R)
     down_a: torch.Tensor  # (L, E, R, I)
     down_b: torch.Tensor  # (L, E, H, R)
+    weights: dict[str, Any] = field(default_factory=dict)  # name -> triton_ops LoRAWeights
 
 
 def make_lora_buffers(shape: ModelShape, rank: int, slots: int, dtype: torch.dtype, device: torch.device,
@@ -217,12 +221,52 @@ def make_lora_buffers(shape: ModelShape, rank: int, slots: int, dtype: torch.dty
     def rnd(*dims: int, fan_in: int) -> torch.Tensor:
         return torch.randn(*dims, device=device, dtype=dtype, generator=gen).mul_(fan_in**-0.5)
 
-    return LoRABuffers(
+    buf = LoRABuffers(
         gate_up_a=rnd(slots, shape.E, 2 * rank, shape.H, fan_in=shape.H),
         gate_up_b=rnd(slots, shape.E, 2 * shape.I, rank, fan_in=rank),
         down_a=rnd(slots, shape.E, rank, shape.I, fan_in=shape.I),
         down_b=rnd(slots, shape.E, shape.H, rank, fan_in=rank),
     )
+    buf.weights = arena_weights(buf)
+    return buf
+
+
+def arena_weights(buf: LoRABuffers) -> dict[str, Any]:
+    """``buf``'s adapters laid out as ``MoELoRAMemoryPool`` stores them (moelora.pool): a zero block, then
+    each slot's experts one rank-R block after the other, B transposed, read through a block table."""
+    from triton_ops.lora_weights import LoRAWeights
+
+    slots, experts, two_r, hidden = buf.gate_up_a.shape
+    rank, inter, dev, dtype = two_r // 2, buf.down_a.shape[3], buf.gate_up_a.device, buf.gate_up_a.dtype
+    step = 1 << (rank - 1).bit_length()
+    units = step * (1 + slots * experts)
+    rows = units + max(16, step)
+    kw = {"dtype": dtype, "device": dev}
+    gate_up_a, gate_up_b = torch.zeros(2, rows, hidden, **kw), torch.zeros(rows, 2 * inter, **kw)
+    down_a, down_b = torch.zeros(rows, inter, **kw), torch.zeros(rows, hidden, **kw)
+
+    def blocks_of(arena: torch.Tensor) -> torch.Tensor:  # (L * E, rank, width) view of the slots' blocks
+        return arena[step:units].unflatten(0, (slots * experts, step))[:, :rank]
+
+    def rank_rows(t: torch.Tensor) -> torch.Tensor:  # (L, E, rank, width) -> (L * E, rank, width)
+        return t.reshape(slots * experts, rank, t.shape[-1])
+
+    blocks_of(gate_up_a[0]).copy_(rank_rows(buf.gate_up_a[:, :, :rank]))
+    blocks_of(gate_up_a[1]).copy_(rank_rows(buf.gate_up_a[:, :, rank:]))
+    blocks_of(gate_up_b).copy_(rank_rows(buf.gate_up_b.transpose(2, 3)))
+    blocks_of(down_a).copy_(rank_rows(buf.down_a))
+    blocks_of(down_b).copy_(rank_rows(buf.down_b.transpose(2, 3)))
+    table = (step * (1 + torch.arange(slots * experts, device=dev))).to(torch.int32).view(slots, experts)
+    return {
+        "gate_up_a": LoRAWeights(gate_up_a, table, stride_unit=hidden, stride_rank=hidden, stride_col=1,
+                                 up_offset=gate_up_a.stride(0), max_rank=rank, cols=hidden),
+        "gate_up_b": LoRAWeights(gate_up_b, table, stride_unit=2 * inter, stride_rank=2 * inter, stride_col=1,
+                                 up_offset=0, max_rank=rank, cols=2 * inter),
+        "down_a": LoRAWeights(down_a, table, stride_unit=inter, stride_rank=inter, stride_col=1, up_offset=0,
+                              max_rank=rank, cols=inter),
+        "down_b": LoRAWeights(down_b, table, stride_unit=hidden, stride_rank=hidden, stride_col=1,
+                              up_offset=0, max_rank=rank, cols=hidden),
+    }
 
 
 def make_weights(shape: ModelShape, dtype: torch.dtype, device: torch.device,
@@ -242,11 +286,16 @@ def lora_inputs(buf: LoRABuffers, token_slots: torch.Tensor, n_slots: int, n_ada
     slot_ranks = torch.zeros(n_slots, dtype=torch.int32)
     slot_ranks[:n_adapters] = rank
     return MoELoRAInputs(
-        token_slots=token_slots.to(device), gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b,
-        down_a=buf.down_a, down_b=buf.down_b, slot_ranks=slot_ranks.to(device),
+        token_slots=token_slots.to(device), **buf.weights, slot_ranks=slot_ranks.to(device),
         slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
         num_adapters=int(torch.unique(token_slots).numel()),
     )
+
+
+def dense_lora_inputs(lora: Any, buf: LoRABuffers) -> Any:
+    """``lora`` reading ``buf``'s dense tensors (the naive loop's operands) instead of its arena."""
+    return replace(lora, gate_up_a=buf.gate_up_a, gate_up_b=buf.gate_up_b, down_a=buf.down_a,
+                   down_b=buf.down_b)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -258,7 +307,8 @@ def naive_moe_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
                    topk_ids: torch.Tensor, lora: Any = None) -> torch.Tensor:
     """PyTorch loop over the routed experts (base GEMMs per expert), LoRA per (expert, adapter) group.
 
-    ``lora`` is a ``triton_ops.fused_experts.MoELoRAInputs`` or None. One host sync for the group sizes.
+    ``lora`` is a ``triton_ops.fused_experts.MoELoRAInputs`` with dense buffers (``dense_lora_inputs``) or
+    None. One host sync for the group sizes.
     On CPU it computes in float32 (PyTorch's CPU half-precision GEMMs are very slow at these shapes).
     """
     cdt = torch.float32 if x.device.type == "cpu" else x.dtype
@@ -580,7 +630,8 @@ def bench_model(shape: ModelShape, ms: list[int], ranks: list[int], adapters: li
     n_slots = max(8, max(adapters))
     if device.type == "cuda":
         need = shape.E * 3 * shape.H * shape.I * dtype.itemsize
-        need += n_slots * shape.E * 3 * max(*ranks, cfg.pool_rank) * (shape.H + shape.I) * dtype.itemsize
+        # the LoRA twice: dense for the naive loop, the arena layout for the kernels
+        need += 2 * n_slots * shape.E * 3 * max(*ranks, cfg.pool_rank) * (shape.H + shape.I) * dtype.itemsize
         free = torch.cuda.mem_get_info()[0]
         if need > 0.9 * free:
             print(f"[skip] {shape.name}: needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free",
@@ -673,8 +724,9 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                             us = None
                             extra["note"] = f"skipped: estimated {est:.2f} s per call > --naive-max-s"
                         else:
-                            reference = naive(lora)
-                            us = eager(functools.partial(naive, lora))
+                            dense = dense_lora_inputs(lora, buf)
+                            reference = naive(dense)
+                            us = eager(functools.partial(naive, dense))
                             extra["naive_base_us"] = eager(naive)
                     else:
                         resolved = auto if path == "auto" else path

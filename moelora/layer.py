@@ -308,8 +308,8 @@ class FusedMoEWithLoRA(nn.Module):
         if self.fp8 is not None:
             inputs += [self.fp8.w13_scale, self.fp8.w2_scale]
         if has_lora:
-            inputs += [batch.token_slots, batch.slot_ranks, batch.slot_scalings, buffers.gate_up_a,
-                       buffers.gate_up_b, buffers.down_a, buffers.down_b]
+            inputs += [batch.token_slots, batch.slot_ranks, batch.slot_scalings, buffers.blocks,
+                       *(w.data for w in buffers.tensors())]
         key = self._trace_key(x, topk_weights, topk_ids, batch if has_lora else None, path, inputs)
         if key is not None:
             trace = cache.traces.get(key)
@@ -379,7 +379,8 @@ class FusedMoEWithLoRA(nn.Module):
         if lora_batch is not None:
             if not lora_batch.token_slots.is_contiguous():
                 return None
-            lora = (path, lora_batch.max_rank, len(lora_batch.slots_used), self.buffers_.gate_up_a.shape)
+            lora = (path, lora_batch.max_rank, len(lora_batch.slots_used),
+                    tuple(w.data.shape for w in self.buffers_.tensors()))
         w13, w2 = self.w13, self.w2
         return (x.shape, x.dtype, x.device, topk_weights.shape, topk_ids.shape, topk_ids.dtype, lora,
                 w13.shape, w13.stride(), w13.dtype, w2.shape, w2.stride(), self.activation,

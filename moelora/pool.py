@@ -1,45 +1,52 @@
-"""Fixed-size memory pool of MoE LoRA adapters, one set of slot buffers per MoE layer (DESIGN.md §2).
+"""Memory pool of MoE LoRA adapters: one arena per device, adapters stored at their own rank.
 
-Layout, per MoE layer (``L = max_loras`` slots, ``E`` experts, ``R = max_rank``)::
+Storage (DESIGN.md §7): the pool owns one arena of *units*, a unit being one rank row of one (layer,
+expert) across the four LoRA matrices::
 
-    gate_up_a (L, E, 2R, H)   rows [0, R) gate A, rows [R, 2R) up A
-    gate_up_b (L, E, 2I, R)   rows [0, I) gate B, rows [I, 2I) up B
-    down_a    (L, E, R, I)
-    down_b    (L, E, H, R)
+    gate_up_a (2, U, H)   plane 0 gate A rows, plane 1 up A rows
+    gate_up_b (U, 2I)     gate B^T rows (columns [0, I)), up B^T rows (columns [I, 2I))
+    down_a    (U, I)
+    down_b    (U, H)      down B^T rows
 
-An adapter of rank ``r < R`` occupies rows/columns ``[0, r)`` of its rank axis (``[R, R + r)`` for the
-up A); the rest of its slot is exactly zero, so using all ``R`` rank columns gives the same numbers as
-using ``r`` of them. Every slot has one rank (the adapter's largest module rank) and one scaling; a
-module whose own scaling differs (PEFT ``alpha_pattern`` / ``rank_pattern``) has its B pre-multiplied
-by ``its scaling / slot scaling`` so that one scaling per slot still gives PEFT's numbers.
+An adapter of rank ``r`` takes ``r`` contiguous units for each (layer, expert) it trains and nothing for
+the experts and layers it does not (``moelora.arena``, a buddy allocator, so mixed ranks loaded and
+unloaded in any order keep fragmentation bounded). A table ``blocks (layers, L, E)`` int32 on the device
+gives each (slot, layer, expert) its first unit; untrained experts and empty slots point at a zero block
+(units ``[0, max_rank)``), so every kernel reads an adapter's rows through the table whatever their
+place. Every slot has one rank (the adapter's largest module rank) and one scaling; a module whose own
+scaling differs (PEFT ``alpha_pattern`` / ``rank_pattern``) has its B pre-multiplied by ``its scaling /
+slot scaling``, and a module of lower rank is zero-padded to the slot rank.
 
-All buffers and the per-slot tables are allocated once, zeroed, at construction; loading and unloading
-only write into them in place (kernels and captured CUDA graphs hold these tensors).
+The arena, the table and the per-slot tables are allocated once, zeroed, at construction; loading and
+unloading only write into them in place (kernels and captured CUDA graphs hold these tensors).
 
 Lifecycle: adapters are loaded from PEFT directories (``load_adapter``, ``load_adapter_async``) or given
-as tensors (``add_adapter_weights``). When every slot is taken, the least recently used adapter that is
-neither pinned nor used by a live :class:`MoELoRABatchInfo` is evicted to the host tier (validated,
-rank-sized host copies of the last ``max_cpu_loras`` adapters), from which a re-load or a
-``prepare_batch`` naming it is served without reading the disk again. On CUDA every host-to-device copy
-goes through one pinned staging buffer the pool allocates at construction (``moelora.staging``): loads
-allocate no pinned memory while serving. All public methods are thread-safe.
+as tensors (``add_adapter_weights``). When no slot is free or the arena has no room, least recently used
+adapters that are neither pinned nor used by a live :class:`MoELoRABatchInfo` are evicted to the host
+tier (validated, rank-sized host copies of the last ``max_cpu_loras`` adapters), from which a re-load
+or a ``prepare_batch`` naming it is served without reading the disk again. On CUDA every host-to-device
+copy goes through one pinned staging buffer the pool allocates at construction (``moelora.staging``):
+loads allocate no pinned memory while serving. All public methods are thread-safe.
 """
 
 from __future__ import annotations
 
 import array
+import copy
 import math
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
+from moelora.arena import RankRowAllocator
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.load_worker import LoadWorker
 from moelora.parallel import MoEShard
@@ -47,7 +54,10 @@ from moelora.peft_loader import check_adapter_path, pool_slot_bytes, read_peft_a
 from moelora.pool_report import AdapterMemory, PoolMemoryReport
 from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
 
-__all__ = ["AdapterLoadError", "LoRALayerBuffers", "MoELoRAMemoryPool"]
+if TYPE_CHECKING:  # imported where used: importing moelora does not import Triton
+    from triton_ops.lora_weights import LoRAWeights
+
+__all__ = ["AdapterLoadError", "DenseLoRA", "LoRALayerBuffers", "MoELoRAMemoryPool"]
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PROJECTIONS = ("gate", "up", "down")
@@ -55,46 +65,82 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 _STAGE_THREADS = 8
 
 
-@dataclass
-class LoRALayerBuffers:
-    """One MoE layer's adapter buffers, all slots (DESIGN.md §2).
+@dataclass(frozen=True)
+class DenseLoRA:
+    """Adapter weights in the dense layout of DESIGN.md §2, gathered from the arena for some slots and
+    experts (``LoRALayerBuffers.dense``): what the reference and the PyTorch path read."""
 
-    Attributes:
-        gate_up_a: ``(L, E, 2R, H)``; rows ``[0, R)`` gate A, ``[R, 2R)`` up A.
-        gate_up_b: ``(L, E, 2I, R)``; rows ``[0, I)`` gate B, ``[I, 2I)`` up B.
-        down_a: ``(L, E, R, I)``.
-        down_b: ``(L, E, H, R)``.
-    """
-
-    gate_up_a: torch.Tensor
-    gate_up_b: torch.Tensor
-    down_a: torch.Tensor
-    down_b: torch.Tensor
+    gate_up_a: torch.Tensor  # (slots, experts, 2R, H): rows [0, R) gate A, [R, 2R) up A
+    gate_up_b: torch.Tensor  # (slots, experts, 2I, R): rows [0, I) gate B, [I, 2I) up B
+    down_a: torch.Tensor  # (slots, experts, R, I)
+    down_b: torch.Tensor  # (slots, experts, H, R)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The four buffers, in the order gate_up_a, gate_up_b, down_a, down_b."""
+        return (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
+
+
+@dataclass(frozen=True)
+class LoRALayerBuffers:
+    """One MoE layer's adapters, every slot, as the kernels read them: four :class:`LoRAWeights` views of
+    the pool's arena, sharing the layer's block table ``(L, E)`` int32 (first unit of each slot and
+    expert), and the pool's per-slot ranks."""
+
+    gate_up_a: LoRAWeights
+    gate_up_b: LoRAWeights
+    down_a: LoRAWeights
+    down_b: LoRAWeights
+    slot_ranks: torch.Tensor  # (L,) int32, the pool's
+
+    def tensors(self) -> tuple[LoRAWeights, LoRAWeights, LoRAWeights, LoRAWeights]:
+        """The four matrices, in the order gate_up_a, gate_up_b, down_a, down_b."""
         return (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held by the four buffers."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    def blocks(self) -> torch.Tensor:
+        """``(L, E)`` int32: the first arena unit of each (slot, expert)."""
+        return self.gate_up_a.blocks
+
+    def dense(self, slots: torch.Tensor | Sequence[int] | None = None,
+              experts: torch.Tensor | Sequence[int] | None = None) -> DenseLoRA:
+        """The weights of ``slots`` x ``experts`` (default: all) in the dense layout, rank rows past each
+        slot's rank zero. A gather (device work, no host sync): for references and the PyTorch path."""
+        dev = self.blocks.device
+        n_slots, n_experts = self.blocks.shape
+        slots = torch.arange(n_slots, device=dev) if slots is None else torch.as_tensor(slots, device=dev)
+        experts = (torch.arange(n_experts, device=dev) if experts is None
+                   else torch.as_tensor(experts, device=dev))
+        big_r = self.gate_up_a.max_rank
+        offs = torch.arange(big_r, device=dev)
+        units = self.blocks[slots.long()][:, experts.long()].long()  # (s, e)
+        live = offs < self.slot_ranks[slots.long()].long()[:, None, None]  # (s, 1, R)
+        # Rows past a slot's rank read unit 0: the zero block, always in bounds and always zero.
+        rows = torch.where(live, units[..., None] + offs, 0)  # (s, e, R)
+        gate_up_a = self.gate_up_a.data
+        gate_up_b = self.gate_up_b.data
+        return DenseLoRA(
+            gate_up_a=torch.cat((gate_up_a[0][rows], gate_up_a[1][rows]), dim=2),
+            gate_up_b=gate_up_b[rows].transpose(2, 3),
+            down_a=self.down_a.data[rows],
+            down_b=self.down_b.data[rows].transpose(2, 3),
+        )
 
 
-@dataclass
 @dataclass
 class _StagedAdapter:
     """A validated adapter on the host, rank-sized: what a slot write copies, and the host tier keeps.
 
     ``layers[lid]`` holds the stacks present of ``gate_a``/``up_a`` (E, r, H), ``gate_b``/``up_b``
-    (E, I, r), ``down_a`` (E, r, I), ``down_b`` (E, H, r), zero where an expert has no module, in the
-    pool dtype, with every B already rescaled to the slot scaling.
+    (E, r, I), ``down_a`` (E, r, I), ``down_b`` (E, r, H): rank rows, as the arena stores them (B
+    transposed), zero where an expert has no module, in the pool dtype, with every B already rescaled to
+    the slot scaling. ``experts[lid]`` lists the experts of layer ``lid`` with a module of rank > 0: the
+    only ones that take arena rows.
     """
 
     name: str
     rank: int
     scaling: float
     layers: dict[int, dict[str, torch.Tensor]]
+    experts: dict[int, list[int]] = field(default_factory=dict)
     source: str | None = None
     report: object | None = None
     nbytes: int = 0
@@ -104,6 +150,18 @@ _LOADING = object()  # marks a slot reserved by an asynchronous load that is not
 
 
 _NAME_TYPES = frozenset((str, type(None)))
+
+
+def _block_runs(starts: Sequence[int], rank: int) -> list[tuple[int, int, int, int]]:
+    """``starts`` (blocks of ``rank`` units, each aligned to ``step``, the power of two >= rank) as runs of
+    blocks ``step`` apart: (first index, end index, first unit, step). A run is one strided copy."""
+    step = 1 << (rank - 1).bit_length()
+    runs, first = [], 0
+    for k in range(1, len(starts) + 1):
+        if k == len(starts) or starts[k] != starts[k - 1] + step:
+            runs.append((first, k, starts[first], step))
+            first = k
+    return runs
 
 
 def _is_int(v: object) -> bool:
@@ -163,10 +221,11 @@ class _AdapterStager:
         return staged
 
     def _stack_shapes(self, rank: int) -> dict[str, tuple[int, int, int]]:
-        """The shape of each host stack of one layer at ``rank``: A (E, rank, in), B (E, out, rank)."""
+        """The shape of each host stack of one layer at ``rank``: rank rows over the inputs for A,
+        (E, rank, in), and over the outputs for B (B transposed), (E, rank, out)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         return {"gate_a": (e, rank, h), "up_a": (e, rank, h), "down_a": (e, rank, i),
-                "gate_b": (e, i, rank), "up_b": (e, i, rank), "down_b": (e, h, rank)}
+                "gate_b": (e, rank, i), "up_b": (e, rank, i), "down_b": (e, rank, h)}
 
     def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> _StagedAdapter:
         """Validates the adapter and converts it on the host; raises AdapterLoadError, touches nothing."""
@@ -244,12 +303,11 @@ class _AdapterStager:
             for key, t in ((f"{p}_a", a_c), (f"{p}_b", b_c)):
                 if key not in layer:
                     layer[key] = torch.zeros(shapes[key], dtype=self.dtype)
-                if key.endswith("_a"):
-                    layer[key][e, :r] = t
-                else:
-                    layer[key][e, :, :r] = t
+                layer[key][e, :r] = t if key.endswith("_a") else t.t()
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
-        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
+        experts = {lid: sorted({e for m_lid, e, _, _ in live if m_lid == lid}) for lid in stacks}
+        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, experts=experts,
+                              nbytes=nbytes)
 
     def _stage_stacked(
         self,
@@ -290,7 +348,7 @@ class _AdapterStager:
                       for _, proj in mods]
             full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
             is_b = key.endswith("_b")
-            ts = [proj.b if is_b else proj.a for _, proj in mods]
+            ts = [proj.b.t() if is_b else proj.a for _, proj in mods]  # rank rows: B transposed
             ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
             with torch.no_grad():
                 if full:  # every expert at the slot rank: one pass (a rescale first where needed)
@@ -303,10 +361,9 @@ class _AdapterStager:
                 else:  # missing experts or lower ranks: zeros, then module by module
                     dst = torch.zeros(shapes[key], dtype=self.dtype)
                     for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
-                        r = t.shape[1] if is_b else t.shape[0]
                         if is_b and ratio_e != 1.0:
                             t = t * ratio_e
-                        (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
+                        dst[e, : t.shape[0]].copy_(t)
             return dst, torch.aminmax(dst)
 
         # The stacks are independent and their copies release the interpreter lock: built side by side.
@@ -321,7 +378,10 @@ class _AdapterStager:
         if ranges and not bool(torch.isfinite(torch.stack(ranges)).all()):
             return None  # NaN propagates through aminmax; the module path names the problem
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
-        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, nbytes=nbytes)
+        experts = {lid: sorted({e for mods in projs.values() for e, _ in mods})
+                   for lid, projs in groups.items()}
+        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, experts=experts,
+                              nbytes=nbytes)
 
     def _check_module(
         self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int, *, values: bool = True
@@ -375,8 +435,9 @@ class MoELoRAMemoryPool(_AdapterStager):
         hidden_size: ``H``.
         intermediate_size: ``I``, the per-expert FFN width (``w13`` is ``(E, 2I, H)``).
         layer_ids: the model's own indices of its MoE layers, as in PEFT keys (``...layers.{n}...``).
-        max_loras: ``L``, adapter slots.
-        max_rank: ``R``, the largest rank a slot can hold.
+        max_loras: ``L``, adapter slots: how many adapters may be resident at once (hundreds are fine:
+            a slot costs a row of the block table, ``layers x E`` int32, not adapter memory).
+        max_rank: ``R``, the largest rank an adapter may have.
         dtype: buffer dtype: float32, float16 or bfloat16.
         device: where the buffers live.
         max_cpu_loras: host tier size: validated host copies of this many recently loaded adapters
@@ -388,12 +449,18 @@ class MoELoRAMemoryPool(_AdapterStager):
         load_process: asynchronous loads read, validate and stage adapters in a spawned process
             (``moelora.load_worker``; default: on CUDA), so their host work does not hold this process's
             interpreter lock while it serves; False runs them in a thread of this process.
+        arena_bytes: device bytes for adapter weights (default: what ``max_loras`` adapters of
+            ``max_rank`` training every expert of every layer take, the dense layout's size). Adapters
+            take their own rank's bytes for the experts they train; when one does not fit, least
+            recently used evictable adapters make room.
         shard: a :class:`moelora.parallel.MoEShard` of a tensor- or expert-parallel rank: ``num_experts``
             and ``intermediate_size`` stay the model's, the buffers hold the shard's experts and I share,
             and every adapter (given or read for the whole model) is stored as the shard's part of it.
 
     Attributes:
-        layers: layer id -> :class:`LoRALayerBuffers`.
+        layers: layer id -> :class:`LoRALayerBuffers` (the arena and the layer's block table).
+        blocks: ``(layers, L, E)`` int32 on ``device``, first arena unit of each (layer, slot, expert).
+            Updated in place.
         slot_ranks: ``(L,)`` int32 on ``device``, real rank per slot (0 = empty). Updated in place.
         slot_scalings: ``(L,)`` float32 on ``device``, scaling per slot. Updated in place.
         slot_rank_host, slot_scaling_host: host mirrors of the two tables.
@@ -416,6 +483,7 @@ class MoELoRAMemoryPool(_AdapterStager):
         shard: MoEShard | None = None,
         staging_bytes: int | None = None,
         load_process: bool | None = None,
+        arena_bytes: int | None = None,
     ) -> None:
         self.num_experts = _check_positive_int("num_experts", num_experts)
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
@@ -458,16 +526,33 @@ class MoELoRAMemoryPool(_AdapterStager):
         if shard is not None and shard.local_num_experts < shard.num_experts:
             self.expert_map = shard.expert_map(self.device)
         kw = {"dtype": dtype, "device": self.device}
-        self.layers: dict[int, LoRALayerBuffers] = {
-            lid: LoRALayerBuffers(
-                gate_up_a=torch.zeros(n_slots, e, 2 * r, h, **kw),
-                gate_up_b=torch.zeros(n_slots, e, 2 * i, r, **kw),
-                down_a=torch.zeros(n_slots, e, r, i, **kw),
-                down_b=torch.zeros(n_slots, e, h, r, **kw),
-            )
-            for lid in self.layer_ids
-        }
+        self.unit_bytes = self.unit_bytes_for(h, i, dtype)
+        # Blocks are aligned to a power of two of units (moelora.arena): the default arena holds max_loras
+        # adapters of max_rank training everything, whatever max_rank is.
+        aligned_r = 1 << (r - 1).bit_length()
+        if arena_bytes is None:
+            arena_bytes = n_slots * len(self.layer_ids) * e * aligned_r * self.unit_bytes
+        elif not _is_int(arena_bytes) or arena_bytes < aligned_r * self.unit_bytes:
+            raise ValueError(f"arena_bytes must be an int of at least {aligned_r * self.unit_bytes} (one "
+                             f"rank-{r} block of {self.unit_bytes}-byte rows), got {arena_bytes!r}")
+        # Units [0, aligned_r) are the zero block (aligned, so the free space splits into whole blocks); a
+        # rank tile loaded past the last unit (kernels may load a tile's rows and mask them later) stays in
+        # bounds through the tail.
+        units = aligned_r + arena_bytes // self.unit_bytes
+        tail = max(16, aligned_r)
+        if units + tail >= 1 << 31:
+            raise ValueError(f"arena_bytes {arena_bytes} gives {units} units: the block table is int32, at "
+                             f"most {(1 << 31) - 1 - tail} units of {self.unit_bytes} bytes")
+        self._units = RankRowAllocator(units, reserved_units=aligned_r)
+        self.blocks = torch.zeros(len(self.layer_ids), n_slots, e, dtype=torch.int32, device=self.device)
+        self._arena = {"gate_up_a": torch.zeros(2, units + tail, h, **kw),
+                       "gate_up_b": torch.zeros(units + tail, 2 * i, **kw),
+                       "down_a": torch.zeros(units + tail, i, **kw),
+                       "down_b": torch.zeros(units + tail, h, **kw)}
+        self._slot_units: list[list[int]] = [[] for _ in range(n_slots)]  # each slot's blocks, to free
         self.slot_ranks = torch.zeros(n_slots, dtype=torch.int32, device=self.device)
+        self.layers: dict[int, LoRALayerBuffers] = {
+            lid: self._layer_buffers(self.blocks[li]) for li, lid in enumerate(self.layer_ids)}
         self.slot_scalings = torch.zeros(n_slots, dtype=torch.float32, device=self.device)
         self.slot_rank_host: list[int] = [0] * n_slots
         self.slot_scaling_host: list[float] = [0.0] * n_slots
@@ -498,6 +583,39 @@ class MoELoRAMemoryPool(_AdapterStager):
         self._executor: ThreadPoolExecutor | None = None
         self._load_worker = LoadWorker() if (on_cuda if load_process is None else load_process) else None
 
+    @staticmethod
+    def unit_bytes_for(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one arena unit (one rank row of one (layer, expert) across the four matrices): what
+        ``arena_bytes`` is counted in. A rank-r adapter training n (layer, expert) pairs takes
+        ``n * r`` units."""
+        return 3 * (hidden_size + intermediate_size) * torch.empty((), dtype=dtype).element_size()
+
+    def _layer_buffers(self, blocks: torch.Tensor) -> LoRALayerBuffers:
+        """The kernels' view of the arena for one layer whose block table is ``blocks`` (L, E)."""
+        from triton_ops.lora_weights import LoRAWeights
+
+        h, i, r = self.hidden_size, self.intermediate_size, self.max_rank
+        gate_up_a, gate_up_b = self._arena["gate_up_a"], self._arena["gate_up_b"]
+        down_a, down_b = self._arena["down_a"], self._arena["down_b"]
+        return LoRALayerBuffers(
+            gate_up_a=LoRAWeights(gate_up_a, blocks, stride_unit=h, stride_rank=h, stride_col=1,
+                                  up_offset=gate_up_a.stride(0), max_rank=r, cols=h),
+            gate_up_b=LoRAWeights(gate_up_b, blocks, stride_unit=2 * i, stride_rank=2 * i, stride_col=1,
+                                  up_offset=0, max_rank=r, cols=2 * i),
+            down_a=LoRAWeights(down_a, blocks, stride_unit=i, stride_rank=i, stride_col=1, up_offset=0,
+                               max_rank=r, cols=i),
+            down_b=LoRAWeights(down_b, blocks, stride_unit=h, stride_rank=h, stride_col=1, up_offset=0,
+                               max_rank=r, cols=h),
+            slot_ranks=self.slot_ranks,
+        )
+
+    def _arena_rows(self, key: str) -> torch.Tensor:
+        """The (units, width) rows of the arena a host stack ``key`` (``gate_a``, ``up_b``, ...) goes to."""
+        i = self.intermediate_size
+        return {"gate_a": self._arena["gate_up_a"][0], "up_a": self._arena["gate_up_a"][1],
+                "gate_b": self._arena["gate_up_b"][:, :i], "up_b": self._arena["gate_up_b"][:, i:],
+                "down_a": self._arena["down_a"], "down_b": self._arena["down_b"]}[key]
+
     # ----------------------------------------------------------------------------------------------
     # Queries
     # ----------------------------------------------------------------------------------------------
@@ -526,27 +644,35 @@ class MoELoRAMemoryPool(_AdapterStager):
             return staged.report
 
     def memory_report(self) -> PoolMemoryReport:
-        """Bytes per adapter, slot use, the slot layout's padding, the host tier and the pinned staging
+        """Bytes per adapter, arena use and fragmentation, slot use, the host tier and the pinned staging
         buffer, with each adapter's tier, pin and live-batch count (:class:`PoolMemoryReport`)."""
         with self._lock:
-            slot_bytes = self.nbytes // self.max_loras
             adapters = []
             for slot, name in enumerate(self.slot_adapters):
                 if not isinstance(name, str):
                     continue
-                staged = self._staged[name]
+                staged, blocks = self._staged[name], len(self._slot_units[slot])
                 adapters.append(AdapterMemory(
                     name=name, tier="gpu", slot=slot, pinned=name in self._pinned,
-                    users=self._slot_users[slot], rank=staged.rank, bytes=staged.nbytes,
-                    slot_bytes=slot_bytes))
-            resident, resident_bytes = len(adapters), sum(a.bytes for a in adapters)
+                    users=self._slot_users[slot],
+                    rank=staged.rank, blocks=blocks, bytes=blocks * staged.rank * self.unit_bytes,
+                    host_bytes=staged.nbytes))
             for name, staged in self._host_tier.items():
+                blocks = sum(len(v) for v in staged.experts.values()) if staged.rank else 0
                 adapters.append(AdapterMemory(name=name, tier="host", slot=None, pinned=False, users=0,
-                                              rank=staged.rank, bytes=staged.nbytes, slot_bytes=0))
+                                              rank=staged.rank, blocks=blocks, bytes=0,
+                                              host_bytes=staged.nbytes))
+            stats = self._units.stats()
+            big_order = (self.max_rank - 1).bit_length()
+            per_order = enumerate(stats["free_blocks_per_order"])
+            max_rank_free = sum(n << k for k, n in per_order if k >= big_order)
             return PoolMemoryReport(
                 device=str(self.device), slots=self.max_loras, free_slots=len(self.free_slots),
-                device_bytes=self.nbytes, slot_bytes=slot_bytes, resident_bytes=resident_bytes,
-                padding_bytes=resident * slot_bytes - resident_bytes,
+                arena_bytes=self.nbytes, table_bytes=self.blocks.nbytes,
+                used_bytes=stats["used_units"] * self.unit_bytes,
+                free_bytes=stats["free_units"] * self.unit_bytes,
+                largest_free_bytes=stats["largest_free_block"] * self.unit_bytes,
+                max_rank_free_bytes=max_rank_free * self.unit_bytes,
                 host_tier_bytes=sum(s.nbytes for s in self._host_tier.values()),
                 staging_bytes=self._staging.nbytes if self._staging is not None else 0, adapters=adapters)
 
@@ -635,8 +761,8 @@ class MoELoRAMemoryPool(_AdapterStager):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the adapter weight buffers of all layers (the small slot tables excluded)."""
-        return sum(b.nbytes for b in self.layers.values())
+        """Device bytes of the adapter arena (the block table and slot tables excluded)."""
+        return sum(t.nbytes for t in self._arena.values())
 
     # ----------------------------------------------------------------------------------------------
     # Loading / unloading
@@ -740,35 +866,74 @@ class MoELoRAMemoryPool(_AdapterStager):
             raise AdapterLoadError(
                 f"adapter {name!r} is already loaded (slot {self.adapter_slots[name]}); unload it first"
             )
-        slot = self._take_slot(name)
+        slot = self._take_slot(staged)
         try:
             self._write_slot(slot, staged)
         except BaseException:
             # A device-side failure mid-write (e.g. out of memory): leave the slot empty and clean.
-            for buf in self.layers.values():
-                for t in buf.tensors():
-                    t[slot].zero_()
-            self._set_slot_tables(slot, 0, 0.0)
+            self._clear_slot(slot)
             self.slot_adapters[slot] = None
             raise
         self._publish(slot, staged)
         return slot
 
-    def _take_slot(self, name: str) -> int:
-        """A free slot, else the least recently used evictable one (emptied). Caller holds the lock."""
-        free = self.free_slots
-        if free:
-            return free[0]
-        for victim in self._recent:
-            slot = self.adapter_slots[victim]
-            if victim not in self._pinned and self._slot_users[slot] == 0:
-                self._evict_slot(slot)
-                return slot
-        raise AdapterLoadError(
+    def _take_slot(self, staged: _StagedAdapter) -> int:
+        """A free slot and arena blocks for ``staged`` (its rank, for each (layer, expert) it trains),
+        evicting least recently used adapters that are neither pinned nor used by a live batch as long as
+        either is missing. All or nothing: where evicting every such adapter would still not make room,
+        AdapterLoadError and nothing is evicted. The blocks are recorded as the slot's. Caller holds the
+        lock."""
+        count = sum(len(staged.experts.get(lid, ())) for lid in self.layer_ids) if staged.rank else 0
+        rank = staged.rank if count else 0
+        victims: list[int] = []
+        fits = not count or self._units.can_alloc(rank, count)
+        if not (self.free_slots and fits):
+            trial = None  # the allocator as it would be after the evictions so far
+            for victim in self._recent:
+                slot = self.adapter_slots[victim]
+                if victim in self._pinned or self._slot_users[slot]:
+                    continue
+                victims.append(slot)
+                if count:
+                    if trial is None:
+                        trial = copy.deepcopy(self._units)
+                    trial.free(self._slot_units[slot])
+                    fits = trial.can_alloc(rank, count)
+                if fits:
+                    break
+            else:
+                raise AdapterLoadError(self._no_room(staged.name, rank, count))
+        for slot in victims:
+            self._evict_slot(slot)
+        slot = self.free_slots[0]
+        self._slot_units[slot] = self._units.alloc(rank, count) if count else []
+        return slot
+
+    def _no_room(self, name: str, rank: int, count: int) -> str:
+        held = f"pinned {sorted(self._pinned)}, used by live batches " + str(
+            [n for n in self.adapters() if self._slot_users[self.adapter_slots[n]]])
+        if self.free_slots:
+            stats = self._units.stats()
+            return (
+                f"cannot load adapter {name!r}: it needs {count} arena blocks of rank {rank} "
+                f"({count * rank * self.unit_bytes} bytes) and the arena has "
+                f"{stats['free_units'] * self.unit_bytes} bytes free, largest free block "
+                f"{stats['largest_free_block']} units; the adapters that may not be evicted ({held}) leave "
+                "too little: unload or unpin adapters, release batches, or give the pool a larger arena_bytes"
+            )
+        return (
             f"cannot load adapter {name!r}: all {self.max_loras} slots hold adapters that are pinned or "
-            f"used by live batches ({self.adapters()}, pinned {sorted(self._pinned)}); release a batch, "
-            "unpin or unload one first"
+            f"used by live batches ({self.adapters()}; {held}); release a batch, unpin or unload one first"
         )
+
+    def _clear_slot(self, slot: int) -> None:
+        """Gives the slot's arena blocks back and points every (layer, expert) of it at the zero block, with
+        rank and scaling 0. Kernels queued before read the old entries (the fills are queued after them)."""
+        if self._slot_units[slot]:
+            self._units.free(self._slot_units[slot])
+            self._slot_units[slot] = []
+        self.blocks[:, slot].zero_()
+        self._set_slot_tables(slot, 0, 0.0)
 
     def _evict_slot(self, slot: int) -> None:
         """Empties ``slot``; its adapter goes to the host tier (if enabled). Caller holds the lock."""
@@ -786,7 +951,7 @@ class MoELoRAMemoryPool(_AdapterStager):
                 while len(self._host_tier) > self.max_cpu_loras:
                     self._host_tier.popitem(last=False)
         self.slot_adapters[slot] = None
-        self._set_slot_tables(slot, 0, 0.0)
+        self._clear_slot(slot)
 
     def _publish(self, slot: int, staged: _StagedAdapter) -> None:
         """Makes a written slot visible to prepare_batch. Caller holds the lock."""
@@ -809,7 +974,7 @@ class MoELoRAMemoryPool(_AdapterStager):
                 raise AdapterLoadError(
                     f"adapter {name!r} is already loaded (slot {self.adapter_slots[name]})"
                 )
-            slot = self._take_slot(name)
+            slot = self._take_slot(staged)
             self.slot_adapters[slot] = _LOADING  # reserved: not free, not evictable, not visible
         try:
             if on_cuda:
@@ -827,7 +992,7 @@ class MoELoRAMemoryPool(_AdapterStager):
         except BaseException:
             with self._lock:
                 self.slot_adapters[slot] = None
-                self._set_slot_tables(slot, 0, 0.0)
+                self._clear_slot(slot)
             raise
         with self._lock:
             self._publish(slot, staged)
@@ -843,32 +1008,41 @@ class MoELoRAMemoryPool(_AdapterStager):
 
     def _write_slot(self, slot: int, staged: _StagedAdapter, *, stream: torch.cuda.Stream | None = None
                     ) -> None:
-        """Rewrites all of ``slot`` in every layer: a device-side zero fill, then the rank-sized stacks
-        (only the adapter's real rank crosses the bus, through the pinned staging buffer on CUDA), then the
-        slot's rank and scaling. Queued on ``stream`` (default: the current stream)."""
-        big_r, inter, r = self.max_rank, self.intermediate_size, staged.rank
+        """Writes ``staged`` into the arena blocks :meth:`_take_slot` gave ``slot`` (every rank row of each,
+        zeros where the adapter has no module), then the slot's block table entries, rank and scaling. Only
+        the adapter's own rows cross the bus, through the pinned staging buffer on CUDA. Queued on
+        ``stream`` (default: the current stream)."""
         if self._staging is not None and stream is None:
             stream = torch.cuda.current_stream(self.device)
-        for lid, buf in self.layers.items():
-            for t in buf.tensors():
-                t[slot].zero_()
-            st = staged.layers.get(lid)
-            if not st or r == 0:
+        rank, starts = staged.rank, self._slot_units[slot]
+        table = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.int32)
+        taken = 0
+        for li, lid in enumerate(self.layer_ids):
+            experts = staged.experts.get(lid, []) if starts else []
+            if not experts:
                 continue
-            targets = {
-                "gate_a": buf.gate_up_a[slot, :, :r],
-                "up_a": buf.gate_up_a[slot, :, big_r : big_r + r],
-                "gate_b": buf.gate_up_b[slot, :, :inter, :r],
-                "up_b": buf.gate_up_b[slot, :, inter:, :r],
-                "down_a": buf.down_a[slot, :, :r],
-                "down_b": buf.down_b[slot, :, :, :r],
-            }
-            for key, host in st.items():
-                if self._staging is not None:
-                    self._staging.copy(targets[key], host, stream)
+            layer_starts = starts[taken : taken + len(experts)]
+            taken += len(experts)
+            table[li, experts] = torch.tensor(layer_starts, dtype=torch.int32)
+            stacks = staged.layers[lid]
+            for first, end, unit, step in _block_runs(layer_starts, rank):
+                run = experts[first:end]
+                if run[-1] - run[0] == end - first - 1:
+                    pick = slice(run[0], run[-1] + 1)
                 else:
-                    targets[key].copy_(host)
-        self._set_slot_tables(slot, r, staged.scaling)
+                    pick = torch.tensor(run)
+                for key in ("gate_a", "up_a", "gate_b", "up_b", "down_a", "down_b"):
+                    dst = self._arena_rows(key)[unit : unit + (end - first) * step]
+                    dst = dst.unflatten(0, (end - first, step))[:, :rank]
+                    host = stacks.get(key)
+                    if host is None:  # no module of this projection: the rows still held an older adapter
+                        dst.zero_()
+                    elif self._staging is not None:
+                        self._staging.copy(dst, host[pick], stream)
+                    else:
+                        dst.copy_(host[pick])
+        self.blocks[:, slot].copy_(table.to(self.device, non_blocking=False))
+        self._set_slot_tables(slot, rank if starts else 0, staged.scaling if starts else 0.0)
 
     # ----------------------------------------------------------------------------------------------
     # Batches

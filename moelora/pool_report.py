@@ -13,14 +13,14 @@ class AdapterMemory:
 
     Attributes:
         name: the adapter's name.
-        tier: ``"gpu"`` (in a slot) or ``"host"`` (the host tier only).
+        tier: ``"gpu"`` (resident) or ``"host"`` (the host tier only).
         slot: its slot, ``None`` in the host tier.
         pinned: never evicted (``pool.pin``).
         users: live batches using its slot.
-        rank: the slot rank (its largest module rank).
-        bytes: its weights at that rank, every layer and expert stack it has (the host copy's size, and
-            what a slot write copies).
-        slot_bytes: device bytes its slot reserves (every layer at ``max_rank``), 0 in the host tier.
+        rank: its rank (its largest module rank).
+        blocks: the (layer, expert) pairs it trains: the arena blocks of ``rank`` rows it takes.
+        bytes: device bytes it takes in the arena (``blocks x rank`` rows), 0 in the host tier.
+        host_bytes: its host copy's bytes (the host tier's, or what a load staged).
     """
 
     name: str
@@ -29,8 +29,9 @@ class AdapterMemory:
     pinned: bool
     users: int
     rank: int
+    blocks: int
     bytes: int
-    slot_bytes: int
+    host_bytes: int
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,14 @@ class PoolMemoryReport:
     """The pool's memory at one moment.
 
     Attributes:
-        device: where the slots live.
+        device: where the arena lives.
         slots, free_slots: adapter slots, and those holding nothing.
-        device_bytes: bytes of all slot buffers (allocated once, whatever they hold).
-        slot_bytes: bytes of one slot.
-        resident_bytes: the resident adapters' own bytes (``AdapterMemory.bytes`` summed).
-        padding_bytes: bytes the resident adapters' slots reserve beyond their adapters' own (rank below
-            ``max_rank``, experts or layers an adapter does not train): the slot layout's waste.
+        arena_bytes: device bytes of the arena for adapter rows (allocated once, whatever it holds).
+        table_bytes: device bytes of the block table (a row per layer and slot of E int32 entries).
+        used_bytes: arena bytes the resident adapters take (``AdapterMemory.bytes`` summed).
+        free_bytes: arena bytes not taken.
+        largest_free_bytes: the largest run of free rows a block can take (aligned to a power of two).
+        max_rank_free_bytes: free bytes in runs that can take a block of the pool's ``max_rank``.
         host_tier_bytes: host memory of the host tier's copies.
         staging_bytes: pinned host memory of the staging buffer (0 without one).
         adapters: every held adapter, resident ones in slot order, then the host tier, least recent first.
@@ -53,20 +55,21 @@ class PoolMemoryReport:
     device: str
     slots: int
     free_slots: int
-    device_bytes: int
-    slot_bytes: int
-    resident_bytes: int
-    padding_bytes: int
+    arena_bytes: int
+    table_bytes: int
+    used_bytes: int
+    free_bytes: int
+    largest_free_bytes: int
+    max_rank_free_bytes: int
     host_tier_bytes: int
     staging_bytes: int
     adapters: list[AdapterMemory] = field(default_factory=list)
 
     @property
-    def padding_fraction(self) -> float:
-        """``padding_bytes`` over the bytes the resident adapters' slots reserve (0.0 with none)."""
-        occupied = sum(a.slot_bytes for a in self.adapters)
-        return self.padding_bytes / occupied if occupied else 0.0
+    def fragmentation(self) -> float:
+        """The share of free bytes a ``max_rank`` block cannot use (0.0 with nothing free)."""
+        return 1.0 - self.max_rank_free_bytes / self.free_bytes if self.free_bytes else 0.0
 
     def as_dict(self) -> dict:
         """The report as plain JSON-ready values."""
-        return asdict(self) | {"padding_fraction": self.padding_fraction}
+        return asdict(self) | {"fragmentation": self.fragmentation}

@@ -4,11 +4,12 @@ Same math as :func:`moelora.reference.reference_moe` (DESIGN.md §1), but withou
 tokens: one iteration per expert that has (token, k) pairs, with the base GEMMs of all its pairs done
 as one matmul and the LoRA of all its pairs done at once.
 
-Inside an expert, the ``u`` distinct slots its pairs use are gathered from the pool buffers
-(``u <= L``). The shrink multiplies every pair by the A of all ``u`` slots in one GEMM and keeps the
-pair's own block; the expand places each pair's rank vector in its slot's block of a zero
-``(n, u·R)`` matrix and multiplies by the ``u`` B's laid side by side, so each pair only ever sees its
-own adapter. Ranks below ``R`` are zero-padded in the pool, so using all ``R`` rank columns is exact.
+Inside an expert, the ``u`` distinct slots its pairs use are gathered from the pool's arena (or
+dense buffers) in the dense layout (``u <= L``). The shrink multiplies every pair by the A of all
+``u`` slots in one GEMM and keeps the pair's own block; the expand places each pair's rank vector in
+its slot's block of a zero ``(n, u·R)`` matrix and multiplies by the ``u`` B's laid side by side, so
+each pair only ever sees its own adapter. Rank rows past a slot's rank gather as zeros, so using all
+``R`` rank columns is exact.
 Pairs of tokens with slot ``-1`` are not touched at all: such a token gets exactly the base output.
 """
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moelora.batch_info import MoELoRABatchInfo
-from moelora.pool import LoRALayerBuffers
+from moelora.pool import DenseLoRA, LoRALayerBuffers
 
 if TYPE_CHECKING:
     from triton_ops.fp8 import BlockFp8Weights
@@ -36,8 +37,18 @@ def _activation(name: str, g: torch.Tensor) -> torch.Tensor:
     return F.gelu(g, approximate="none")
 
 
-def _check_buffers(buffers: LoRALayerBuffers, num_experts: int, hidden: int, inter: int) -> int:
-    """Checks the buffer shapes against the base weights; returns R (max rank)."""
+def _check_buffers(buffers: LoRALayerBuffers | DenseLoRA, num_experts: int, hidden: int, inter: int) -> int:
+    """Checks the buffer shapes against the base weights; returns the slot count."""
+    if isinstance(buffers, LoRALayerBuffers):
+        w = buffers.gate_up_a
+        got = (w.num_experts, w.cols, buffers.gate_up_b.cols, buffers.down_a.cols)
+        if got != (num_experts, hidden, 2 * inter, inter):
+            raise ValueError(f"the pool's buffers hold E={got[0]}, H={got[1]}, I={got[3]} but the base "
+                             f"weights have E={num_experts}, H={hidden}, I={inter}")
+        return w.num_slots
+    if not isinstance(buffers, DenseLoRA):
+        raise TypeError(f"buffers must be the pool's LoRALayerBuffers or a DenseLoRA, got "
+                        f"{type(buffers).__name__}")
     if buffers.gate_up_a.dim() != 4:
         raise ValueError(f"gate_up_a must be (L, E, 2R, H), got {tuple(buffers.gate_up_a.shape)}")
     n_slots, _, two_r, _ = buffers.gate_up_a.shape
@@ -53,7 +64,16 @@ def _check_buffers(buffers: LoRALayerBuffers, num_experts: int, hidden: int, int
             raise ValueError(
                 f"LoRA buffer {name} must be {shape} for these base weights, got {tuple(buf.shape)}"
             )
-    return r
+    return n_slots
+
+
+def _expert_lora(buffers: LoRALayerBuffers | DenseLoRA, slots: torch.Tensor, e: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate_up_a (u, 2R, H), gate_up_b (u, 2I, R), down_a (u, R, I), down_b (u, H, R) of expert ``e`` for
+    the ``u`` slots ``slots``, in the dense layout."""
+    if isinstance(buffers, LoRALayerBuffers):
+        return tuple(t[:, 0] for t in buffers.dense(slots, [e]).tensors())
+    return tuple(t[slots, e] for t in buffers.tensors())
 
 
 def fp8_group_roundtrip(v: torch.Tensor, group: int) -> torch.Tensor:
@@ -144,7 +164,7 @@ def moe_lora_forward_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    buffers: LoRALayerBuffers | None,
+    buffers: LoRALayerBuffers | DenseLoRA | None,
     batch: MoELoRABatchInfo | None,
     *,
     routed_scaling_factor: float = 1.0,
@@ -163,7 +183,8 @@ def moe_lora_forward_torch(
         y   = w2[e] h + s_a · B_down(A_down h)                             (on the activated h)
         out_t = rsf · Σ_k (w · y  or  y with the weight on the input)
 
-    ``A/B`` come from ``buffers`` (one layer's :class:`LoRALayerBuffers`) at slot ``a``, ``s_a`` from
+    ``A/B`` come from ``buffers`` (one layer's :class:`LoRALayerBuffers`, or a :class:`DenseLoRA`) at
+    slot ``a``, ``s_a`` from
     ``batch.slot_scalings``. ``buffers=None``, ``batch=None`` or a batch without adapters gives the
     base MoE. A pair whose expert id is outside ``[0, E)`` contributes nothing. Computed in float32
     (float64 if ``x`` is float64) on ``x``'s device; inputs are checked as on the Triton path.
@@ -192,8 +213,9 @@ def moe_lora_forward_torch(
     if batch is not None and (batch.num_tokens != m or batch.token_slots.numel() != m):
         raise ValueError(f"batch describes {batch.num_tokens} tokens but x has {m}")
     use_lora = buffers is not None and batch is not None and batch.has_lora
+    n_slots = 0
     if buffers is not None:
-        _check_buffers(buffers, num_experts, hidden, inter)
+        n_slots = _check_buffers(buffers, num_experts, hidden, inter)
 
     dev = x.device
     cdtype = torch.float64 if torch.float64 in (x.dtype, w13.dtype, w2.dtype) else torch.float32
@@ -217,7 +239,6 @@ def moe_lora_forward_torch(
     pair_slots = scalings = None
     if use_lora:
         assert buffers is not None and batch is not None
-        n_slots = buffers.gate_up_a.shape[0]
         token_slots = batch.token_slots.to(device=dev, dtype=torch.long)
         if int(token_slots.min()) < -1 or int(token_slots.max()) >= n_slots:
             raise ValueError(f"batch.token_slots holds a slot outside [-1, {n_slots})")
@@ -248,9 +269,8 @@ def moe_lora_forward_torch(
             assert buffers is not None and scalings is not None
             s_sel = slots[sel]
             uniq, local = torch.unique(s_sel, return_inverse=True)
-            bidx = uniq.to(buffers.gate_up_a.device)
-            gua = buffers.gate_up_a[bidx, e].to(device=dev, dtype=cdtype)  # (u, 2R, H)
-            gub = buffers.gate_up_b[bidx, e].to(device=dev, dtype=cdtype)  # (u, 2I, R)
+            weights_of = _expert_lora(buffers, uniq.to(buffers.gate_up_a.device), e)
+            gua, gub, da, db = (t.to(device=dev, dtype=cdtype) for t in weights_of)
             big_r = gua.shape[1] // 2
             scale = scalings[s_sel][:, None]
 
@@ -267,8 +287,6 @@ def moe_lora_forward_torch(
 
         if sel is not None:
             assert buffers is not None
-            da = buffers.down_a[bidx, e].to(device=dev, dtype=cdtype)  # (u, R, I)
-            db = buffers.down_b[bidx, e].to(device=dev, dtype=cdtype)  # (u, H, R)
             y[sel] = y[sel] + _expand(_shrink(h[sel], da, local), db, local) * scale  # on the activated h
 
         if not apply_router_weight_on_input:

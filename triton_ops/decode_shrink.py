@@ -27,6 +27,8 @@ import triton.language as tl
 
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
+from triton_ops.lora_tiles import lora_block_offset
+from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
 from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
 
@@ -41,7 +43,8 @@ def _align_and_pair_shrink_kernel(
     num_post_padded_ptr,  # (1,) int32 out
     # Pointers: shrink
     x_ptr,  # (M, K) fp16/bf16/fp32 activations x; GATED=False: (numel, K) the activated rows h
-    lora_a_ptr,  # (L, E, 2R_pool, K) gate_up_a: gate rows, then up rows from lora_up_offset; or down_a
+    lora_a_ptr,  # gate_up_a (gate rank rows, up rows lora_up_offset after them) or down_a, rows over K
+    la_blocks_ptr,  # (L, E) int32 first unit of each (slot, expert): ``LoRAWeights``
     token_slots_ptr,  # (M,) int32 slot per token, -1 = no adapter
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     out_ptr,  # (numel, splits, 2 * LORA_R) fp32 out: [gate | up] partials (GATED=False: LORA_R wide)
@@ -59,8 +62,8 @@ def _align_and_pair_shrink_kernel(
     # Strides
     stride_xm,
     stride_xk,
-    stride_la_l,
-    stride_la_e,
+    stride_la_bl,
+    stride_la_u,
     stride_la_r,
     stride_la_k,
     stride_os,
@@ -99,7 +102,7 @@ def _align_and_pair_shrink_kernel(
             offs_r = tl.arange(0, LORA_R)
             offs_k = tl.arange(0, BLOCK_K)
             rank_valid = offs_r < rank
-            la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+            la_ptr = lora_a_ptr + lora_block_offset(la_blocks_ptr, slot, expert, stride_la_bl, stride_la_u)
             x_row = x_ptr + (pair // x_row_div).to(tl.int64) * stride_xm
             k_start = split * k_per_split
             k_end = tl.minimum(k_start + k_per_split, K)
@@ -154,7 +157,7 @@ def moe_align_with_gate_up_shrink(
     block_size: int,
     num_experts: int,
     x: torch.Tensor,
-    gate_up_a: torch.Tensor,
+    gate_up_a: torch.Tensor | LoRAWeights,
     token_slots: torch.Tensor,
     slot_ranks: torch.Tensor,
     *,
@@ -176,8 +179,9 @@ def moe_align_with_gate_up_shrink(
         raise ValueError("release_next needs align=False (the next launch may read only the shrink) and an "
                          "sm_90+ GPU")
     num_tokens, hidden = x.shape
-    if gate_up_a.dim() != 4 or gate_up_a.shape[3] != hidden or gate_up_a.shape[2] % 2:
-        raise ValueError(f"gate_up_a must be (L, E, 2R, {hidden}), got {tuple(gate_up_a.shape)}")
+    gate_up_a = lora_weights(gate_up_a, kind="gated_a")
+    if gate_up_a.cols != hidden:
+        raise ValueError(f"gate_up_a must have {hidden} columns (x's), got {gate_up_a.cols}")
     if token_slots.shape != (num_tokens,):
         raise ValueError(f"token_slots must be ({num_tokens},), got {tuple(token_slots.shape)}")
     return _launch_pair_shrink(topk_ids, block_size, num_experts, x, gate_up_a, token_slots, slot_ranks,
@@ -187,7 +191,7 @@ def moe_align_with_gate_up_shrink(
 
 def one_token_down_shrink(
     activated: torch.Tensor,
-    down_a: torch.Tensor,
+    down_a: torch.Tensor | LoRAWeights,
     topk_ids: torch.Tensor,
     token_slots: torch.Tensor,
     slot_ranks: torch.Tensor,
@@ -212,16 +216,17 @@ def one_token_down_shrink(
     if pairs != topk_ids.numel():
         raise ValueError(f"activated must be ({topk_ids.numel()}, I), a row per routed pair, got "
                          f"{tuple(activated.shape)}")
-    if down_a.dim() != 4 or down_a.shape[3] != inter:
-        raise ValueError(f"down_a must be (L, E, R, {inter}), got {tuple(down_a.shape)}")
+    down_a = lora_weights(down_a, kind="a")
+    if down_a.cols != inter:
+        raise ValueError(f"down_a must have {inter} columns (activated's), got {down_a.cols}")
     if token_slots.shape != (1,):
         raise ValueError(f"token_slots must be (1,) for one token, got {tuple(token_slots.shape)}")
-    _launch_pair_shrink(topk_ids, 16, down_a.shape[1], activated, down_a, token_slots, slot_ranks,
+    _launch_pair_shrink(topk_ids, 16, down_a.num_experts, activated, down_a, token_slots, slot_ranks,
                         rank_block=rank_block, out=out, align=False, gated=False, release_next=release_next)
 
 
 def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: int, x: torch.Tensor,
-                        lora_a: torch.Tensor, token_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
+                        lora_a: LoRAWeights, token_slots: torch.Tensor, slot_ranks: torch.Tensor, *,
                         rank_block: int, out: torch.Tensor, align: bool, gated: bool,
                         release_next: bool, dependent: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -234,13 +239,12 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
     if numel != topk_ids.numel() or width != expected_width or out.dtype != torch.float32:
         raise ValueError(f"out must be fp32 ({topk_ids.numel()}, splits, {expected_width}), got {out.dtype} "
                          f"{tuple(out.shape)}")
-    pool_rank = lora_a.shape[2] // 2 if gated else lora_a.shape[2]
     block_k = decode_shrink_block_k(x.dtype)
     k_per_split = cdiv(cdiv(k, block_k), splits) * block_k
     launch(_align_and_pair_shrink_kernel, (int(align) + numel * splits,),
         **align_kwargs,
         x_ptr=x,
-        lora_a_ptr=lora_a,
+        lora_a_ptr=lora_a.data,
         token_slots_ptr=token_slots,
         slot_ranks_ptr=slot_ranks,
         out_ptr=out,
@@ -249,13 +253,12 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
         num_splits=splits,
         top_k=topk_ids.shape[1],
         x_row_div=topk_ids.shape[1] if gated else 1,
-        lora_up_offset=pool_rank * lora_a.stride(2) if gated else 0,
+        lora_up_offset=lora_a.up_offset,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
-        stride_la_l=lora_a.stride(0),
-        stride_la_e=lora_a.stride(1),
-        stride_la_r=lora_a.stride(2),
-        stride_la_k=lora_a.stride(3),
+        **lora_a.kernel_args("la"),
+        stride_la_r=lora_a.stride_rank,
+        stride_la_k=lora_a.stride_col,
         stride_os=out.stride(1),
         stride_om=out.stride(0),
         LORA_R=rank_block,

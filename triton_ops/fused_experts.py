@@ -48,6 +48,7 @@ from triton_ops.fused_moe import (
 )
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import active_cache
+from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, max_padded_size, moe_align_block_size
 from triton_ops.moe_inputs import check_moe_inputs
 from triton_ops.moe_lora import (
@@ -238,10 +239,12 @@ class MoELoRAInputs:
     """
 
     token_slots: torch.Tensor  # (M,) int32, -1 = no adapter
-    gate_up_a: torch.Tensor  # (L, E, 2R, H)
-    gate_up_b: torch.Tensor  # (L, E, 2I, R)
-    down_a: torch.Tensor  # (L, E, R, I)
-    down_b: torch.Tensor  # (L, E, H, R)
+    # LoRAWeights (the pool's block tables), or dense tensors: gate_up_a (L, E, 2R, H), gate_up_b
+    # (L, E, 2I, R), down_a (L, E, R, I), down_b (L, E, H, R)
+    gate_up_a: torch.Tensor | LoRAWeights
+    gate_up_b: torch.Tensor | LoRAWeights
+    down_a: torch.Tensor | LoRAWeights
+    down_b: torch.Tensor | LoRAWeights
     slot_ranks: torch.Tensor  # (L,) int32
     slot_scalings: torch.Tensor  # (L,) fp32
     max_rank: int
@@ -315,7 +318,7 @@ def fused_experts(
     if inplace and no_combine:
         raise ValueError("inplace and no_combine cannot be combined: the outputs have different shapes")
     if lora is not None:
-        _check_lora_inputs(lora, x, w13, lora_path)
+        lora = _check_lora_inputs(lora, x, w13, lora_path)
         if lora_path == "staged" and no_combine:
             raise ValueError("no_combine needs lora_path='fused': the staged down kernel sums the top-k")
 
@@ -744,30 +747,31 @@ def _with_lora_tiles(cfg: MoEConfig, inline_shrink: bool = True, rank_block: int
     return MoEConfig(capped(cfg.gemm1, gated=True), capped(cfg.gemm2, gated=False))
 
 
-def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, lora_path: str) -> None:
+def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, lora_path: str
+                       ) -> MoELoRAInputs:
+    """Checks ``lora`` against the layer; returns it with every buffer as :class:`LoRAWeights`."""
     if lora_path not in LORA_PATHS:
         raise ValueError(f"lora_path must be one of {LORA_PATHS}, got {lora_path!r}")
     num_experts, two_i, hidden = w13.shape
-    slots, experts, two_r, lora_hidden = lora.gate_up_a.shape
-    max_rank = two_r // 2
-    expected = {
-        "gate_up_a": (slots, num_experts, 2 * max_rank, hidden),
-        "gate_up_b": (slots, num_experts, two_i, max_rank),
-        "down_a": (slots, num_experts, max_rank, two_i // 2),
-        "down_b": (slots, num_experts, hidden, max_rank),
-    }
-    for name, shape in expected.items():
-        got = tuple(getattr(lora, name).shape)
-        if got != shape:
+    weights = {name: lora_weights(getattr(lora, name), kind=kind) for name, kind in
+               (("gate_up_a", "gated_a"), ("gate_up_b", "b"), ("down_a", "a"), ("down_b", "b"))}
+    slots, max_rank = weights["gate_up_a"].num_slots, weights["gate_up_a"].max_rank
+    expected_cols = {"gate_up_a": hidden, "gate_up_b": two_i, "down_a": two_i // 2, "down_b": hidden}
+    for name, w in weights.items():
+        if (w.num_slots, w.num_experts, w.max_rank, w.cols) != (slots, num_experts, max_rank,
+        expected_cols[name]):
             raise ValueError(
-                f"LoRA buffer {name} must be {shape} for this layer (w13 {tuple(w13.shape)}), got {got}"
+                f"LoRA buffer {name} must hold {slots} slots x {num_experts} experts of rank {max_rank} over "
+                f"{expected_cols[name]} columns for this layer (w13 {tuple(w13.shape)}), got {w.num_slots} "
+                f"slots x {w.num_experts} experts of rank {w.max_rank} over {w.cols} columns"
             )
-        if getattr(lora, name).dtype != x.dtype:
-            raise TypeError(
-                f"LoRA buffer {name} must have x's dtype {x.dtype}, got {getattr(lora, name).dtype}"
-            )
-        if getattr(lora, name).device != x.device:
-            raise ValueError(f"LoRA buffer {name} is on {getattr(lora, name).device}, x on {x.device}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"LoRA buffer {name} must have x's dtype {x.dtype}, got {w.dtype}")
+        if w.device != x.device or w.blocks.device != x.device:
+            raise ValueError(f"LoRA buffer {name} is on {w.device}, x on {x.device}")
+        if w.blocks.dtype != torch.int32 or w.blocks.stride(1) != 1:
+            raise ValueError(f"LoRA buffer {name}'s block table must be int32 with unit stride along the "
+                             f"experts, got {w.blocks.dtype} strides {w.blocks.stride()}")
     if lora.token_slots.shape != (x.shape[0],) or lora.token_slots.dtype != torch.int32:
         raise ValueError(f"token_slots must be int32 ({x.shape[0]},), got {lora.token_slots.dtype} "
                          f"{tuple(lora.token_slots.shape)}")
@@ -775,3 +779,6 @@ def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, 
         raise ValueError(f"slot_ranks and slot_scalings must be ({slots},)")
     if not 0 <= lora.max_rank <= max_rank:
         raise ValueError(f"max_rank {lora.max_rank} is outside the buffers' rank range [0, {max_rank}]")
+    if all(getattr(lora, name) is w for name, w in weights.items()):
+        return lora
+    return replace(lora, **weights)

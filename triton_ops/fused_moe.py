@@ -41,6 +41,7 @@ token into ``sum_out`` (``moe_sum.finish_topk_sum_if_last``), replacing the top-
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ from triton_ops.lora_epilogues import (
     unrolled_expand,
 )
 from triton_ops.lora_tiles import _dot, lora_expand_slots
+from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
@@ -267,16 +269,16 @@ def _fused_moe_kernel(
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
     slot_row_div,  # pair p belongs to token p // slot_row_div
     lora_a_ptr,  # (L, E, R or 2R, K) LoRA A: gate_up_a (gate rows, then up rows) or down_a
-    stride_la_l, stride_la_e, stride_la_r, stride_la_k,
+    la_blocks_ptr, stride_la_bl, stride_la_u, stride_la_r, stride_la_k,
     lora_up_offset,  # offset of the up rows in lora_a
     lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
-    stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
     shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials (LORA >= LORA_ONE_ROW)
     #             or, for LORA_SLOT_RANGE, (numel, 2*LORA_R or LORA_R) a's dtype: packed
     stride_ss, stride_sm,
     num_shrink_splits,
     down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
-    stride_da_l, stride_da_e, stride_da_r, stride_da_k,
+    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
     down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile (DOWN_SHRINK)
     stride_ds, stride_dm,
     # The top-k sum at decode (FUSED_SUM; ZERO_COUNTERS: GEMM1 zeroes GEMM2's counters)
@@ -364,14 +366,17 @@ def _fused_moe_kernel(
     if LORA == LORA_FUSED:
         la_ptrs, main_rank_valid, in_main, main_gate, main_up, lora_gate, lora_up = fused_shrink_prologue(
             a_ptr, a_row, row_slot, has_slot, expert, offs_k, K, stride_am, stride_ak, lora_a_ptr,
-            stride_la_l, stride_la_e, stride_la_r, stride_la_k, lora_up_offset, slot_ranks_ptr,
+            la_blocks_ptr, stride_la_bl, stride_la_u, stride_la_r, stride_la_k, lora_up_offset,
+            slot_ranks_ptr,
             GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, LORA_R=LORA_R)
     elif LORA == LORA_ONE_ROW:
         (shrunk_rows, one_has, one_rank, one_scaling, one_rows, b0_gate, b0_up, down_a0, gate_parts,
          up_parts) = one_row_prologue(
             pair, pid_m, expert, offs_n, col_valid, N, token_slots_ptr, slot_row_div, slot_ranks_ptr,
-            slot_scalings_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, shrunk_ptr,
-            stride_ss, stride_sm, num_shrink_splits, down_a_ptr, stride_da_l, stride_da_e, stride_da_r,
+            slot_scalings_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
+            stride_lb_r, shrunk_ptr,
+            stride_ss, stride_sm, num_shrink_splits, down_a_ptr, da_blocks_ptr, stride_da_bl, stride_da_u,
+            stride_da_r,
             stride_da_k, GATED=GATED, DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT,
             LORA_SPLITS=LORA_SPLITS, LORA_R=LORA_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     elif LORA != LORA_NONE:
@@ -380,8 +385,10 @@ def _fused_moe_kernel(
         if LORA == LORA_PREFETCHED:
             pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, down_a0 = prefetch_prologue(
                 shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr,
-                lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, num_shrink_splits,
-                stride_ss, down_a_ptr, stride_da_l, stride_da_e, stride_da_r, stride_da_k, GATED=GATED,
+                lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+                num_shrink_splits,
+                stride_ss, down_a_ptr, da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
+                GATED=GATED,
                 DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT, LORA_SPLITS=LORA_SPLITS,
                 LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R, BLOCK_N=BLOCK_N)
 
@@ -420,7 +427,8 @@ def _fused_moe_kernel(
         acc, acc_up = lora_expand_slots(
             acc, acc_up, tl.where(in_main[:, None], main_gate, lora_gate),
             tl.where(in_main[:, None], main_up, lora_up), row_valid, row_slot, lora_b_ptr, expert, offs_n,
-            col_valid, N, slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n,
+            col_valid, N, slot_ranks_ptr, slot_scalings_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u,
+            stride_lb_n,
             stride_lb_r, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
         )
     elif LORA == LORA_ONE_ROW:
@@ -432,31 +440,33 @@ def _fused_moe_kernel(
         acc, acc_up = prefetched_expand(
             acc, acc_up, pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, shrunk_rows,
             row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr, lora_b_ptr,
-            stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, num_shrink_splits, stride_ss, GATED=GATED,
+            lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r, num_shrink_splits,
+            stride_ss, GATED=GATED,
             LATE_WAIT=LATE_WAIT, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
     elif LORA == LORA_GROUPS:
         acc, acc_up = grouped_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-            slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
     elif LORA == LORA_UNROLLED:
         acc, acc_up = unrolled_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-            slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_R=LORA_R)
     elif LORA == LORA_CHUNKED:
         acc, acc_up = chunked_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
-            slot_scalings_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            slot_scalings_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_CHUNK_R=LORA_CHUNK_R, LORA_R=LORA_R)
     elif LORA == LORA_SLOT_RANGE:
         acc, acc_up = slot_range_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
-            lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, GATED=GATED, FP32_IEEE=FP32_IEEE,
+            lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r, GATED=GATED,
+            FP32_IEEE=FP32_IEEE,
             LORA_R=LORA_R, LORA_EXT_K=LORA_EXT_K)
 
     row_scale = _row_scale(topk_weights_ptr, pair, row_valid, scale, MUL_ROUTED_WEIGHT, BLOCK_M)
@@ -474,7 +484,8 @@ def _fused_moe_kernel(
                     one_has, one_rank, one_rows = 0, 0, row_valid
                 down_shrink_epilogue(
                     acc, c_ptr, pair, row_slot, has_slot, expert, offs_n, col_valid,
-                    pid_n, one_has, one_rank, one_rows, down_a0, down_a_ptr, stride_da_l, stride_da_e,
+                    pid_n, one_has, one_rank, one_rows, down_a0, down_a_ptr, da_blocks_ptr, stride_da_bl,
+                    stride_da_u,
                     stride_da_r, stride_da_k, down_shrunk_ptr, stride_ds, stride_dm, slot_ranks_ptr,
                     ONE_ROW=LORA == LORA_ONE_ROW, DOWN_PREFETCH=DOWN_PREFETCH, FP32_IEEE=FP32_IEEE,
                     LORA_R=LORA_R, LORA_CHUNK_R=LORA_CHUNK_R, BLOCK_M=BLOCK_M)
@@ -493,14 +504,15 @@ class LoRAOperands:
     """The adapter side of one all-in-one GEMM: which slot each token uses and one projection's A/B.
     Built per call by ``fused_experts``, which fills the shrink fields in place as it launches the shrinks.
 
-    ``lora_a`` is (L, E, R, K) or, for the gated GEMM1, gate_up_a (L, E, 2R, K) with the up rows after
-    the gate rows; ``lora_b`` is (L, E, N, R) or gate_up_b (L, E, 2N, R). ``rank_block`` is the tile
-    width for the rank (a power of two >= 16 covering the largest rank in the batch).
+    ``lora_a`` is A over K or, for the gated GEMM1, gate_up_a with the up rows after the gate rows;
+    ``lora_b`` is B over N or gate_up_b over 2N: :class:`LoRAWeights`, or dense (L, E, R or 2R, K) and
+    (L, E, N or 2N, R) tensors. ``rank_block`` is the tile width for the rank (a power of two >= 16
+    covering the largest rank in the batch).
     """
 
     token_slots: torch.Tensor  # (M,) int32, -1 = no adapter
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
+    lora_a: torch.Tensor | LoRAWeights
+    lora_b: torch.Tensor | LoRAWeights
     slot_ranks: torch.Tensor  # (L,) int32
     slot_scalings: torch.Tensor  # (L,) fp32
     top_k: int
@@ -509,7 +521,7 @@ class LoRAOperands:
     num_adapters: int = 0  # distinct adapters in the batch (0: unknown): sizes the slot groups
     # GEMM1 only: down_a (L, E, R, N) and its partials out, (numel, cdiv(N, BLOCK_N), rank_block) fp32,
     # written by the epilogue (GEMM2's shrink without a launch of its own).
-    down_a: torch.Tensor | None = None
+    down_a: torch.Tensor | LoRAWeights | None = None
     down_shrunk: torch.Tensor | None = None
     # Instead of ``shrunk``: (numel, 2*rank_block or rank_block) in the GEMM's dtype, the shrink summed,
     # scaled and rounded (``pack_shrink_partials``); the epilogue then expands the block's slot range in a
@@ -792,6 +804,8 @@ def invoke_fused_moe_kernel(
     direct = direct_ids is not None
     gated = activation is not None
     out_n = c.shape[1] // 2 if activation == "gated_raw" else c.shape[1]
+    if lora is not None:
+        lora = _with_lora_weights(lora, gated=gated)
     _check_gemm_args(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, direct_ids, config,
                      activation, out_n, lora, zero_counters, topk_sum, late_wait)
     block_scaled = a.dtype == FP8_DTYPE or b.dtype == FP8_DTYPE
@@ -976,12 +990,22 @@ def _lora_epilogue(lora: LoRAOperands, config: GemmConfig, **kwargs: Any) -> LoR
     if cache is None:
         return plan_lora_epilogue(lora, config, **kwargs)
     a = kwargs["a"]
-    shapes = tuple(None if t is None else tuple(t.shape) for t in (lora.shrunk, lora.packed, lora.down_a,
+    shapes = tuple(None if t is None else tuple(t.shape) for t in (lora.shrunk, lora.packed,
                                                                    lora.down_shrunk))
-    key = ("lora_epilogue", config, lora.rank_block, lora.num_adapters, tuple(lora.lora_b.shape), shapes,
-           a.dtype, a.device,
-           *(v for k, v in kwargs.items() if k != "a"))
+    down_a = None if lora.down_a is None else (lora.down_a.max_rank, lora.down_a.cols)
+    key = ("lora_epilogue", config, lora.rank_block, lora.num_adapters, lora.lora_b.max_rank,
+           lora.lora_b.cols, shapes, down_a, a.dtype, a.device, *(v for k, v in kwargs.items() if k != "a"))
     return cache.plan(key, lambda: plan_lora_epilogue(lora, config, **kwargs))
+
+
+def _with_lora_weights(lora: LoRAOperands, *, gated: bool) -> LoRAOperands:
+    """``lora`` with dense buffers given as tensors turned into :class:`LoRAWeights` (itself if none is)."""
+    if all(t is None or isinstance(t, LoRAWeights) for t in (lora.lora_a, lora.lora_b, lora.down_a)):
+        return lora
+    return dataclasses.replace(
+        lora, lora_a=lora_weights(lora.lora_a, kind="gated_a" if gated else "a"),
+        lora_b=lora_weights(lora.lora_b, kind="b"),
+        down_a=None if lora.down_a is None else lora_weights(lora.down_a, kind="a"))
 
 
 def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, c: torch.Tensor,
@@ -993,9 +1017,10 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
             token_slots_ptr=c, lora_a_ptr=b, lora_b_ptr=b, slot_ranks_ptr=c, slot_scalings_ptr=c,
             shrunk_ptr=c, down_a_ptr=c, down_shrunk_ptr=c, slot_row_div=1, lora_up_offset=0,
             num_shrink_splits=0,
-            **dict.fromkeys(("stride_la_l", "stride_la_e", "stride_la_r", "stride_la_k", "stride_lb_l",
-                             "stride_lb_e", "stride_lb_n", "stride_lb_r", "stride_ss", "stride_sm",
-                             "stride_da_l", "stride_da_e", "stride_da_r", "stride_da_k", "stride_ds",
+            la_blocks_ptr=c, lb_blocks_ptr=c, da_blocks_ptr=c,
+            **dict.fromkeys(("stride_la_bl", "stride_la_u", "stride_la_r", "stride_la_k", "stride_lb_bl",
+                             "stride_lb_u", "stride_lb_n", "stride_lb_r", "stride_ss", "stride_sm",
+                             "stride_da_bl", "stride_da_u", "stride_da_r", "stride_da_k", "stride_ds",
                              "stride_dm"), 0),
             LORA=LORA_NONE.value, LORA_R=16, LORA_CHUNK_R=16, LORA_SPLITS=1, LORA_SPLIT_CHUNK=1, LORA_GROUP=1,
             LORA_EXT_K=16, DOWN_SHRINK=False, DOWN_PREFETCH=False,
@@ -1003,31 +1028,27 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
     la, lb, shrunk, packed = lora.lora_a, lora.lora_b, lora.shrunk, lora.packed
     da, ds = (lora.down_a, lora.down_shrunk) if epilogue.down_shrink else (None, None)
     partials = packed if packed is not None else shrunk
-    max_rank = lb.shape[3]
     return dict(
         token_slots_ptr=lora.token_slots,
         slot_ranks_ptr=lora.slot_ranks,
         slot_scalings_ptr=lora.slot_scalings,
         slot_row_div=lora.top_k,
         # A (L, E, R or 2R, K) and B (L, E, N or 2N, R)
-        lora_a_ptr=la,
-        stride_la_l=la.stride(0), stride_la_e=la.stride(1),
-        stride_la_r=la.stride(2), stride_la_k=la.stride(3),
-        lora_up_offset=max_rank * la.stride(2) if gated else 0,
-        lora_b_ptr=lb,
-        stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1),
-        stride_lb_n=lb.stride(2), stride_lb_r=lb.stride(3),
+        lora_a_ptr=la.data, **la.kernel_args("la"), stride_la_r=la.stride_rank, stride_la_k=la.stride_col,
+        lora_up_offset=la.up_offset if gated else 0,
+        lora_b_ptr=lb.data, **lb.kernel_args("lb"), stride_lb_n=lb.stride_col, stride_lb_r=lb.stride_rank,
         # the precomputed shrink: split-K partials (numel, splits, width) or packed (numel, width)
         shrunk_ptr=partials if partials is not None else c,
         num_shrink_splits=shrunk.shape[1] if shrunk is not None else 0,
         stride_ss=shrunk.stride(1) if shrunk is not None else 0,
         stride_sm=partials.stride(0) if partials is not None else 0,
         # GEMM2's shrink written by GEMM1's epilogue: down_a (L, E, R, N), its partials (numel, tiles, R)
-        down_a_ptr=da if da is not None else c,
-        stride_da_l=da.stride(0) if da is not None else 0,
-        stride_da_e=da.stride(1) if da is not None else 0,
-        stride_da_r=da.stride(2) if da is not None else 0,
-        stride_da_k=da.stride(3) if da is not None else 0,
+        down_a_ptr=da.data if da is not None else c,
+        da_blocks_ptr=da.blocks if da is not None else c,
+        stride_da_bl=da.blocks.stride(0) if da is not None else 0,
+        stride_da_u=da.stride_unit if da is not None else 0,
+        stride_da_r=da.stride_rank if da is not None else 0,
+        stride_da_k=da.stride_col if da is not None else 0,
         down_shrunk_ptr=ds if ds is not None else c,
         stride_ds=ds.stride(1) if ds is not None else 0,
         stride_dm=ds.stride(0) if ds is not None else 0,
@@ -1083,12 +1104,11 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
         if activation is not None:
             raise ValueError("topk_sum sums GEMM2's rows: it takes no activation")
     if lora is not None:
-        max_rank, K = lora.lora_b.shape[3], a.shape[1]
-        expected_a_rows = 2 * max_rank if gated else max_rank
-        if lora.lora_a.shape[2:] != (expected_a_rows, K) or lora.lora_b.shape[2] != b.shape[1]:
+        la, lb, K = lora.lora_a, lora.lora_b, a.shape[1]
+        if la.max_rank != lb.max_rank or la.cols != K or lb.cols != b.shape[1]:
             raise ValueError(
-                f"LoRA buffers A {tuple(lora.lora_a.shape)} / B {tuple(lora.lora_b.shape)} do not match the "
-                f"GEMM: expected A (L, E, {expected_a_rows}, {K}) and B (L, E, {b.shape[1]}, R)"
+                f"LoRA A (rank {la.max_rank}, {la.cols} columns) / B (rank {lb.max_rank}, {lb.cols} outputs) "
+                f"do not match the GEMM: expected one rank, A over K={K} and B over {b.shape[1]} outputs"
             )
 
 
@@ -1157,10 +1177,10 @@ def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out
                        block_n: int) -> None:
     if activation_code not in (ACTIVATION_SILU, ACTIVATION_GELU):
         raise ValueError("down_shrunk is written by GEMM1's activated epilogue: activation must be silu/gelu")
-    rank = lora.lora_b.shape[3]
-    if lora.down_a is None or lora.down_a.shape[2:] != (rank, out_n):
-        got = None if lora.down_a is None else tuple(lora.down_a.shape)
-        raise ValueError(f"down_a must be (L, E, {rank}, {out_n}) beside down_shrunk, got {got}")
+    rank = lora.lora_b.max_rank
+    if lora.down_a is None or (lora.down_a.max_rank, lora.down_a.cols) != (rank, out_n):
+        got = None if lora.down_a is None else f"rank {lora.down_a.max_rank}, {lora.down_a.cols} columns"
+        raise ValueError(f"down_a must have rank {rank} and {out_n} columns beside down_shrunk, got {got}")
     expected = (numel, cdiv(out_n, block_n), lora.rank_block)
     if lora.down_shrunk.dtype != torch.float32 or tuple(lora.down_shrunk.shape) != expected:
         raise ValueError(f"down_shrunk must be fp32 {expected} (pairs, N tiles of GEMM1, rank_block), got "

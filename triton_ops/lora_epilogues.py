@@ -37,6 +37,7 @@ from triton_ops.lora_tiles import (
     load_raw_partials,
     load_scaled_gate_up_partials,
     load_shrink_partials,
+    lora_block_offset,
     lora_expand_from_partials,
     lora_expand_groups,
     lora_expand_slot_range,
@@ -76,7 +77,7 @@ def fused_shrink_prologue(
     offs_k,  # (BLOCK_K,)
     K, stride_am, stride_ak,
     lora_a_ptr,  # (L, E, R or 2R, K) LoRA A (gate rows, then up rows)
-    stride_la_l, stride_la_e, stride_la_r, stride_la_k,
+    la_blocks_ptr, stride_la_bl, stride_la_u, stride_la_r, stride_la_k,
     lora_up_offset,
     slot_ranks_ptr,  # (L,) int32
     GATED: tl.constexpr,
@@ -95,7 +96,7 @@ def fused_shrink_prologue(
     main_safe = tl.maximum(main_slot, 0)
     main_rank = tl.where(main_slot >= 0, tl.load(slot_ranks_ptr + main_safe), 0)
     main_rank_valid = offs_r < main_rank
-    la_ptrs = (lora_a_ptr + tl.cast(main_safe, tl.int64) * stride_la_l + expert * stride_la_e
+    la_ptrs = (lora_a_ptr + lora_block_offset(la_blocks_ptr, main_safe, expert, stride_la_bl, stride_la_u)
                + offs_r[None, :] * stride_la_r + offs_k[:, None] * stride_la_k)
     main_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
     main_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
@@ -105,7 +106,7 @@ def fused_shrink_prologue(
     slot = first_slot(row_slot, others)
     while slot < NO_SLOT:
         in_slot = others & (row_slot == slot)
-        la_ptr = lora_a_ptr + tl.cast(slot, tl.int64) * stride_la_l + expert * stride_la_e
+        la_ptr = lora_a_ptr + lora_block_offset(la_blocks_ptr, slot, expert, stride_la_bl, stride_la_u)
         other_gate, other_up = lora_shrink_tile(
             other_gate, other_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
             tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, stride_la_r, stride_la_k,
@@ -128,12 +129,12 @@ def one_row_prologue(
     slot_ranks_ptr,  # (L,) int32
     slot_scalings_ptr,  # (L,) fp32
     lora_b_ptr,  # (L, E, N or 2N, R)
-    stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
     shrunk_ptr,  # (numel, splits, 2R or R) fp32 split-K partials
     stride_ss, stride_sm,
     num_shrink_splits,
     down_a_ptr,  # (L, E, R, N) down projection's A (DOWN_PREFETCH)
-    stride_da_l, stride_da_e, stride_da_r, stride_da_k,
+    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
     GATED: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     LATE_WAIT: tl.constexpr,
@@ -161,16 +162,18 @@ def one_row_prologue(
     # The one slot as a group of one (absent: NO_SLOT), its tiles rank-masked after the loop.
     one_col_slot = tl.where(one_has_r, one_slot, NO_SLOT)
     b_gate = load_group_b(lora_b_ptr, one_col_slot, expert, offs_n, col_valid, slot_ranks_ptr,
-                          stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=1,
+                          lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+                          LORA_R=LORA_R, GROUP=1,
                           RANK_MASK_LATER=True)
     b_up = b_gate
     if GATED:
         b_up = load_group_b(lora_b_ptr + N * stride_lb_n, one_col_slot, expert, offs_n, col_valid,
-                            slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                            slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
+                            stride_lb_r,
                             LORA_R=LORA_R, GROUP=1, RANK_MASK_LATER=True)
     if DOWN_PREFETCH:
         down_a = tl.load(
-            down_a_ptr + one_safe * stride_da_l + expert * stride_da_e
+            down_a_ptr + lora_block_offset(da_blocks_ptr, one_safe, expert, stride_da_bl, stride_da_u)
             + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
             mask=col_valid[:, None] & one_has_r[None, :], other=0.0)
     else:
@@ -200,10 +203,10 @@ def prefetch_prologue(
     N,
     slot_ranks_ptr,  # (L,) int32
     lora_b_ptr,  # (L, E, N or 2N, R)
-    stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
     num_shrink_splits, stride_ss,
     down_a_ptr,  # (L, E, R, N) (DOWN_PREFETCH)
-    stride_da_l, stride_da_e, stride_da_r, stride_da_k,
+    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
     GATED: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     LATE_WAIT: tl.constexpr,
@@ -229,18 +232,20 @@ def prefetch_prologue(
     col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
                                                     LORA_R=LORA_R)
     b_gate = load_group_b(lora_b_ptr, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
-                          stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=LORA_GROUP)
+                          lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+                          LORA_R=LORA_R, GROUP=LORA_GROUP)
     b_up = b_gate
     if GATED:
         b_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot0, expert, offs_n, col_valid,
-                            slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                            slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
+                            stride_lb_r,
                             LORA_R=LORA_R, GROUP=LORA_GROUP)
     if DOWN_PREFETCH:
         has0 = slot0 < NO_SLOT
         slot0_safe = tl.where(has0, slot0, 0)
         rank0 = tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe), 0)
         down_a = tl.load(
-            down_a_ptr + tl.cast(slot0_safe, tl.int64) * stride_da_l + expert * stride_da_e
+            down_a_ptr + lora_block_offset(da_blocks_ptr, slot0_safe, expert, stride_da_bl, stride_da_u)
             + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
             mask=col_valid[:, None] & (offs_r < rank0)[None, :], other=0.0)
     else:
@@ -293,7 +298,7 @@ def prefetched_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up,  # from ``prefetch_prologue``
     shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     LATE_WAIT: tl.constexpr,
@@ -317,7 +322,8 @@ def prefetched_expand(
                           b_up, acc_up, FP32_IEEE)
         acc, acc_up = lora_expand_groups(
             acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-            offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            offs_n, col_valid, N, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
+            stride_lb_r,
             GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
         )
     return acc, acc_up
@@ -327,7 +333,7 @@ def prefetched_expand(
 def grouped_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -342,7 +348,8 @@ def grouped_expand(
         SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
     return lora_expand_groups(
         acc, acc_up, u, u_up, row_slot, has_slot, first_slot(row_slot, has_slot), lora_b_ptr, expert,
-        offs_n, col_valid, N, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+        offs_n, col_valid, N, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
+        stride_lb_r,
         GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
     )
 
@@ -351,7 +358,7 @@ def grouped_expand(
 def unrolled_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -366,7 +373,8 @@ def unrolled_expand(
                              CHUNK_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
     acc = lora_expand_unrolled(
         acc, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, slot_ranks_ptr,
-        stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+        lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE,
+        LORA_R=LORA_R,
     )
     if GATED:
         u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
@@ -374,7 +382,7 @@ def unrolled_expand(
                                  SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
         acc_up = lora_expand_unrolled(
             acc_up, u, row_slot, has_slot, slot, lora_b_ptr + N * stride_lb_n, expert, offs_n,
-            col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+            col_valid, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
             FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
         )
     return acc, acc_up
@@ -384,7 +392,8 @@ def unrolled_expand(
 def chunked_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, slot_scalings_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, slot_scalings_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
+    stride_lb_r,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -401,7 +410,7 @@ def chunked_expand(
         in_slot = has_slot & (row_slot == slot)
         rank = tl.load(slot_ranks_ptr + slot)
         scaling = tl.load(slot_scalings_ptr + slot)
-        lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+        lb_ptr = lora_b_ptr + lora_block_offset(lb_blocks_ptr, slot, expert, stride_lb_bl, stride_lb_u)
         acc = lora_expand_from_partials(
             acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
             rank, scaling, stride_lb_n, stride_lb_r,
@@ -423,7 +432,7 @@ def chunked_expand(
 def slot_range_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
@@ -435,14 +444,15 @@ def slot_range_expand(
     slot_lo = tl.minimum(tl.min(tl.where(has_slot, row_slot, NO_SLOT), axis=0), slot_hi)
     acc = lora_expand_slot_range(
         acc, shrunk_rows, 0, row_slot, has_slot, slot_lo, slot_hi, lora_b_ptr, expert, offs_n,
-        col_valid, slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+        col_valid, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
         FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
     )
     if GATED:
         acc_up = lora_expand_slot_range(
             acc_up, shrunk_rows, LORA_R, row_slot, has_slot, slot_lo, slot_hi,
-            lora_b_ptr + N * stride_lb_n, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-            stride_lb_e, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
+            lora_b_ptr + N * stride_lb_n, expert, offs_n, col_valid, slot_ranks_ptr, lb_blocks_ptr,
+            stride_lb_bl,
+            stride_lb_u, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
         )
     return acc, acc_up
 
@@ -455,7 +465,7 @@ def down_shrink_epilogue(
     one_has, one_rank, one_rows,  # LORA_ONE_ROW's scalars (ignored otherwise)
     down_a,  # (BLOCK_N, LORA_R) the first slot's down A tile (DOWN_PREFETCH)
     down_a_ptr,  # (L, E, R, N)
-    stride_da_l, stride_da_e, stride_da_r, stride_da_k,
+    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
     down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out
     stride_ds, stride_dm,
     slot_ranks_ptr,
@@ -480,7 +490,8 @@ def down_shrink_epilogue(
     else:
         lora_store_down_partials(
             act.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid, pid_n,
-            down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, down_a, stride_da_l, stride_da_e, stride_da_r,
+            down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, down_a, da_blocks_ptr, stride_da_bl, stride_da_u,
+            stride_da_r,
             stride_da_k, stride_ds, stride_dm, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
             FIRST_PREFETCHED=DOWN_PREFETCH,
         )

@@ -25,6 +25,20 @@ def _dot(a, b, acc, FP32_IEEE: tl.constexpr):
 
 
 @triton.jit
+def lora_block_offset(
+    blocks_ptr,  # (L, E) int32 first unit of each (slot, expert)'s rank rows
+    slot,  # int or tensor of slots, in [0, L)
+    expert,  # int64 or tensor of experts, in [0, E)
+    stride_bl,  # the table's slot stride
+    stride_u,  # elements per unit
+):
+    """Element offset of the first rank row of (slot, expert) in its LoRA buffer. The pool's block table
+    gives it, so adapters are stored at their own rank and only for the experts they train; a dense
+    ``(L, E, R, .)`` buffer is the table ``slot * E + expert`` with the expert stride as its unit."""
+    return tl.load(blocks_ptr + slot * stride_bl + expert).to(tl.int64) * stride_u
+
+
+@triton.jit
 def lora_shrink_tile(
     acc,  # (BLOCK_M, LORA_R) fp32 running result
     acc_up,  # (BLOCK_M, LORA_R) fp32, second projection when GATED (gate and up share the x tile)
@@ -244,8 +258,9 @@ def lora_expand_slots(
     N,
     slot_ranks_ptr,  # (L,) int32
     slot_scalings_ptr,  # (L,) fp32
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     GATED: tl.constexpr,
@@ -259,7 +274,7 @@ def lora_expand_slots(
         in_slot = has_slot & (row_slot == slot)
         rank = tl.load(slot_ranks_ptr + slot)
         scaling = tl.load(slot_scalings_ptr + slot)
-        lb_ptr = lora_b_ptr + tl.cast(slot, tl.int64) * stride_lb_l + expert * stride_lb_e
+        lb_ptr = lora_b_ptr + lora_block_offset(lb_blocks_ptr, slot, expert, stride_lb_bl, stride_lb_u)
         acc = lora_expand_tile(
             acc, shrunk, in_slot, lb_ptr, offs_n, col_valid, rank, scaling, stride_lb_n, stride_lb_r,
             FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
@@ -287,8 +302,9 @@ def lora_store_down_partials(
     out_ptr,  # (numel, tiles, LORA_R) fp32 partials, out
     slot_ranks_ptr,  # (L,) int32
     first_a,  # (BLOCK_N, LORA_R) the first slot's A tile, loaded earlier (used when FIRST_PREFETCHED)
-    stride_da_l,
-    stride_da_e,
+    da_blocks_ptr,
+    stride_da_bl,
+    stride_da_u,
     stride_da_r,
     stride_da_k,
     stride_ds,
@@ -314,7 +330,7 @@ def lora_store_down_partials(
     while slot < (1 << 30):
         in_slot = has_slot & (row_slot == slot)
         rank = tl.load(slot_ranks_ptr + slot)
-        da_ptr = down_a_ptr + tl.cast(slot, tl.int64) * stride_da_l + expert * stride_da_e
+        da_ptr = down_a_ptr + lora_block_offset(da_blocks_ptr, slot, expert, stride_da_bl, stride_da_u)
         for r0 in tl.static_range(0, LORA_R, CHUNK_R):
             offs_r = r0 + tl.arange(0, CHUNK_R)
             part = tl.zeros((h.shape[0], CHUNK_R), dtype=tl.float32)
@@ -379,8 +395,9 @@ def load_group_b(
     offs_n,  # (BLOCK_N,) output columns
     col_valid,  # (BLOCK_N,) int1
     slot_ranks_ptr,  # (L,) int32
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     LORA_R: tl.constexpr,
@@ -398,7 +415,8 @@ def load_group_b(
         valid = present
     else:
         valid = present & (rank_col < tl.load(slot_ranks_ptr + safe, mask=present, other=0))
-    rows = lora_b_ptr + safe.to(tl.int64) * stride_lb_l + expert * stride_lb_e + rank_col * stride_lb_r
+    rows = lora_b_ptr + lora_block_offset(lb_blocks_ptr, safe, expert, stride_lb_bl,
+    stride_lb_u) + rank_col * stride_lb_r
     ptrs = rows[:, None] + offs_n.to(tl.int64)[None, :] * stride_lb_n
     return tl.load(ptrs, mask=valid[:, None] & col_valid[None, :], other=0.0)
 
@@ -433,8 +451,9 @@ def lora_expand_groups(
     col_valid,
     N,
     slot_ranks_ptr,
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     GATED: tl.constexpr,
@@ -447,12 +466,14 @@ def lora_expand_groups(
     u is rounded to B's dtype, as PEFT's lora_B input is."""
     while slot < (1 << 30):
         col_slot, row_group, slot = slot_group(row_slot, has_slot, slot, GROUP=GROUP, LORA_R=LORA_R)
-        b = load_group_b(lora_b_ptr, col_slot, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-                         stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=GROUP)
+        b = load_group_b(lora_b_ptr, col_slot, expert, offs_n, col_valid, slot_ranks_ptr, lb_blocks_ptr,
+                         stride_lb_bl,
+                         stride_lb_u, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=GROUP)
         acc = _dot(spread_to_group(u, row_group, GROUP=GROUP, LORA_R=LORA_R).to(b.dtype), b, acc, FP32_IEEE)
         if GATED:
             b_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot, expert, offs_n, col_valid,
-                                slot_ranks_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+                                slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
+                                stride_lb_r,
                                 LORA_R=LORA_R, GROUP=GROUP)
             acc_up = _dot(spread_to_group(u_up, row_group, GROUP=GROUP, LORA_R=LORA_R).to(b_up.dtype), b_up,
                           acc_up, FP32_IEEE)
@@ -467,8 +488,9 @@ def lora_load_slot_b(
     offs_n,  # (BLOCK_N,) output columns
     col_valid,  # (BLOCK_N,) int1
     slot_ranks_ptr,  # (L,) int32
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     LORA_R: tl.constexpr,
@@ -479,7 +501,7 @@ def lora_load_slot_b(
     present = slot < (1 << 30)
     safe = tl.where(present, slot, 0)
     rank = tl.where(present, tl.load(slot_ranks_ptr + safe), 0)
-    lb_ptr = lora_b_ptr + tl.cast(safe, tl.int64) * stride_lb_l + expert * stride_lb_e
+    lb_ptr = lora_b_ptr + lora_block_offset(lb_blocks_ptr, safe, expert, stride_lb_bl, stride_lb_u)
     return lora_load_b(lb_ptr, offs_n, col_valid, rank, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
 
 
@@ -503,8 +525,9 @@ def lora_expand_unrolled(
     offs_n,
     col_valid,
     slot_ranks_ptr,
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     FP32_IEEE: tl.constexpr,
@@ -516,8 +539,9 @@ def lora_expand_unrolled(
     lora_B input is."""
     while slot < (1 << 30):
         this_slot = slot
-        b = lora_load_slot_b(lora_b_ptr, this_slot, expert, offs_n, col_valid, slot_ranks_ptr, stride_lb_l,
-                             stride_lb_e, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
+        b = lora_load_slot_b(lora_b_ptr, this_slot, expert, offs_n, col_valid, slot_ranks_ptr, lb_blocks_ptr,
+                             stride_lb_bl,
+                             stride_lb_u, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
         slot = next_slot(row_slot, has_slot, this_slot)  # found while the B tile loads
         acc = lora_expand_slot(acc, u, row_slot, this_slot, b, FP32_IEEE=FP32_IEEE)
     return acc
@@ -542,8 +566,9 @@ def lora_expand_slot_range(
     offs_n,  # (BLOCK_N,) output columns
     col_valid,  # (BLOCK_N,) int1
     slot_ranks_ptr,  # (L,) int32
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     FP32_IEEE: tl.constexpr,
@@ -572,7 +597,9 @@ def lora_expand_slot_range(
         col_live = in_range & col_used & (col_r < col_rank)
         rows_of_col = has_slot[:, None] & (row_slot[:, None] == col_slot[None, :]) & col_live[None, :]
         u = tl.load(packed_rows_ptr[:, None] + (col_offset + col_r)[None, :], mask=rows_of_col, other=0.0)
-        b_ptrs = (lora_b_ptr + col_slot.to(tl.int64)[:, None] * stride_lb_l + expert * stride_lb_e
+        col_safe = tl.where(in_range, col_slot, 0)
+        b_ptrs = (lora_b_ptr + lora_block_offset(lb_blocks_ptr, col_safe, expert, stride_lb_bl,
+        stride_lb_u)[:, None]
                   + offs_n.to(tl.int64)[None, :] * stride_lb_n + col_r[:, None] * stride_lb_r)
         b = tl.load(b_ptrs, mask=col_live[:, None] & col_valid[None, :], other=0.0)
         acc = _dot(u.to(b.dtype), b, acc, FP32_IEEE)

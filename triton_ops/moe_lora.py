@@ -26,11 +26,13 @@ from triton_ops.launch import launch
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
+    lora_block_offset,
     lora_expand_slots,
     next_slot,
     select_group_columns,
     slot_group,
 )
+from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.pdl import releasing_launch, require_dependent_launch, wait_for_previous_kernel
 
 
@@ -55,8 +57,9 @@ def _moe_lora_shrink_kernel(
     # Strides
     stride_xm,
     stride_xk,
-    stride_la_l,
-    stride_la_e,
+    la_blocks_ptr,
+    stride_la_bl,
+    stride_la_u,
     stride_la_r,
     stride_la_k,
     stride_os,
@@ -113,7 +116,8 @@ def _moe_lora_shrink_kernel(
         col_safe = tl.where(col_present, col_slot, 0)
         col_rank = tl.load(slot_ranks_ptr + col_safe, mask=col_present, other=0)
         col_valid = col_present & (col_r < col_rank)
-        a_cols = lora_a_ptr + col_safe.to(tl.int64) * stride_la_l + expert * stride_la_e + col_r * stride_la_r
+        col_block = lora_block_offset(la_blocks_ptr, col_safe, expert, stride_la_bl, stride_la_u)
+        a_cols = lora_a_ptr + col_block + col_r * stride_la_r
         x_ptrs = x_ptr + x_row[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
         a_ptrs = a_cols[None, :] + (k_start + offs_k).to(tl.int64)[:, None] * stride_la_k
         acc = tl.zeros((BLOCK_M, SLOT_GROUP * LORA_R), dtype=tl.float32)
@@ -159,8 +163,9 @@ def _moe_lora_gate_up_b_kernel(
     stride_c1m,
     stride_ss,
     stride_sm,
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     stride_hm,
@@ -204,7 +209,7 @@ def _moe_lora_gate_up_b_kernel(
     delta_gate, delta_up = lora_expand_slots(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
         shrunk_gate, shrunk_up, row_valid, row_slot, lora_b_ptr, expert, offs_n, col_valid, N,
-        slot_ranks_ptr, slot_scalings_ptr, stride_lb_l, stride_lb_e, stride_lb_n, stride_lb_r,
+        slot_ranks_ptr, slot_scalings_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
         GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
     )
     if MUL_ROUTED_WEIGHT:
@@ -237,8 +242,9 @@ def _moe_lora_down_combine_kernel(
     # Strides
     stride_ss,
     stride_sm,
-    stride_lb_l,
-    stride_lb_e,
+    lb_blocks_ptr,
+    stride_lb_bl,
+    stride_lb_u,
     stride_lb_n,
     stride_lb_r,
     stride_om,
@@ -273,7 +279,7 @@ def _moe_lora_down_combine_kernel(
             shrunk += tl.load(shrunk_ptrs + split * stride_ss, mask=pair_has[:, None], other=0.0)
         b_ptrs = (
             lora_b_ptr
-            + (safe_slot.to(tl.int64) * stride_lb_l + expert * stride_lb_e)[:, None, None]
+            + (lora_block_offset(lb_blocks_ptr, safe_slot, expert, stride_lb_bl, stride_lb_u))[:, None, None]
             + offs_n.to(tl.int64)[None, :, None] * stride_lb_n
             + offs_r[None, None, :] * stride_lb_r
         )
@@ -328,7 +334,7 @@ def shrink_k_splits(
 
 def moe_lora_a(
     x: torch.Tensor,
-    lora_a: torch.Tensor,
+    lora_a: torch.Tensor | LoRAWeights,
     token_slots: torch.Tensor,
     slot_ranks: torch.Tensor,
     *,
@@ -364,9 +370,9 @@ def moe_lora_a(
     ``slot_programs``, slots = min(num_adapters, sub_block_m).
     """
     numel, splits, width = out.shape
-    max_rank = lora_a.shape[2] // (2 if gated else 1)
-    if lora_a.shape[3] != x.shape[1]:
-        raise ValueError(f"lora_a {tuple(lora_a.shape)} does not match activations {tuple(x.shape)}")
+    lora_a = lora_weights(lora_a, kind="gated_a" if gated else "a")
+    if lora_a.cols != x.shape[1]:
+        raise ValueError(f"lora_a has {lora_a.cols} columns, activations {tuple(x.shape)}")
     if out.dtype != torch.float32 or width != (2 if gated else 1) * rank_block:
         expected = (2 if gated else 1) * rank_block
         raise ValueError(f"out must be fp32 (numel, splits, {expected}), got {out.dtype} {tuple(out.shape)}")
@@ -381,7 +387,7 @@ def moe_lora_a(
         raise ValueError(f"slot_programs needs one split and the adapter count, got {splits} splits and "
                          f"num_adapters={num_adapters}")
     slot_group = 1 if slot_programs else lora_slot_group(rank_block, num_adapters,
-                                                         min(sub_m, cdiv(numel, lora_a.shape[1])))
+                                                         min(sub_m, cdiv(numel, lora_a.num_experts)))
     block_k = block_k or shrink_block_k(x.dtype, slot_group)
     k_per_split = cdiv(cdiv(x.shape[1], block_k), splits) * block_k
     if num_warps is None:
@@ -391,7 +397,7 @@ def moe_lora_a(
     grid = (cdiv(sorted_ids.shape[0], sub_m), min(num_adapters, sub_m) if slot_programs else splits)
     launch(_moe_lora_shrink_kernel, grid,
         x_ptr=x,
-        lora_a_ptr=lora_a,
+        lora_a_ptr=lora_a.data,
         token_slots_ptr=token_slots,
         slot_ranks_ptr=slot_ranks,
         sorted_ids_ptr=sorted_ids,
@@ -403,13 +409,12 @@ def moe_lora_a(
         numel=numel,
         x_row_div=x_row_div,
         top_k=top_k,
-        lora_up_offset=max_rank * lora_a.stride(2) if gated else 0,
+        lora_up_offset=lora_a.up_offset,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
-        stride_la_l=lora_a.stride(0),
-        stride_la_e=lora_a.stride(1),
-        stride_la_r=lora_a.stride(2),
-        stride_la_k=lora_a.stride(3),
+        **lora_a.kernel_args("la"),
+        stride_la_r=lora_a.stride_rank,
+        stride_la_k=lora_a.stride_col,
         stride_os=out.stride(1),
         stride_om=out.stride(0),
         GATED=gated,
@@ -430,7 +435,7 @@ def moe_lora_a(
 def moe_lora_gate_up_b(
     c1: torch.Tensor,
     shrunk: torch.Tensor,
-    gate_up_b: torch.Tensor,
+    gate_up_b: torch.Tensor | LoRAWeights,
     token_slots: torch.Tensor,
     slot_ranks: torch.Tensor,
     slot_scalings: torch.Tensor,
@@ -454,9 +459,10 @@ def moe_lora_gate_up_b(
     numel, two_n = c1.shape
     n = two_n // 2
     shrunk_rows_width = (shrunk.shape[0], shrunk.shape[2])
-    if out.shape != (numel, n) or gate_up_b.shape[2] != two_n or shrunk_rows_width != (numel, 2 * rank_block):
-        raise ValueError(f"c1 {tuple(c1.shape)}, gate_up_b {tuple(gate_up_b.shape)} and out "
-                         f"{tuple(out.shape)} disagree: expected out (numel, N), gate_up_b (L, E, 2N, R)")
+    gate_up_b = lora_weights(gate_up_b, kind="b")
+    if out.shape != (numel, n) or gate_up_b.cols != two_n or shrunk_rows_width != (numel, 2 * rank_block):
+        raise ValueError(f"c1 {tuple(c1.shape)}, gate_up_b ({gate_up_b.cols} outputs) and out "
+                         f"{tuple(out.shape)} disagree: expected out (numel, N), gate_up_b 2N outputs")
     if numel == 0:
         return out
     block_n = 64
@@ -464,7 +470,7 @@ def moe_lora_gate_up_b(
     launch(_moe_lora_gate_up_b_kernel, grid,
         c1_ptr=c1,
         shrunk_ptr=shrunk,
-        lora_b_ptr=gate_up_b,
+        lora_b_ptr=gate_up_b.data,
         token_slots_ptr=token_slots,
         slot_ranks_ptr=slot_ranks,
         slot_scalings_ptr=slot_scalings,
@@ -481,10 +487,9 @@ def moe_lora_gate_up_b(
         stride_c1m=c1.stride(0),
         stride_ss=shrunk.stride(1),
         stride_sm=shrunk.stride(0),
-        stride_lb_l=gate_up_b.stride(0),
-        stride_lb_e=gate_up_b.stride(1),
-        stride_lb_n=gate_up_b.stride(2),
-        stride_lb_r=gate_up_b.stride(3),
+        **gate_up_b.kernel_args("lb"),
+        stride_lb_n=gate_up_b.stride_col,
+        stride_lb_r=gate_up_b.stride_rank,
         stride_hm=out.stride(0),
         ACTIVATION=_ACTIVATIONS[activation],
         MUL_ROUTED_WEIGHT=topk_weights is not None,
@@ -498,7 +503,7 @@ def moe_lora_gate_up_b(
 
 def moe_lora_down_combine(
     shrunk: torch.Tensor,
-    down_b: torch.Tensor,
+    down_b: torch.Tensor | LoRAWeights,
     token_slots: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor | None,
@@ -517,8 +522,9 @@ def moe_lora_down_combine(
     """
     tokens, hidden = out.shape
     top_k = topk_ids.shape[1]
-    if down_b.shape[2] != hidden or (shrunk.shape[0], shrunk.shape[2]) != (tokens * top_k, rank_block):
-        raise ValueError(f"down_b {tuple(down_b.shape)} / shrunk {tuple(shrunk.shape)} do not match out "
+    down_b = lora_weights(down_b, kind="b")
+    if down_b.cols != hidden or (shrunk.shape[0], shrunk.shape[2]) != (tokens * top_k, rank_block):
+        raise ValueError(f"down_b ({down_b.cols} outputs) / shrunk {tuple(shrunk.shape)} do not match out "
                          f"{tuple(out.shape)} with top_k={top_k} and rank block {rank_block}")
     if tokens == 0:
         return out
@@ -526,7 +532,7 @@ def moe_lora_down_combine(
     block_n = max(16, min(64, 16384 // (block_t * rank_block)))
     launch(_moe_lora_down_combine_kernel, (cdiv(tokens, block_t), cdiv(hidden, block_n)),
         shrunk_ptr=shrunk,
-        lora_b_ptr=down_b,
+        lora_b_ptr=down_b.data,
         token_slots_ptr=token_slots,
         topk_ids_ptr=topk_ids,
         topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
@@ -535,16 +541,15 @@ def moe_lora_down_combine(
         out_ptr=out,
         M=tokens,
         H=hidden,
-        num_experts=down_b.shape[1],
+        num_experts=down_b.num_experts,
         top_k=top_k,
         scale=float(routed_scaling_factor),
         num_splits=shrunk.shape[1],
         stride_ss=shrunk.stride(1),
         stride_sm=shrunk.stride(0),
-        stride_lb_l=down_b.stride(0),
-        stride_lb_e=down_b.stride(1),
-        stride_lb_n=down_b.stride(2),
-        stride_lb_r=down_b.stride(3),
+        **down_b.kernel_args("lb"),
+        stride_lb_n=down_b.stride_col,
+        stride_lb_r=down_b.stride_rank,
         stride_om=out.stride(0),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         LORA_R=rank_block,

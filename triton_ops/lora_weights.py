@@ -1,0 +1,90 @@
+"""Where the LoRA kernels find each (slot, expert)'s rank rows: one matrix kind of one layer, all slots.
+
+Every kernel that reads LoRA A or B addresses a (slot, expert) through a block table instead of fixed
+slot and expert strides (``lora_tiles.lora_block_offset``): rank row ``r``, column ``c`` of (slot, expert)
+is at element
+
+    blocks[slot, expert] * stride_unit + r * stride_rank + c * stride_col
+
+of ``data``. The pool's arena stores each adapter at its own rank and only for the experts it trains, and
+points every other (slot, expert) at a shared zero block; a dense ``(L, E, R, .)`` buffer (DESIGN.md §2,
+what tests and benchmarks build) is the table ``slot * E + expert`` with the expert stride as its unit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["LoRAWeights", "lora_weights"]
+
+
+class LoRAWeights(NamedTuple):
+    """One LoRA matrix of one layer for every slot, as the kernels read it.
+
+    A: rank rows over the K input columns; a gated A (gate_up) has its up rows ``up_offset`` elements
+    after the gate rows. B: for each rank row the N output columns (gated: the gate outputs, then the up
+    outputs from column N), i.e. B transposed; a dense ``(L, E, N, R)`` B has ``stride_rank = 1``.
+    """
+
+    data: torch.Tensor  # the storage the kernels index flat (any shape)
+    blocks: torch.Tensor  # (L, E) int32, unit stride 1 along E: first unit of each (slot, expert)
+    stride_unit: int  # elements per unit
+    stride_rank: int  # elements between rank rows
+    stride_col: int  # elements between columns (K for A, outputs for B)
+    up_offset: int  # gated A: elements from a gate rank row to its up rank row (0 otherwise)
+    max_rank: int  # rank rows a (slot, expert) holds at most
+    cols: int  # K for A; N, or 2N for gated B
+
+    @property
+    def num_slots(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.blocks.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def kernel_args(self, prefix: str) -> dict:
+        """The kernel arguments of this operand: ``{prefix}_blocks_ptr``, ``stride_{prefix}_bl``,
+        ``stride_{prefix}_u`` (the table and unit) for a kernel's ``prefix`` (la, lb or da)."""
+        return {f"{prefix}_blocks_ptr": self.blocks, f"stride_{prefix}_bl": self.blocks.stride(0),
+                f"stride_{prefix}_u": self.stride_unit}
+
+
+def lora_weights(buffer: torch.Tensor | LoRAWeights, *, kind: str) -> LoRAWeights:
+    """``buffer`` as the kernels read it. ``kind`` is ``"a"`` (``(L, E, R, K)``), ``"gated_a"``
+    (``(L, E, 2R, K)``, gate rows then up rows), or ``"b"`` (``(L, E, N, R)``). A :class:`LoRAWeights` is
+    returned as it is. A dense buffer gets the table ``slot * E + expert`` (one small device tensor per
+    call: callers that launch often build it once)."""
+    if isinstance(buffer, LoRAWeights):
+        return buffer
+    if kind not in ("a", "gated_a", "b"):
+        raise ValueError(f"kind must be 'a', 'gated_a' or 'b', got {kind!r}")
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"a LoRA buffer must be a torch.Tensor or LoRAWeights, got {type(buffer).__name__}")
+    if buffer.dim() != 4:
+        layout = "(L, E, N, R)" if kind == "b" else "(L, E, R, K)" if kind == "a" else "(L, E, 2R, K)"
+        raise ValueError(f"a dense LoRA buffer must be {layout}, got shape {tuple(buffer.shape)}")
+    slots, experts, rows, cols = buffer.shape
+    if kind == "gated_a" and rows % 2:
+        raise ValueError(f"gate_up A must be (L, E, 2R, K) with an even row count, got {tuple(buffer.shape)}")
+    if slots > 1 and buffer.stride(0) != experts * buffer.stride(1):
+        raise ValueError(f"a dense LoRA buffer's slots must be E expert strides apart, got strides "
+                         f"{buffer.stride()} for shape {tuple(buffer.shape)}")
+    blocks = torch.arange(slots * experts, dtype=torch.int32, device=buffer.device).view(slots, experts)
+    if kind == "b":
+        return LoRAWeights(buffer, blocks, stride_unit=buffer.stride(1), stride_rank=buffer.stride(3),
+                           stride_col=buffer.stride(2), up_offset=0, max_rank=cols, cols=rows)
+    rank = rows // 2 if kind == "gated_a" else rows
+    up_offset = rank * buffer.stride(2) if kind == "gated_a" else 0
+    return LoRAWeights(buffer, blocks, stride_unit=buffer.stride(1), stride_rank=buffer.stride(2),
+                       stride_col=buffer.stride(3), up_offset=up_offset, max_rank=rank, cols=cols)
