@@ -146,8 +146,8 @@ def main() -> None:
     pool.load_adapter("hot1", tmp / "hot1")  # from the host tier
     torch.cuda.synchronize()
     t_host = time.perf_counter() - t0
+    slot_bytes = next(a.bytes for a in pool.memory_report().adapters if a.name == "hot1")  # its arena bytes
     pool.unload_adapter("hot1")
-    slot_bytes = pool.nbytes // pool.max_loras
     results.update(
         first_load_s=t_first,
         load_s=t_load,

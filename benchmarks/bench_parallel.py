@@ -58,7 +58,8 @@ def make_pool(shape: ModelShape, shard: MoEShard | None, dtype: torch.dtype,
 
 
 def pool_bytes(pool: MoELoRAMemoryPool) -> int:
-    return sum(t.nbytes for buffers in pool.layers.values() for t in vars(buffers).values())
+    """Device bytes the resident adapters take in the pool's arena."""
+    return pool.memory_report().used_bytes
 
 
 def timed_us(fns: list[Any], replays: int, on_gpu: bool) -> list[float]:

@@ -204,7 +204,9 @@ def _print_check(args: argparse.Namespace, shape, source: str) -> int:
     print(f"ranks        {ranks} (slot rank {report.max_rank}; {len(report.ranks)} expert modules)")
     print(f"scalings     {scalings}")
     print(f"layers       {report.layers} (experts covered per layer: {experts})")
-    print(f"pool bytes   {report.pool_bytes:,} per slot at max_rank={args.max_rank}, {args.dtype}")
+    blocks = sum(experts.values())
+    print(f"pool bytes   {report.pool_bytes:,} in a pool's arena ({blocks} layer-expert blocks of rank "
+          f"{report.max_rank}, {args.dtype})")
     print(f"ignored keys {len(report.ignored_keys)}")
     for note in report.notes:
         print(f"note         {note}")

@@ -161,9 +161,9 @@ class AdapterLoadReport:
         experts_per_layer: layer id -> experts with LoRA weights in the file.
         ignored_keys: safetensors key -> why it was not used (attention, shared expert, dense MLP, router,
             modules_to_save, ...).
-        pool_bytes: bytes one pool slot holds for this adapter, over all ``layer_ids`` (the four
-            buffers of DESIGN.md §2 at the pool's ``max_rank`` and dtype): what the adapter occupies in a
-            pool, whatever its own rank.
+        pool_bytes: device bytes the adapter takes in a pool's arena: ``max_rank`` rank rows of the four
+            matrices in the pool's dtype for each (layer, expert) it trains (a tensor- or expert-parallel
+            pool stores its shard's part).
         max_rank: the adapter's largest effective rank over all expert modules (exactly-zero rank
             components dropped), i.e. the rank its pool slot gets.
         pool_max_rank: the ``max_rank`` the adapter was checked against.
@@ -1210,12 +1210,10 @@ def _maybe_zero_components(
     return maybe
 
 
-def pool_slot_bytes(
-    num_experts: int, hidden: int, inter: int, n_layers: int, rank: int, dtype: torch.dtype
-) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_layer = num_experts * (2 * rank * hidden + 2 * inter * rank + rank * inter + hidden * rank)
-    return per_layer * n_layers * itemsize
+def arena_bytes_of(blocks: int, rank: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """Arena bytes of ``blocks`` (layer, expert) blocks of ``rank`` rows: each row holds gate and up A
+    (2H), gate and up B (2I), down A (I) and down B (H)."""
+    return blocks * rank * 3 * (hidden + inter) * torch.empty((), dtype=dtype).element_size()
 
 
 def _check_positive_int(name: str, v: Any) -> int:
@@ -1597,7 +1595,7 @@ def _read(
         layers=sorted(layers),
         experts_per_layer={lid: sorted(es) for lid, es in sorted(experts_per_layer.items())},
         ignored_keys=ignored,
-        pool_bytes=pool_slot_bytes(n_exp, hid, inter, len(lids), max_r, dtype),
+        pool_bytes=arena_bytes_of(sum(map(len, experts_per_layer.values())), eff_max, hid, inter, dtype),
         max_rank=eff_max,
         pool_max_rank=max_r,
         dtype=str(out_dtype).removeprefix("torch."),

@@ -50,7 +50,7 @@ from moelora.arena import RankRowAllocator
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.load_worker import LoadWorker
 from moelora.parallel import MoEShard
-from moelora.peft_loader import check_adapter_path, pool_slot_bytes, read_peft_adapter
+from moelora.peft_loader import arena_bytes_of, check_adapter_path, read_peft_adapter
 from moelora.pool_report import AdapterMemory, PoolMemoryReport
 from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
 
@@ -212,9 +212,10 @@ class _AdapterStager:
         )
         if shard is not None:
             layers = shard.split_adapter(name, layers)
-            report.pool_bytes = pool_slot_bytes(self.num_experts, self.hidden_size, self.intermediate_size,
-                                                len(self.layer_ids), self.max_rank, self.dtype)
         staged = self._stage(name, layers)
+        blocks = sum(map(len, staged.experts.values())) if staged.rank else 0
+        report.pool_bytes = arena_bytes_of(blocks, staged.rank, self.hidden_size, self.intermediate_size,
+                                           self.dtype)
         staged.source = str(path.resolve())
         report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
         staged.report = report

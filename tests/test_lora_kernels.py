@@ -313,7 +313,7 @@ def test_one_token_down_shrink_rejects_bad_operands():
         one_token_down_shrink(activated, down_a, ids.view(2, 1), slots, ranks, rank_block=16, out=out)
     with pytest.raises(ValueError, match="a row per routed pair"):
         one_token_down_shrink(activated[:1], down_a, ids, slots, ranks, rank_block=16, out=out)
-    with pytest.raises(ValueError, match=r"down_a must be \(L, E, R, 40\)"):
+    with pytest.raises(ValueError, match=r"down_a must have 40 columns \(activated's\), got 20"):
         one_token_down_shrink(activated, down_a[..., :20], ids, slots, ranks, rank_block=16, out=out)
     with pytest.raises(ValueError, match=r"out must be fp32 \(2, splits, 16\)"):
         one_token_down_shrink(activated, down_a, ids, slots, ranks, rank_block=16, out=out[..., :8])

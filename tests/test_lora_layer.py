@@ -360,7 +360,8 @@ def test_slot_reused_after_larger_rank_adapter(path):
     assert pool.add_adapter_weights("small", small) == slot
     # The pool itself: nothing of "big" survives beyond rank 4 in the reused slot.
     r = pool.max_rank
-    for buf in pool.layers.values():
+    for layer in pool.layers.values():
+        buf = layer.dense()
         assert not buf.gate_up_a[slot, :, 4:r].any() and not buf.gate_up_a[slot, :, r + 4 :].any()
         assert not buf.gate_up_b[slot, :, :, 4:].any()
         assert not buf.down_a[slot, :, 4:].any() and not buf.down_b[slot, :, :, 4:].any()

@@ -140,20 +140,38 @@ def test_expert_parallel_pool_holds_only_its_experts():
     full = build_pool(6, 16, 12)
     half = build_pool(6, 16, 12, shard=MoEShard(6, 12, ep_rank=1, ep_size=2))
     tp_half = build_pool(6, 16, 12, shard=MoEShard(6, 12, tp_rank=1, tp_size=2))
-    full_bytes = sum(t.nbytes for t in vars(full.layer(0)).values())
-    assert sum(t.nbytes for t in vars(half.layer(0)).values()) * 2 == full_bytes
+    # A unit (one rank row of one expert's four matrices) holds the shard's I columns: the whole I on an
+    # expert-parallel rank, half of it on a tensor-parallel one. fp32.
+    assert full.unit_bytes == half.unit_bytes == 3 * (16 + 12) * 4
+    assert tp_half.unit_bytes == 3 * (16 + 6) * 4
+    # The default arena holds max_loras adapters of max_rank on every local expert: half the experts, half
+    # the units. Zero block (8 units) and tail (16 units) aside, nbytes is that many units.
+    capacity = {p: p._units.total_units - p._units.reserved_units for p in (full, half, tp_half)}
+    assert capacity[full] == 4 * 1 * 6 * 8 and capacity[half] * 2 == capacity[full]
+    assert capacity[tp_half] == capacity[full]
+    for p in (full, half, tp_half):
+        assert p.nbytes == (8 + capacity[p] + 16) * p.unit_bytes
+    # Each adapter takes a block of its rank per local expert it trains ("b" has no LoRA on expert 1).
+    trained = {full: {"a": 6, "b": 5}, half: {"a": 3, "b": 3}, tp_half: {"a": 6, "b": 5}}
+    for p, blocks in trained.items():
+        report = p.memory_report()
+        got = {m.name: (m.rank, m.blocks, m.bytes) for m in report.adapters}
+        assert got == {n: (ADAPTERS[n], k, k * ADAPTERS[n] * p.unit_bytes) for n, k in blocks.items()}
+        assert report.used_bytes == sum(k * ADAPTERS[n] for n, k in blocks.items()) * p.unit_bytes
     assert half.num_experts == 3 and half.intermediate_size == 12
     assert tp_half.num_experts == 6 and tp_half.intermediate_size == 6
     assert half.expert_map.tolist() == [-1, -1, -1, 0, 1, 2] and tp_half.expert_map is None
     # Expert 4 of adapter a is local expert 1 on ep rank 1: its gate A, whole.
     a = random_adapter(6, 16, 12, 4, seed=10)[0]
     r = a.gate[4].a.shape[0]
-    torch.testing.assert_close(half.layer(0).gate_up_a[half.slot_of("a"), 1, :r], a.gate[4].a)
+    torch.testing.assert_close(half.layer(0).dense().gate_up_a[half.slot_of("a"), 1, :r], a.gate[4].a)
     # The tensor-parallel rank 1 holds rows 6..11 of gate B and columns 6..11 of down A.
     slot = tp_half.slot_of("a")
     scale = a.gate[4].scaling / tp_half.slot_scaling_host[slot]
-    torch.testing.assert_close(tp_half.layer(0).gate_up_b[slot, 4, :6, :r], a.gate[4].b[6:] * scale)
-    torch.testing.assert_close(tp_half.layer(0).down_a[slot, 4, :r], a.down[4].a[:, 6:])
+    tp_dense = tp_half.layer(0).dense()
+    assert tp_dense.gate_up_b.shape == (4, 6, 2 * 6, 8) and tp_dense.down_a.shape == (4, 6, 8, 6)
+    torch.testing.assert_close(tp_dense.gate_up_b[slot, 4, :6, :r], a.gate[4].b[6:] * scale)
+    torch.testing.assert_close(tp_dense.down_a[slot, 4, :r], a.down[4].a[:, 6:])
 
 
 def test_shard_and_split_refusals():
@@ -172,7 +190,12 @@ def test_shard_and_split_refusals():
     with pytest.raises(ValueError, match="w13 must be"):
         MoEShard(6, 12, tp_size=2).split_weights(torch.zeros(6, 12, 16), torch.zeros(6, 16, 12))
     pool = build_pool(6, 16, 12, shard=MoEShard(6, 12, tp_rank=0, tp_size=2))
-    before = [t.clone() for t in vars(pool.layer(0)).values()]
+
+    def state():
+        return [*(t.clone() for t in pool.layer(0).dense().tensors()), pool.blocks.clone(),
+                pool.slot_ranks.clone(), pool.slot_scalings.clone()]
+
+    before = state()
     bad = random_adapter(6, 16, 12, 4, seed=3)
     # Gate B with 13 rows: sliced to rows 0..5 it would look like a valid local B.
     bad[0].gate[2] = LoRAProjection(bad[0].gate[2].a, torch.zeros(13, 4), 1.0)
@@ -182,7 +205,7 @@ def test_shard_and_split_refusals():
     bad[0].down[7] = bad[0].down[0]  # expert 7 of 6: not "another rank's"
     with pytest.raises(AdapterLoadError, match="expert 7: expert out of range"):
         pool.add_adapter_weights("c", bad)
-    assert all(torch.equal(b, a) for b, a in zip(before, vars(pool.layer(0)).values(), strict=True))
+    assert all(torch.equal(b, a) for b, a in zip(before, state(), strict=True))
     assert "c" not in pool.adapters()
     with pytest.raises(ValueError, match="process_group"):
         FusedMoEWithLoRA(*MoEShard(6, 12, tp_size=2).split_weights(*make_case()[:2]), pool=pool, layer_id=0,

@@ -287,7 +287,11 @@ def test_f2_dtype_and_pool_bytes(f2_adapters, tmp_path):
     assert torch.equal(p.a, layers32[1].gate[0].a.to(torch.bfloat16))
     for dtype, rep in ((torch.float32, rep32), (torch.bfloat16, rep16)):
         pool = MoELoRAMemoryPool(E, H, I, MOE_LAYERS, max_loras=3, max_rank=8, dtype=dtype, device="cpu")
-        assert rep.pool_bytes == pool.nbytes // pool.max_loras
+        # The adapter's own rank (3, not the pool's 8) for each (layer, expert) it trains.
+        blocks = sum(len(es) for es in rep.experts_per_layer.values())
+        assert rep.pool_bytes == blocks * rep.max_rank * pool.unit_bytes
+        assert pool.load_adapter("x", path).pool_bytes == rep.pool_bytes
+        assert pool.memory_report().adapters[0].bytes == rep.pool_bytes
     assert rep32.max_rank == 3 and rep32.pool_max_rank == 8
     # fp32 tensors for a bf16 pool: pool_bytes (and the overflow check) follow pool_dtype
     layers_mixed, rep_mixed = read(path, dtype=torch.float32, pool_dtype=torch.bfloat16)
@@ -977,8 +981,10 @@ def test_bad_arguments_are_value_errors(tmp_path):
 
 
 def pool_state(pool: MoELoRAMemoryPool):
-    bufs = [t.clone() for lid in pool.layer_ids for t in pool.layer(lid).tensors()]
-    tables = (pool.slot_ranks.clone(), pool.slot_scalings.clone())
+    # Every layer's dense gather, the raw arena behind it and the block table, byte for byte.
+    bufs = [t.clone() for lid in pool.layer_ids for t in pool.layer(lid).dense().tensors()]
+    bufs += [w.data.clone() for w in pool.layer(pool.layer_ids[0]).tensors()]
+    tables = (pool.blocks.clone(), pool.slot_ranks.clone(), pool.slot_scalings.clone())
     host = (
         list(pool.slot_rank_host),
         list(pool.slot_scaling_host),
@@ -990,7 +996,7 @@ def pool_state(pool: MoELoRAMemoryPool):
 
 def assert_same_state(a, b):
     assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
-    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
     assert a[2] == b[2]
 
 
@@ -1025,7 +1031,9 @@ def test_pool_load_adapter_matches_peft_and_failures_leave_pool_unchanged(
     pool = MoELoRAMemoryPool(E, H, I, MOE_LAYERS, max_loras=3, max_rank=4, dtype=torch.float32, device="cpu")
     report = pool.load_adapter("a", path)
     assert isinstance(report, AdapterLoadReport) and "a" in pool
-    assert report.pool_bytes == pool.nbytes // pool.max_loras
+    blocks = sum(len(es) for es in report.experts_per_layer.values())
+    assert report.pool_bytes == blocks * report.max_rank * pool.unit_bytes
+    assert pool.memory_report().adapters[0].bytes == report.pool_bytes
     assert pool.slot_rank_host[pool.slot_of("a")] == report.max_rank
     before = pool_outputs(pool, data)
     for lid, y in before.items():
@@ -1078,7 +1086,7 @@ def test_pool_load_adapter_bf16_rounds_once(f1_adapters):
     p = layers[1].down[2]  # alpha 1 via alpha_pattern: differs from the slot scaling
     assert p.scaling != s
     want = (p.b.float() * (p.scaling / s)).to(torch.bfloat16)
-    assert torch.equal(pool.layer(1).down_b[slot, 2, :, : p.rank], want)
+    assert torch.equal(pool.layer(1).dense().down_b[slot, 2, :, : p.rank], want)
     assert isinstance(p, LoRAProjection)
 
 
@@ -1285,6 +1293,7 @@ def test_stacked_staging_matches_the_module_path(f1_adapters, tmp_path, monkeypa
             m.setattr(MoELoRAMemoryPool, "_stage_stacked", lambda *args: None)
             slow = pool._stage("a", layers)
         assert (fast.rank, fast.scaling, fast.nbytes) == (slow.rank, slow.scaling, slow.nbytes)
+        assert fast.experts == slow.experts
         assert fast.layers.keys() == slow.layers.keys()
         for lid, st in slow.layers.items():
             assert st.keys() == fast.layers[lid].keys()

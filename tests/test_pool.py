@@ -118,7 +118,11 @@ def three_adapters(experts=E):
 
 
 def snapshot(pool):
-    bufs = {(lid, i): t.clone() for lid, b in pool.layers.items() for i, t in enumerate(b.tensors())}
+    # The dense gather of every layer (what every slot reads), the raw arena rows behind it, and the
+    # block table: byte for byte.
+    bufs = {(lid, i): t.clone() for lid, b in pool.layers.items() for i, t in enumerate(b.dense().tensors())}
+    bufs.update({("arena", i): w.data.clone() for i, w in enumerate(pool.layer(LAYERS[0]).tensors())})
+    bufs["blocks"] = pool.blocks.clone()
     return (
         bufs,
         pool.slot_ranks.clone(),
@@ -190,7 +194,8 @@ def test_torch_path_matches_reference(experts, top_k):
         # The pool-layout oracle reads the same buffers the torch path does.
         buf = pool.layer(lid)
         want_pool = reference_moe_from_pool(
-            x, w13, w2, weights, ids, batch.token_slots, *buf.tensors(), pool.slot_ranks, pool.slot_scalings
+            x, w13, w2, weights, ids, batch.token_slots, *buf.dense().tensors(), pool.slot_ranks,
+            pool.slot_scalings,
         )
         assert_close_scaled(got, want_pool)
 
@@ -259,7 +264,7 @@ def test_bf16_pool_and_activations():
         weights,
         ids,
         batch.token_slots,
-        *pool.layer(3).tensors(),
+        *pool.layer(3).dense().tensors(),
         pool.slot_ranks,
         pool.slot_scalings,
     )
@@ -275,7 +280,7 @@ def test_layout_and_per_module_scaling():
     pool = make_pool()
     lora = make_adapter(8, 2.0, experts=[1], pattern={(1, "up"): (4, 0.5)})
     slot = pool.add_adapter_weights("x", {7: lora})
-    buf, R = pool.layer(7), MAX_RANK
+    buf, R = pool.layer(7).dense(), MAX_RANK
     assert torch.equal(buf.gate_up_a[slot, 1, :8], lora.gate[1].a)
     assert torch.equal(buf.gate_up_a[slot, 1, R : R + 4], lora.up[1].a)
     assert torch.equal(buf.gate_up_b[slot, 1, :I, :8], lora.gate[1].b)
@@ -285,11 +290,14 @@ def test_layout_and_per_module_scaling():
     assert torch.equal(buf.down_b[slot, 1, :, :8], lora.down[1].b)
     assert pool.slot_rank_host[slot] == 8 and int(pool.slot_ranks[slot]) == 8
     assert pool.slot_scaling_host[slot] == 2.0 and float(pool.slot_scalings[slot]) == 2.0
-    # Nothing else of the slot is written: layer 3 and every other expert are zero.
-    assert all(not t[slot].any() for t in pool.layer(3).tensors())
+    # Nothing else of the slot is written: layer 3 and every other expert are zero, and point at the
+    # zero block; only (layer 7, expert 1) has arena rows.
+    assert all(not t[slot].any() for t in pool.layer(3).dense().tensors())
     mask = torch.ones(E, dtype=torch.bool)
     mask[1] = False
     assert all(not t[slot, mask].any() for t in buf.tensors())
+    assert not pool.layer(3).blocks[slot].any() and not pool.layer(7).blocks[slot, mask].any()
+    assert pool.layer(7).blocks[slot, 1] > 0
     assert not buf.gate_up_a[slot, 1, 8:R].any() and not buf.gate_up_a[slot, 1, R + 4 :].any()
 
 
@@ -304,6 +312,9 @@ def test_slot_reuse_leaves_no_stale_weights():
     pool.unload_adapter("big")
     assert "big" not in pool and pool.adapters() == ["other"]
     assert pool.slot_rank_host[slot] == 0 and int(pool.slot_ranks[slot]) == 0
+    # The emptied slot reads zeros everywhere: every (layer, expert) of it points at the zero block.
+    assert not pool.blocks[:, slot].any()
+    assert all(not t[slot].any() for lid in LAYERS for t in pool.layer(lid).dense().tensors())
 
     # The new adapter covers fewer experts, only gate/up, and only layer 3.
     small = {3: make_adapter(4, 0.7, experts=[0, 3], modules=("gate", "up"))}
@@ -311,13 +322,16 @@ def test_slot_reuse_leaves_no_stale_weights():
     assert (pool.slot_ranks.data_ptr(), pool.slot_scalings.data_ptr()) == ptrs
     assert pool.slot_rank_host[slot] == 4 and int(pool.slot_ranks[slot]) == 4
     R = MAX_RANK
-    buf3 = pool.layer(3)
+    buf3 = pool.layer(3).dense()
     assert not buf3.gate_up_a[slot, :, 4:R].any() and not buf3.gate_up_a[slot, :, R + 4 :].any()
     assert not buf3.gate_up_b[slot, :, :, 4:].any()
     assert not buf3.down_a[slot].any() and not buf3.down_b[slot].any()
     for e in (1, 2, 4, 5):
         assert all(not t[slot, e].any() for t in buf3.tensors())
-    assert all(not t[slot].any() for t in pool.layer(7).tensors())
+    assert all(not t[slot].any() for t in pool.layer(7).dense().tensors())
+    # Layer 7 and the untrained experts of layer 3 point at the zero block.
+    assert not pool.layer(7).blocks[slot].any()
+    assert not pool.layer(3).blocks[slot, [1, 2, 4, 5]].any() and pool.layer(3).blocks[slot, [0, 3]].all()
 
     adapters = {"other": other, "small": small}
     batch = pool.prepare_batch(["small", None, "other", "small"], [3, 2, 2, 4])
@@ -622,13 +636,29 @@ def test_pool_basics():
     pool = make_pool(max_loras=3, dtype=torch.bfloat16)
     assert pool.layer_ids == LAYERS and pool.dtype == torch.bfloat16 and pool.device == torch.device("cpu")
     L, R = 3, MAX_RANK
-    per_layer = L * E * (2 * R * H + 2 * I * R + R * I + H * R) * 2
-    assert pool.nbytes == per_layer * len(LAYERS)
+    # One unit = one rank row of the four matrices of one (layer, expert): gate/up A (2H), gate/up B^T
+    # (2I), down A (I), down B^T (H), in bf16.
+    assert pool.unit_bytes == 3 * (H + I) * 2
+    # The default arena holds L adapters of max_rank training every expert of every layer (the dense
+    # layout's size), plus the zero block (R units) and a tail of max(16, R) units.
+    capacity = L * len(LAYERS) * E * R
+    assert pool._units.total_units - pool._units.reserved_units == capacity
+    assert pool.nbytes == (R + capacity + max(16, R)) * pool.unit_bytes
+    report = pool.memory_report()
+    assert report.arena_bytes == pool.nbytes and report.used_bytes == 0
+    assert report.free_bytes == capacity * pool.unit_bytes
+    assert report.table_bytes == len(LAYERS) * L * E * 4
+    assert pool.blocks.shape == (len(LAYERS), L, E) and pool.blocks.dtype == torch.int32
     buf = pool.layer(3)
     assert isinstance(buf, LoRALayerBuffers)
-    assert buf.gate_up_a.shape == (L, E, 2 * R, H) and buf.gate_up_b.shape == (L, E, 2 * I, R)
-    assert buf.down_a.shape == (L, E, R, I) and buf.down_b.shape == (L, E, H, R)
-    assert all(t.dtype == torch.bfloat16 and not t.any() for t in buf.tensors())
+    assert buf.blocks.shape == (L, E) and not buf.blocks.any()
+    assert [w.max_rank for w in buf.tensors()] == [R] * 4
+    assert [w.cols for w in buf.tensors()] == [H, 2 * I, I, H]
+    dense = buf.dense()
+    assert dense.gate_up_a.shape == (L, E, 2 * R, H) and dense.gate_up_b.shape == (L, E, 2 * I, R)
+    assert dense.down_a.shape == (L, E, R, I) and dense.down_b.shape == (L, E, H, R)
+    assert all(t.dtype == torch.bfloat16 and not t.any() for t in dense.tensors())
+    assert all(w.dtype == torch.bfloat16 and not w.data.any() for w in buf.tensors())
     assert pool.slot_ranks.dtype == torch.int32 and pool.slot_scalings.dtype == F32
     bad_layer = r"layer 4 is not a MoE layer of this pool; valid layer ids: \[3, 7\]"
     with pytest.raises(ValueError, match=bad_layer):

@@ -206,18 +206,26 @@ def test_async_load_in_the_load_process(tmp_path):
         report = pool.load_adapter_async("sql", root / "sql").result(timeout=120)
         assert pool._load_worker._process is started
         assert report.dtype == "bfloat16" and pool.adapter_slots == {"sql": 0}
-        assert pool.memory_report().adapters[0].bytes == in_process.memory_report().adapters[0].bytes
+        assert pool.memory_report().adapters[0] == in_process.memory_report().adapters[0]
         for lid in mk.MOE_LAYER_IDS:
-            for got, want in zip(pool.layer(lid).tensors(), in_process.layer(lid).tensors(), strict=True):
+            for got, want in zip(pool.layer(lid).dense().tensors(), in_process.layer(lid).dense().tensors(),
+                                 strict=True):
                 assert torch.equal(got, want)
-        before = [t.clone() for lid in mk.MOE_LAYER_IDS for t in pool.layer(lid).tensors()]
+        assert torch.equal(pool.blocks, in_process.blocks)
+
+        def state():
+            dense = [t.clone() for lid in mk.MOE_LAYER_IDS for t in pool.layer(lid).dense().tensors()]
+            return [*dense, pool.blocks.clone(), pool.slot_ranks.clone(), pool.slot_scalings.clone()]
+
+        before = state()
         bad = tmp_path / "bad"
         shutil.copytree(root / "sql", bad)
         (bad / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
         with pytest.raises(AdapterLoadError, match="adapter_model.safetensors"):
             pool.load_adapter_async("bad", bad).result(timeout=120)
-        after = [t for lid in mk.MOE_LAYER_IDS for t in pool.layer(lid).tensors()]
-        assert pool.adapter_slots == {"sql": 0} and all(map(torch.equal, before, after))
+        after = state()
+        assert pool.adapter_slots == {"sql": 0} and len(before) == len(after)
+        assert all(map(torch.equal, before, after))
         # What the worker is sent: the pool's sizes, a tensor- or expert-parallel shard among them.
         import pickle
 
@@ -287,41 +295,62 @@ def test_gpu_async_load_while_forwarding():
 
 
 def test_memory_report():
-    """Bytes per adapter at its rank, the slots' padding, tiers, pins and live batches."""
+    """Arena bytes per adapter at its rank for the experts it trains, arena use and fragmentation, tiers,
+    pins and live batches."""
     import json
 
     from moelora import PoolMemoryReport
 
     pool = MoELoRAMemoryPool(num_experts=6, hidden_size=48, intermediate_size=40, layer_ids=[3, 7],
                              max_loras=2, max_rank=16, dtype=torch.float32, device="cpu", max_cpu_loras=2)
-    # Rank 4 on every expert of one layer; rank 16 on two experts of both layers (partial coverage).
+    # A unit: one rank row of gate/up A (2 x 48), gate/up B^T (2 x 40), down A (40), down B^T (48), fp32.
+    unit = 3 * (48 + 40) * 4
+    assert pool.unit_bytes == unit
+    capacity = 2 * 2 * 6 * 16  # the default arena: two slots of rank 16, every expert of both layers
+    assert pool._units.total_units - pool._units.reserved_units == capacity
+    # Rank 4 on every expert of one layer; rank 16 on two experts of layer 3 and all six of layer 7.
     pool.add_adapter_weights("small", {3: make_adapter(4, 1.0)})
     pool.add_adapter_weights("big", {3: make_adapter(16, 0.5, experts=[0, 5]), 7: make_adapter(16, 0.5)})
     pool.pin("small")
     batch = pool.prepare_batch(["big", None])
     report = pool.memory_report()
     assert isinstance(report, PoolMemoryReport)
-    slot_bytes = 2 * 6 * (2 * 16 * 48 + 2 * 40 * 16 + 16 * 40 + 48 * 16) * 4  # two layers, four buffers, fp32
     assert (report.slots, report.free_slots) == (2, 0)
-    assert (report.slot_bytes, report.device_bytes) == (slot_bytes, 2 * slot_bytes)
-    # Stacks of all six experts of each layer an adapter has, at its rank: gate/up/down A and B.
+    assert report.arena_bytes == pool.nbytes and report.table_bytes == 2 * 2 * 6 * 4  # (layers, L, E) int32
+    # Host stacks of all six experts of each layer an adapter has, at its rank: gate/up/down A and B.
     per_layer = {r: 6 * r * (48 + 40) * 2 + 6 * r * (40 + 48) for r in (4, 16)}
     small, big = report.adapters
     assert (small.name, small.tier, small.slot, small.pinned, small.users, small.rank) == (
         "small", "gpu", 0, True, 0, 4)
     assert (big.name, big.slot, big.pinned, big.users, big.rank) == ("big", 1, False, 1, 16)
-    assert small.bytes == per_layer[4] * 4 and big.bytes == 2 * per_layer[16] * 4
-    assert report.resident_bytes == small.bytes + big.bytes
-    assert report.padding_bytes == 2 * slot_bytes - report.resident_bytes
-    assert report.padding_fraction == pytest.approx(report.padding_bytes / (2 * slot_bytes))
+    # Arena: a block of `rank` units per (layer, expert) trained, nothing for the others.
+    assert (small.blocks, small.bytes) == (6, 6 * 4 * unit)
+    assert (big.blocks, big.bytes) == (2 + 6, 8 * 16 * unit)
+    assert small.host_bytes == per_layer[4] * 4 and big.host_bytes == 2 * per_layer[16] * 4
+    assert report.used_bytes == small.bytes + big.bytes == (24 + 128) * unit
+    assert report.free_bytes + report.used_bytes == capacity * unit
+    # The arena's free space (units [16, 400)) after the two loads: small's blocks take 16..32 and
+    # 384..392 (order-2 blocks split from the two order-4 blocks), big's take 32..160; free are the
+    # aligned blocks 392..400 (8 units), 160..192, 192..256 and 256..384. All but the first take a
+    # rank-16 block.
+    assert report.largest_free_bytes == 128 * unit
+    assert report.max_rank_free_bytes == (232 - 8) * unit
+    assert report.fragmentation == pytest.approx(8 / 232)
     assert report.staging_bytes == 0 and report.host_tier_bytes == 0  # on the CPU: no pinned staging
     batch.release()
     pool.unpin("small")
     pool.add_adapter_weights("third", {3: make_adapter(8, 1.0)})  # evicts "small" (least recent) to the host
     report = pool.memory_report()
-    assert [(a.name, a.tier, a.slot_bytes) for a in report.adapters] == [
-        ("third", "gpu", slot_bytes), ("big", "gpu", slot_bytes), ("small", "host", 0)]
-    assert report.host_tier_bytes == small.bytes
+    assert [(a.name, a.tier, a.slot, a.rank, a.blocks, a.bytes) for a in report.adapters] == [
+        ("third", "gpu", 0, 8, 6, 6 * 8 * unit), ("big", "gpu", 1, 16, 8, 8 * 16 * unit),
+        ("small", "host", None, 4, 6, 0)]
+    assert report.adapters[2].host_bytes == small.host_bytes
+    assert report.host_tier_bytes == small.host_bytes
+    assert report.used_bytes == (48 + 128) * unit
+    assert report.free_bytes == (capacity - 48 - 128) * unit
+    # small's blocks merged back; third's rank-8 blocks fill whole 16-unit blocks two by two: every free
+    # block takes a rank-16 block.
+    assert report.max_rank_free_bytes == report.free_bytes and report.fragmentation == 0.0
     json.dumps(report.as_dict())  # dashboards take it as JSON
 
 
@@ -370,6 +399,9 @@ def test_gpu_staging_chunks_write_the_same_slots():
         pool.close()
     torch.cuda.synchronize()
     assert staged.adapter_slots == pageable.adapter_slots == {"math": 0, "sql": 1}
+    assert torch.equal(staged.blocks, pageable.blocks)
+    assert torch.equal(staged.slot_ranks, pageable.slot_ranks)
     for lid in mk.MOE_LAYER_IDS:
-        for got, want in zip(staged.layer(lid).tensors(), pageable.layer(lid).tensors(), strict=True):
+        for got, want in zip(staged.layer(lid).dense().tensors(), pageable.layer(lid).dense().tensors(),
+                             strict=True):
             assert torch.equal(got, want)
