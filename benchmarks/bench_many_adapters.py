@@ -15,7 +15,7 @@ Adapters per GB (host arithmetic, no GPU): a full model's adapter of each rank t
 adapter took before takes ``layers x E x max_rank`` whatever its rank. Reported for the mix above, for
 rank 8 alone, and for ESFT-style adapters training an eighth of the experts.
 
-Writes ``OUT.json`` and ``OUT.md``.
+Writes ``OUT.json``, ``OUT.md`` and ``OUT.png``; ``--render JSON`` re-renders a result (and its floors).
 """
 
 from __future__ import annotations
@@ -30,7 +30,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moelora import FusedMoEWithLoRA, MoELoRAMemoryPool  # noqa: E402
-from moelora.bench import MODELS, graph_rounds_us, make_routing, make_weights, token_slots_for  # noqa: E402
+from moelora.bench import (  # noqa: E402
+    MODELS,
+    device_peaks,
+    graph_rounds_us,
+    make_routing,
+    make_weights,
+    token_slots_for,
+)
 from moelora.reference import LoRAProjection, ReferenceLoRA  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
@@ -49,6 +56,34 @@ def adapter(shape, rank: int, pool_rng: torch.Tensor) -> dict[int, ReferenceLoRA
             b = pool_rng[rank * in_f : rank * in_f + out_f * rank].view(out_f, rank)
             getattr(lora, mod)[e] = LoRAProjection(a=a, b=b, scaling=0.5)
     return {0: lora}
+
+
+def floor_bytes(shape, m: int, n: int, popularity: str, one_rank: int | None = None) -> int:
+    """Bytes a call must move at least: the routed experts' base weights, each distinct (adapter, expert)
+    pair's LoRA rows once (``rank`` units), x and the output. ``one_rank``: every token on one adapter of
+    that rank instead of the N-adapter mix. Same routing and slots as the timed point."""
+    _, ids = make_routing(m, shape, 100 + m, torch.device("cpu"))
+    slots = token_slots_for(m, n, popularity, seed=7 * m + n).long()
+    elem, unit = 2, MoELoRAMemoryPool.unit_bytes_for(shape.H, shape.I, torch.bfloat16)
+    experts = torch.unique(ids.long())
+    base = experts.numel() * 3 * shape.H * shape.I * elem + 2 * m * shape.H * elem
+    if one_rank is not None:
+        return base + experts.numel() * one_rank * unit
+    pairs = torch.unique(slots[:, None] * shape.E + ids.long()).tolist()
+    return base + sum(RANKS[p // shape.E % len(RANKS)] for p in pairs) * unit
+
+
+def add_roofline(records: list[dict], hbm_tbps: float) -> None:
+    """Each record's floor (µs at ``hbm_tbps``) for N adapters and for one rank-64 adapter, the best
+    throughput ratio the bytes allow, and the fraction of it reached."""
+    for r in records:
+        shape = MODELS[r["model"]]
+        many = floor_bytes(shape, r["M"], r["N"], r["popularity"])
+        one = floor_bytes(shape, r["M"], r["N"], r["popularity"], one_rank=64)
+        r["floor_us"] = many / hbm_tbps / 1e6
+        r["one_adapter_floor_us"] = one / hbm_tbps / 1e6
+        r["floor_throughput_vs_one"] = one / many
+        r["of_floor_ratio"] = r["throughput_vs_one"] / r["floor_throughput_vs_one"]
 
 
 def adapters_per_gb(shape, layers: int) -> dict[str, float]:
@@ -111,33 +146,20 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
     return records
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MOE_LAYERS), choices=list(MOE_LAYERS))
-    parser.add_argument("--M", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--N", type=int, nargs="+", default=[1, 8, 32, 128])
-    parser.add_argument("--popularity", nargs="+", default=["uniform", "zipf"])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=float, default=25.0)
-    parser.add_argument("--rep", type=float, default=100.0)
-    parser.add_argument("--out", required=True, help="output path without extension")
-    args = parser.parse_args()
-    memory = {name: adapters_per_gb(MODELS[name], MOE_LAYERS[name]) for name in args.models}
-    records = []
-    for name in args.models:
-        records += bench_model(name, args.M, args.N, args.popularity, args.rounds, args.warmup, args.rep)
-    device = torch.cuda.get_device_name()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"device": device, "records": records, "memory": memory}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+def render(result: dict, out: Path) -> None:
+    """``OUT.md`` (the tables) and ``OUT.png`` (throughput against N per model and M) of a result."""
+    records, memory, device = result["records"], result["memory"], result["device"]
     lines = [f"# Many resident adapters, {device}, bf16, one MoE layer, ranks cycling {list(RANKS)}", "",
-             "Throughput relative to one rank-64 adapter at the same M (median of interleaved rounds).", "",
-             "| model | M | N | popularity | base µs | 1 adapter µs | N adapters µs | throughput vs 1 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Throughput relative to one rank-64 adapter at the same M (median of interleaved rounds); "
+             "the N = 1 row is one rank-8 adapter. Floor: the bytes the call must move (routed experts, each "
+             "distinct (adapter, expert) pair's LoRA rows once) at the HBM peak; 'floor ratio' is the best "
+             "throughput ratio those bytes allow, 'of floor' the share of it reached.", "",
+             "| model | M | N | popularity | base µs | 1 adapter (r64) µs | N adapters µs | "
+             "throughput vs 1 | floor ratio | of floor |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(f"| {r['model']} | {r['M']} | {r['N']} | {r['popularity']} | {r['base_us']:.1f} | "
-                     f"{r['one_adapter_us']:.1f} | {r['n_adapters_us']:.1f} | {r['throughput_vs_one']:.3f} |")
+                     f"{r['one_adapter_us']:.1f} | {r['n_adapters_us']:.1f} | {r['throughput_vs_one']:.3f} | "
+                     f"{r['floor_throughput_vs_one']:.3f} | {r['of_floor_ratio']:.2f} |")
     lines += ["", "Resident adapters per GB of adapter memory, whole model (bf16, max rank 64):", "",
               "| model | dense slot (GB) | per GB, dense slots | per GB, mix 8/16/32/64 | per GB, rank 8 | "
               "per GB, ESFT (E/8 experts, rank 16) |", "|---|---|---|---|---|---|"]
@@ -148,6 +170,60 @@ def main() -> None:
                      f"({mem['esft_gain']:.1f}x) |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in records))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for m in sorted({r["M"] for r in records if r["model"] == model}):
+            for pop, style in (("uniform", "-"), ("zipf", "--")):
+                here = [r for r in records if r["model"] == model and r["M"] == m
+                        and (r["popularity"] == pop or r["N"] == 1)]
+                pts = sorted((r["N"], r["throughput_vs_one"], r["floor_throughput_vs_one"]) for r in here)
+                if len(pts) < 2:
+                    continue
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
+                                label=f"M={m} {pop}")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], style, color=line.get_color(), alpha=0.3)
+        ax.axhline(0.85, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("resident adapters in the batch (N)")
+        ax.set_ylabel("throughput vs one rank-64 adapter")
+        ax.set_title(f"{model} ({device}); faint: byte floor")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MOE_LAYERS), choices=list(MOE_LAYERS))
+    parser.add_argument("--M", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--N", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--popularity", nargs="+", default=["uniform", "zipf"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=25.0)
+    parser.add_argument("--rep", type=float, default=100.0)
+    parser.add_argument("--render", type=Path, default=None,
+                        help="re-render OUT.md/.png (and the floors) from this JSON instead of measuring")
+    parser.add_argument("--out", required=True, help="output path without extension")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.render is not None:
+        result = json.loads(args.render.read_text())
+    else:
+        memory = {name: adapters_per_gb(MODELS[name], MOE_LAYERS[name]) for name in args.models}
+        records = []
+        for name in args.models:
+            records += bench_model(name, args.M, args.N, args.popularity, args.rounds, args.warmup, args.rep)
+        result = {"device": torch.cuda.get_device_name(), "records": records, "memory": memory}
+    add_roofline(result["records"], device_peaks(result["device"])["hbm_tbps"])
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    render(result, out)
 
 
 if __name__ == "__main__":

@@ -57,9 +57,10 @@ def make_pool(max_loras=4, max_rank=16, arena_bytes=None, dtype=F32, device="cpu
                              arena_bytes=arena_bytes)
 
 
-def check_forward(pool, weights_of, names, base, *, path="torch", seed=0, atol=2e-4, rtol=2e-4):
+def check_forward(pool, weights_of, names, base, *, path="torch", seed=0, tol=2e-4):
     """A mixed batch of ``names`` (None: no adapter) through every layer on ``path``, against the
-    reference fed each adapter's own tensors. Routing covers every expert, trained or not."""
+    reference fed each adapter's own tensors. Routing covers every expert, trained or not. fp32: every
+    element within ``tol``; bf16: the relative L2 error within ``tol`` (a wrong block is off by O(1))."""
     w13, w2 = base
     gen = torch.Generator().manual_seed(seed)
     dev, dtype = w13[LAYERS[0]].device, w13[LAYERS[0]].dtype
@@ -72,9 +73,13 @@ def check_forward(pool, weights_of, names, base, *, path="torch", seed=0, atol=2
         layer = FusedMoEWithLoRA(w13[lid], w2[lid], pool=pool, layer_id=lid, path=path)
         got = layer(x.to(dev, dtype), topk_weights.to(dev), ids.to(dev), batch).float().cpu()
         adapters = [None if n is None else weights_of[n].get(lid) for n in names]
-        want = reference_moe(x, w13[lid].float().cpu(), w2[lid].float().cpu(), topk_weights, ids,
-                             adapters=adapters, token_adapter=list(range(m)))
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        want = reference_moe(x.to(dtype).float(), w13[lid].float().cpu(), w2[lid].float().cpu(), topk_weights,
+                             ids, adapters=adapters, token_adapter=list(range(m)))
+        if dtype == F32:
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        else:
+            rel_l2 = float((got - want).norm() / want.norm())
+            assert rel_l2 <= tol, f"layer {lid}, adapters {names}: relative L2 error {rel_l2:.3g} > {tol}"
     batch.release()
 
 
@@ -209,5 +214,4 @@ def test_fragmentation_storm_gpu():
     unit = MoELoRAMemoryPool.unit_bytes_for(H, I, torch.bfloat16)
     pool = make_pool(max_loras=12, max_rank=16, arena_bytes=5 * len(LAYERS) * E * 16 * unit,
                      dtype=torch.bfloat16, device="cuda")
-    _storm(pool, make_base(dtype=torch.bfloat16, device="cuda"), 1000, seed=11, path="auto", atol=3e-2,
-           rtol=3e-2)
+    _storm(pool, make_base(dtype=torch.bfloat16, device="cuda"), 1000, seed=11, path="auto", tol=1e-2)

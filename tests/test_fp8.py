@@ -417,12 +417,12 @@ def _torch_reference(x, w13, w2, fp8, weights, ids, lora):
     """The PyTorch path's FP8 math with the same LoRA buffers (a pool layer's layout)."""
     from types import SimpleNamespace
 
-    from moelora.pool import LoRALayerBuffers
+    from moelora.pool import DenseLoRA
 
     if lora is None:
         return moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8)
-    buffers = LoRALayerBuffers(gate_up_a=lora.gate_up_a, gate_up_b=lora.gate_up_b, down_a=lora.down_a,
-                               down_b=lora.down_b)
+    buffers = DenseLoRA(gate_up_a=lora.gate_up_a, gate_up_b=lora.gate_up_b, down_a=lora.down_a,
+                        down_b=lora.down_b)
     batch = SimpleNamespace(num_tokens=x.shape[0], token_slots=lora.token_slots, has_lora=True,
                             slot_scalings=lora.slot_scalings)
     return moe_lora_forward_torch(x, w13, w2, weights, ids, buffers, batch, fp8=fp8)
