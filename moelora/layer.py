@@ -308,7 +308,7 @@ class FusedMoEWithLoRA(nn.Module):
         if self.fp8 is not None:
             inputs += [self.fp8.w13_scale, self.fp8.w2_scale]
         if has_lora:
-            inputs += [batch.token_slots, batch.slot_ranks, batch.slot_scalings, buffers.blocks,
+            inputs += [batch.token_slots, buffers.slot_ranks, batch.slot_scalings, buffers.blocks,
                        *(w.data for w in buffers.tensors())]
         key = self._trace_key(x, topk_weights, topk_ids, batch if has_lora else None, path, inputs)
         if key is not None:
@@ -324,7 +324,7 @@ class FusedMoEWithLoRA(nn.Module):
                 gate_up_b=buffers.gate_up_b,
                 down_a=buffers.down_a,
                 down_b=buffers.down_b,
-                slot_ranks=batch.slot_ranks,
+                slot_ranks=buffers.slot_ranks,  # this layer's rank of each slot
                 slot_scalings=batch.slot_scalings,
                 max_rank=batch.max_rank,
                 num_adapters=len(batch.slots_used),

@@ -161,9 +161,9 @@ class AdapterLoadReport:
         experts_per_layer: layer id -> experts with LoRA weights in the file.
         ignored_keys: safetensors key -> why it was not used (attention, shared expert, dense MLP, router,
             modules_to_save, ...).
-        pool_bytes: device bytes the adapter takes in a pool's arena: ``max_rank`` rank rows of the four
-            matrices in the pool's dtype for each (layer, expert) it trains (a tensor- or expert-parallel
-            pool stores its shard's part).
+        pool_bytes: device bytes the adapter takes in a pool's arena: for each (layer, expert) it trains,
+            rank rows of the four matrices in the pool's dtype, as many as its largest module rank in that
+            layer (a tensor- or expert-parallel pool stores its shard's part).
         max_rank: the adapter's largest effective rank over all expert modules (exactly-zero rank
             components dropped), i.e. the rank its pool slot gets.
         pool_max_rank: the ``max_rank`` the adapter was checked against.
@@ -1210,6 +1210,14 @@ def _maybe_zero_components(
     return maybe
 
 
+def _live_experts_and_rank(lora: ReferenceLoRA) -> tuple[set[int], int]:
+    """The experts of one layer's adapter with a module, and its largest module rank: the arena blocks
+    the pool gives that layer (one of that rank per expert)."""
+    mods = [(e, proj) for p in ("gate", "up", "down") for e, proj in getattr(lora, p).items()
+            if proj.a.shape[0] > 0]
+    return {e for e, _ in mods}, max((proj.a.shape[0] for _, proj in mods), default=0)
+
+
 def arena_bytes_of(blocks: int, rank: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
     """Arena bytes of ``blocks`` (layer, expert) blocks of ``rank`` rows: each row holds gate and up A
     (2H), gate and up B (2I), down A (I) and down B (H)."""
@@ -1595,7 +1603,8 @@ def _read(
         layers=sorted(layers),
         experts_per_layer={lid: sorted(es) for lid, es in sorted(experts_per_layer.items())},
         ignored_keys=ignored,
-        pool_bytes=arena_bytes_of(sum(map(len, experts_per_layer.values())), eff_max, hid, inter, dtype),
+        pool_bytes=sum(arena_bytes_of(len(experts), rank, hid, inter, dtype)
+                       for experts, rank in map(_live_experts_and_rank, layers.values())),
         max_rank=eff_max,
         pool_max_rank=max_r,
         dtype=str(out_dtype).removeprefix("torch."),

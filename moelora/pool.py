@@ -13,9 +13,10 @@ the experts and layers it does not (``moelora.arena``, a buddy allocator, so mix
 unloaded in any order keep fragmentation bounded). A table ``blocks (layers, L, E)`` int32 on the device
 gives each (slot, layer, expert) its first unit; untrained experts and empty slots point at a zero block
 (units ``[0, max_rank)``), so every kernel reads an adapter's rows through the table whatever their
-place. Every slot has one rank (the adapter's largest module rank) and one scaling; a module whose own
-scaling differs (PEFT ``alpha_pattern`` / ``rank_pattern``) has its B pre-multiplied by ``its scaling /
-slot scaling``, and a module of lower rank is zero-padded to the slot rank.
+place. A slot has one rank per layer (the adapter's largest module rank in that layer: its blocks' rows
+there) and one scaling; a module whose own scaling differs (PEFT ``alpha_pattern`` / ``rank_pattern``)
+has its B pre-multiplied by ``its scaling / slot scaling``, and a module of lower rank than its layer's
+is zero-padded to it.
 
 The arena, the table and the per-slot tables are allocated once, zeroed, at construction; loading and
 unloading only write into them in place (kernels and captured CUDA graphs hold these tensors).
@@ -133,7 +134,7 @@ class _StagedAdapter:
     (E, r, I), ``down_a`` (E, r, I), ``down_b`` (E, r, H): rank rows, as the arena stores them (B
     transposed), zero where an expert has no module, in the pool dtype, with every B already rescaled to
     the slot scaling. ``experts[lid]`` lists the experts of layer ``lid`` with a module of rank > 0: the
-    only ones that take arena rows.
+    only ones that take arena rows, ``layer_ranks[lid]`` (<= ``rank``) rows each: its largest module rank.
     """
 
     name: str
@@ -141,6 +142,7 @@ class _StagedAdapter:
     scaling: float
     layers: dict[int, dict[str, torch.Tensor]]
     experts: dict[int, list[int]] = field(default_factory=dict)
+    layer_ranks: dict[int, int] = field(default_factory=dict)
     source: str | None = None
     report: object | None = None
     nbytes: int = 0
@@ -150,6 +152,19 @@ _LOADING = object()  # marks a slot reserved by an asynchronous load that is not
 
 
 _NAME_TYPES = frozenset((str, type(None)))
+
+
+def _alloc_blocks(units: RankRowAllocator, needs: dict[int, int]) -> dict[int, list[int]] | None:
+    """``needs`` (rank -> block count) from ``units``, largest ranks first: rank -> starts, or None with
+    ``units`` as it was."""
+    got: dict[int, list[int]] = {}
+    for rank in sorted(needs, reverse=True):
+        starts = units.alloc(rank, needs[rank])
+        if starts is None:
+            units.free(u for taken in got.values() for u in taken)
+            return None
+        got[rank] = starts
+    return got
 
 
 def _block_runs(starts: Sequence[int], rank: int) -> list[tuple[int, int, int, int]]:
@@ -213,9 +228,9 @@ class _AdapterStager:
         if shard is not None:
             layers = shard.split_adapter(name, layers)
         staged = self._stage(name, layers)
-        blocks = sum(map(len, staged.experts.values())) if staged.rank else 0
-        report.pool_bytes = arena_bytes_of(blocks, staged.rank, self.hidden_size, self.intermediate_size,
-                                           self.dtype)
+        report.pool_bytes = sum(arena_bytes_of(len(staged.experts[lid]), rank, self.hidden_size,
+                                               self.intermediate_size, self.dtype)
+                                for lid, rank in staged.layer_ranks.items())
         staged.source = str(path.resolve())
         report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
         staged.report = report
@@ -307,8 +322,9 @@ class _AdapterStager:
                 layer[key][e, :r] = t if key.endswith("_a") else t.t()
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
         experts = {lid: sorted({e for m_lid, e, _, _ in live if m_lid == lid}) for lid in stacks}
+        layer_ranks = {lid: max(m[3].a.shape[0] for m in live if m[0] == lid) for lid in stacks}
         return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, experts=experts,
-                              nbytes=nbytes)
+                              layer_ranks=layer_ranks, nbytes=nbytes)
 
     def _stage_stacked(
         self,
@@ -381,8 +397,10 @@ class _AdapterStager:
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
         experts = {lid: sorted({e for mods in projs.values() for e, _ in mods})
                    for lid, projs in groups.items()}
+        layer_ranks = {lid: max(proj.a.shape[0] for mods in projs.values() for _, proj in mods)
+                       for lid, projs in groups.items()}
         return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, experts=experts,
-                              nbytes=nbytes)
+                              layer_ranks=layer_ranks, nbytes=nbytes)
 
     def _check_module(
         self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int, *, values: bool = True
@@ -462,7 +480,11 @@ class MoELoRAMemoryPool(_AdapterStager):
         layers: layer id -> :class:`LoRALayerBuffers` (the arena and the layer's block table).
         blocks: ``(layers, L, E)`` int32 on ``device``, first arena unit of each (layer, slot, expert).
             Updated in place.
-        slot_ranks: ``(L,)`` int32 on ``device``, real rank per slot (0 = empty). Updated in place.
+        slot_ranks: ``(L,)`` int32 on ``device``, real rank per slot (0 = empty): its adapter's largest
+            module rank, which sets a batch's rank tile. Updated in place.
+        layer_ranks: ``(layers, L)`` int32 on ``device``, each slot's rank in each layer (its adapter's
+            largest module rank there, <= ``slot_ranks``): the rows its blocks hold, what the kernels of
+            that layer read. Updated in place.
         slot_scalings: ``(L,)`` float32 on ``device``, scaling per slot. Updated in place.
         slot_rank_host, slot_scaling_host: host mirrors of the two tables.
         adapter_slots: adapter name -> slot.
@@ -551,9 +573,12 @@ class MoELoRAMemoryPool(_AdapterStager):
                        "down_a": torch.zeros(units + tail, i, **kw),
                        "down_b": torch.zeros(units + tail, h, **kw)}
         self._slot_units: list[list[int]] = [[] for _ in range(n_slots)]  # each slot's blocks, to free
+        self._slot_bytes = [0] * n_slots  # arena bytes of each slot's blocks
         self.slot_ranks = torch.zeros(n_slots, dtype=torch.int32, device=self.device)
+        self.layer_ranks = torch.zeros(len(self.layer_ids), n_slots, dtype=torch.int32, device=self.device)
         self.layers: dict[int, LoRALayerBuffers] = {
-            lid: self._layer_buffers(self.blocks[li]) for li, lid in enumerate(self.layer_ids)}
+            lid: self._layer_buffers(self.blocks[li], self.layer_ranks[li])
+            for li, lid in enumerate(self.layer_ids)}
         self.slot_scalings = torch.zeros(n_slots, dtype=torch.float32, device=self.device)
         self.slot_rank_host: list[int] = [0] * n_slots
         self.slot_scaling_host: list[float] = [0.0] * n_slots
@@ -591,8 +616,9 @@ class MoELoRAMemoryPool(_AdapterStager):
         ``n * r`` units."""
         return 3 * (hidden_size + intermediate_size) * torch.empty((), dtype=dtype).element_size()
 
-    def _layer_buffers(self, blocks: torch.Tensor) -> LoRALayerBuffers:
-        """The kernels' view of the arena for one layer whose block table is ``blocks`` (L, E)."""
+    def _layer_buffers(self, blocks: torch.Tensor, ranks: torch.Tensor) -> LoRALayerBuffers:
+        """The kernels' view of the arena for one layer whose block table is ``blocks`` (L, E) and whose
+        slots' ranks in this layer are ``ranks`` (L,)."""
         from triton_ops.lora_weights import LoRAWeights
 
         h, i, r = self.hidden_size, self.intermediate_size, self.max_rank
@@ -607,7 +633,7 @@ class MoELoRAMemoryPool(_AdapterStager):
                                max_rank=r, cols=i),
             down_b=LoRAWeights(down_b, blocks, stride_unit=h, stride_rank=h, stride_col=1, up_offset=0,
                                max_rank=r, cols=h),
-            slot_ranks=self.slot_ranks,
+            slot_ranks=ranks,
         )
 
     def _arena_rows(self, key: str) -> torch.Tensor:
@@ -652,11 +678,11 @@ class MoELoRAMemoryPool(_AdapterStager):
             for slot, name in enumerate(self.slot_adapters):
                 if not isinstance(name, str):
                     continue
-                staged, blocks = self._staged[name], len(self._slot_units[slot])
+                staged, blocks = self._staged[name], sum(map(len, self._slot_units[slot]))
                 adapters.append(AdapterMemory(
                     name=name, tier="gpu", slot=slot, pinned=name in self._pinned,
-                    users=self._slot_users[slot],
-                    rank=staged.rank, blocks=blocks, bytes=blocks * staged.rank * self.unit_bytes,
+                    users=self._slot_users[slot], rank=staged.rank, blocks=blocks,
+                    bytes=self._slot_bytes[slot],
                     host_bytes=staged.nbytes))
             for name, staged in self._host_tier.items():
                 blocks = sum(len(v) for v in staged.experts.values()) if staged.rank else 0
@@ -784,9 +810,12 @@ class MoELoRAMemoryPool(_AdapterStager):
 
         Everything is checked on the host before any buffer is touched; on any problem an
         :class:`AdapterLoadError` naming the layer/expert/projection and the reason is raised and the
-        pool is left byte-for-byte unchanged. The lowest free slot is used, else the least recently
-        used adapter that is neither pinned nor used by a live batch is evicted (to the host tier).
-        Every byte of the slot is rewritten, in all four buffers of every layer.
+        pool is left byte-for-byte unchanged. The adapter takes the lowest free slot and, for each (layer,
+        expert) it trains, an arena block of that layer's rank (its largest module rank there), every row of
+        which is written; the slot's other experts and layers read the zero block. Where no slot is free or
+        the arena has no room, least recently used adapters that are neither pinned nor used by a live
+        batch are evicted (to the host tier) until both exist; where even that would not make room,
+        AdapterLoadError and nothing is evicted.
         """
         if not isinstance(name, str) or not name:
             raise AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
@@ -879,46 +908,69 @@ class MoELoRAMemoryPool(_AdapterStager):
         return slot
 
     def _take_slot(self, staged: _StagedAdapter) -> int:
-        """A free slot and arena blocks for ``staged`` (its rank, for each (layer, expert) it trains),
-        evicting least recently used adapters that are neither pinned nor used by a live batch as long as
-        either is missing. All or nothing: where evicting every such adapter would still not make room,
-        AdapterLoadError and nothing is evicted. The blocks are recorded as the slot's. Caller holds the
-        lock."""
-        count = sum(len(staged.experts.get(lid, ())) for lid in self.layer_ids) if staged.rank else 0
-        rank = staged.rank if count else 0
+        """A free slot and arena blocks for ``staged`` (for each (layer, expert) it trains, a block of that
+        layer's rank), evicting least recently used adapters that are neither pinned nor used by a live
+        batch as long as either is missing. All or nothing: where evicting every such adapter would still
+        not make room, AdapterLoadError and nothing is evicted. The blocks are recorded as the slot's.
+        Caller holds the lock."""
+        needs = self._block_needs(staged)
+        if self.free_slots:
+            got = _alloc_blocks(self._units, needs)
+            if got is not None:
+                return self._assign(self.free_slots[0], staged, got)
+        trial = copy.deepcopy(self._units) if needs else None  # the allocator after the evictions so far
         victims: list[int] = []
-        fits = not count or self._units.can_alloc(rank, count)
-        if not (self.free_slots and fits):
-            trial = None  # the allocator as it would be after the evictions so far
-            for victim in self._recent:
-                slot = self.adapter_slots[victim]
-                if victim in self._pinned or self._slot_users[slot]:
-                    continue
-                victims.append(slot)
-                if count:
-                    if trial is None:
-                        trial = copy.deepcopy(self._units)
-                    trial.free(self._slot_units[slot])
-                    fits = trial.can_alloc(rank, count)
-                if fits:
-                    break
-            else:
-                raise AdapterLoadError(self._no_room(staged.name, rank, count))
+        for victim in self._recent:
+            slot = self.adapter_slots[victim]
+            if victim in self._pinned or self._slot_users[slot]:
+                continue
+            victims.append(slot)
+            if trial is not None:
+                trial.free(u for starts in self._slot_units[slot] for u in starts)
+            if trial is None or _alloc_blocks(trial, needs) is not None:
+                break
+        else:
+            raise AdapterLoadError(self._no_room(staged.name, needs))
         for slot in victims:
             self._evict_slot(slot)
-        slot = self.free_slots[0]
-        self._slot_units[slot] = self._units.alloc(rank, count) if count else []
+        got = _alloc_blocks(self._units, needs)  # the trial's state: it fits
+        return self._assign(self.free_slots[0], staged, got)
+
+    def _block_needs(self, staged: _StagedAdapter) -> dict[int, int]:
+        """Blocks ``staged`` takes: rank -> count over its layers."""
+        needs: dict[int, int] = {}
+        for lid in self.layer_ids:
+            rank, count = staged.layer_ranks.get(lid, 0), len(staged.experts.get(lid, ()))
+            if rank and count:
+                needs[rank] = needs.get(rank, 0) + count
+        return needs
+
+    def _assign(self, slot: int, staged: _StagedAdapter, got: dict[int, list[int]]) -> int:
+        """Records ``got``'s blocks as ``slot``'s, layer by layer in the order ``_block_needs`` counted."""
+        taken = dict.fromkeys(got, 0)
+        per_layer, nbytes = [], 0
+        for lid in self.layer_ids:
+            rank, count = staged.layer_ranks.get(lid, 0), len(staged.experts.get(lid, ()))
+            if not (rank and count):
+                per_layer.append([])
+                continue
+            per_layer.append(got[rank][taken[rank] : taken[rank] + count])
+            taken[rank] += count
+            nbytes += count * rank * self.unit_bytes
+        self._slot_units[slot] = per_layer
+        self._slot_bytes[slot] = nbytes
         return slot
 
-    def _no_room(self, name: str, rank: int, count: int) -> str:
+    def _no_room(self, name: str, needs: dict[int, int]) -> str:
         held = f"pinned {sorted(self._pinned)}, used by live batches " + str(
             [n for n in self.adapters() if self._slot_users[self.adapter_slots[n]]])
         if self.free_slots:
             stats = self._units.stats()
+            blocks = ", ".join(f"{count} of rank {rank}" for rank, count in sorted(needs.items()))
+            need_bytes = sum(rank * count for rank, count in needs.items()) * self.unit_bytes
             return (
-                f"cannot load adapter {name!r}: it needs {count} arena blocks of rank {rank} "
-                f"({count * rank * self.unit_bytes} bytes) and the arena has "
-                f"{stats['free_units'] * self.unit_bytes} bytes free, largest free block "
+                f"cannot load adapter {name!r}: it needs arena blocks ({blocks}; {need_bytes} bytes) and the "
+                f"arena has {stats['free_units'] * self.unit_bytes} bytes free, largest free block "
                 f"{stats['largest_free_block']} units; the adapters that may not be evicted ({held}) leave "
                 "too little: unload or unpin adapters, release batches, or give the pool a larger arena_bytes"
             )
@@ -930,10 +982,10 @@ class MoELoRAMemoryPool(_AdapterStager):
     def _clear_slot(self, slot: int) -> None:
         """Gives the slot's arena blocks back and points every (layer, expert) of it at the zero block, with
         rank and scaling 0. Kernels queued before read the old entries (the fills are queued after them)."""
-        if self._slot_units[slot]:
-            self._units.free(self._slot_units[slot])
-            self._slot_units[slot] = []
+        self._units.free(u for starts in self._slot_units[slot] for u in starts)
+        self._slot_units[slot], self._slot_bytes[slot] = [], 0
         self.blocks[:, slot].zero_()
+        self.layer_ranks[:, slot].zero_()
         self._set_slot_tables(slot, 0, 0.0)
 
     def _evict_slot(self, slot: int) -> None:
@@ -1009,22 +1061,21 @@ class MoELoRAMemoryPool(_AdapterStager):
 
     def _write_slot(self, slot: int, staged: _StagedAdapter, *, stream: torch.cuda.Stream | None = None
                     ) -> None:
-        """Writes ``staged`` into the arena blocks :meth:`_take_slot` gave ``slot`` (every rank row of each,
-        zeros where the adapter has no module), then the slot's block table entries, rank and scaling. Only
-        the adapter's own rows cross the bus, through the pinned staging buffer on CUDA. Queued on
-        ``stream`` (default: the current stream)."""
+        """Writes ``staged`` into the arena blocks :meth:`_take_slot` gave ``slot`` (each layer's rank rows
+        of each block, zeros where the adapter has no module), then the slot's block table entries, ranks
+        and scaling. Only the adapter's own rows cross the bus, through the pinned staging buffer on CUDA.
+        Queued on ``stream`` (default: the current stream)."""
         if self._staging is not None and stream is None:
             stream = torch.cuda.current_stream(self.device)
-        rank, starts = staged.rank, self._slot_units[slot]
         table = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.int32)
-        taken = 0
+        ranks = torch.zeros(len(self.layer_ids), dtype=torch.int32)
         for li, lid in enumerate(self.layer_ids):
-            experts = staged.experts.get(lid, []) if starts else []
-            if not experts:
+            layer_starts = self._slot_units[slot][li] if self._slot_units[slot] else []
+            if not layer_starts:
                 continue
-            layer_starts = starts[taken : taken + len(experts)]
-            taken += len(experts)
+            experts, rank = staged.experts[lid], staged.layer_ranks[lid]
             table[li, experts] = torch.tensor(layer_starts, dtype=torch.int32)
+            ranks[li] = rank
             stacks = staged.layers[lid]
             for first, end, unit, step in _block_runs(layer_starts, rank):
                 run = experts[first:end]
@@ -1039,11 +1090,13 @@ class MoELoRAMemoryPool(_AdapterStager):
                     if host is None:  # no module of this projection: the rows still held an older adapter
                         dst.zero_()
                     elif self._staging is not None:
-                        self._staging.copy(dst, host[pick], stream)
+                        self._staging.copy(dst, host[pick][:, :rank], stream)
                     else:
-                        dst.copy_(host[pick])
-        self.blocks[:, slot].copy_(table.to(self.device, non_blocking=False))
-        self._set_slot_tables(slot, rank if starts else 0, staged.scaling if starts else 0.0)
+                        dst.copy_(host[pick][:, :rank])
+        self.blocks[:, slot].copy_(table.to(self.device))
+        self.layer_ranks[:, slot].copy_(ranks.to(self.device))
+        live = bool(self._slot_units[slot] and any(self._slot_units[slot]))
+        self._set_slot_tables(slot, staged.rank if live else 0, staged.scaling if live else 0.0)
 
     # ----------------------------------------------------------------------------------------------
     # Batches

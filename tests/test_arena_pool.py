@@ -108,6 +108,25 @@ def test_adapters_take_their_own_rank_and_experts():
     check_forward(pool, {"small": small, "odd": odd}, ["small", "odd", None, "small", "odd"], make_base())
 
 
+def test_each_layer_takes_its_own_rank():
+    """rank_pattern across layers: rank 16 in layer 1, 4 in layer 4 (and one rank-2 module there). Layer 4's
+    blocks take 4 rows, its table rank is 4, and both layers match the reference on every path."""
+    pool = make_pool(max_rank=16)
+    weights = make_adapter(16, range(E), seed=3, layers=(1,))
+    weights.update(make_adapter(4, [0, 2], seed=4, layers=(4,)))
+    weights[4].down[2] = make_adapter(2, [2], seed=5, layers=(4,), modules=("down",))[4].down[2]
+    slot = pool.add_adapter_weights("p", weights)
+    assert pool.layer_ranks[:, slot].tolist() == [16, 4] and int(pool.slot_ranks[slot]) == 16
+    report = pool.memory_report().adapters[0]
+    assert (report.blocks, report.bytes) == (E + 2, (E * 16 + 2 * 4) * pool.unit_bytes)
+    dense = pool.layer(4).dense()
+    torch.testing.assert_close(dense.down_b[slot, 2, :, :2], weights[4].down[2].b, rtol=0, atol=0)
+    assert not dense.down_b[slot, 2, :, 2:].any() and not dense.gate_up_a[slot, 2, 4:16].any()
+    base = make_base()
+    for path in ("torch", "auto"):  # "auto": the Triton kernels in the interpreter
+        check_forward(pool, {"p": weights}, ["p", None, "p"], base, path=path)
+
+
 def test_default_arena_holds_max_loras_adapters_of_max_rank():
     """max_rank 12 (blocks aligned to 16): the default arena still fits max_loras full rank-12 adapters."""
     pool = make_pool(max_loras=3, max_rank=12)
