@@ -131,10 +131,11 @@ class _StagedAdapter:
     """A validated adapter on the host, rank-sized: what a slot write copies, and the host tier keeps.
 
     ``layers[lid]`` holds the stacks present of ``gate_a``/``up_a`` (E, r, H), ``gate_b``/``up_b``
-    (E, r, I), ``down_a`` (E, r, I), ``down_b`` (E, r, H): rank rows, as the arena stores them (B
-    transposed), zero where an expert has no module, in the pool dtype, with every B already rescaled to
-    the slot scaling. ``experts[lid]`` lists the experts of layer ``lid`` with a module of rank > 0: the
-    only ones that take arena rows, ``layer_ranks[lid]`` (<= ``rank``) rows each: its largest module rank.
+    (E, I, r), ``down_a`` (E, r, I), ``down_b`` (E, H, r), zero where an expert has no module, in the pool
+    dtype, with every B already rescaled to the slot scaling. B keeps PEFT's orientation on the host (a
+    contiguous cast); the slot write transposes it into the arena's rank rows on the device.
+    ``experts[lid]`` lists the experts of layer ``lid`` with a module of rank > 0: the only ones that take
+    arena rows, ``layer_ranks[lid]`` (<= ``rank``) rows each: its largest module rank there.
     """
 
     name: str
@@ -237,11 +238,10 @@ class _AdapterStager:
         return staged
 
     def _stack_shapes(self, rank: int) -> dict[str, tuple[int, int, int]]:
-        """The shape of each host stack of one layer at ``rank``: rank rows over the inputs for A,
-        (E, rank, in), and over the outputs for B (B transposed), (E, rank, out)."""
+        """The shape of each host stack of one layer at ``rank``: A (E, rank, in), B (E, out, rank)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         return {"gate_a": (e, rank, h), "up_a": (e, rank, h), "down_a": (e, rank, i),
-                "gate_b": (e, rank, i), "up_b": (e, rank, i), "down_b": (e, rank, h)}
+                "gate_b": (e, i, rank), "up_b": (e, i, rank), "down_b": (e, h, rank)}
 
     def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> _StagedAdapter:
         """Validates the adapter and converts it on the host; raises AdapterLoadError, touches nothing."""
@@ -319,7 +319,10 @@ class _AdapterStager:
             for key, t in ((f"{p}_a", a_c), (f"{p}_b", b_c)):
                 if key not in layer:
                     layer[key] = torch.zeros(shapes[key], dtype=self.dtype)
-                layer[key][e, :r] = t if key.endswith("_a") else t.t()
+                if key.endswith("_a"):
+                    layer[key][e, :r] = t
+                else:
+                    layer[key][e, :, :r] = t
         nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
         experts = {lid: sorted({e for m_lid, e, _, _ in live if m_lid == lid}) for lid in stacks}
         layer_ranks = {lid: max(m[3].a.shape[0] for m in live if m[0] == lid) for lid in stacks}
@@ -365,7 +368,7 @@ class _AdapterStager:
                       for _, proj in mods]
             full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
             is_b = key.endswith("_b")
-            ts = [proj.b.t() if is_b else proj.a for _, proj in mods]  # rank rows: B transposed
+            ts = [proj.b if is_b else proj.a for _, proj in mods]
             ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
             with torch.no_grad():
                 if full:  # every expert at the slot rank: one pass (a rescale first where needed)
@@ -378,9 +381,10 @@ class _AdapterStager:
                 else:  # missing experts or lower ranks: zeros, then module by module
                     dst = torch.zeros(shapes[key], dtype=self.dtype)
                     for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
+                        r = t.shape[1] if is_b else t.shape[0]
                         if is_b and ratio_e != 1.0:
                             t = t * ratio_e
-                        dst[e, : t.shape[0]].copy_(t)
+                        (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
             return dst, torch.aminmax(dst)
 
         # The stacks are independent and their copies release the interpreter lock: built side by side.
@@ -1089,10 +1093,15 @@ class MoELoRAMemoryPool(_AdapterStager):
                     host = stacks.get(key)
                     if host is None:  # no module of this projection: the rows still held an older adapter
                         dst.zero_()
-                    elif self._staging is not None:
-                        self._staging.copy(dst, host[pick][:, :rank], stream)
+                        continue
+                    if key.endswith("_b"):  # (n, out, r) on the host: the device copy transposes it
+                        dst, src = dst.transpose(1, 2), host[pick][:, :, :rank]
                     else:
-                        dst.copy_(host[pick][:, :rank])
+                        src = host[pick][:, :rank]
+                    if self._staging is not None:
+                        self._staging.copy(dst, src, stream)
+                    else:
+                        dst.copy_(src)
         self.blocks[:, slot].copy_(table.to(self.device))
         self.layer_ranks[:, slot].copy_(ranks.to(self.device))
         live = bool(self._slot_units[slot] and any(self._slot_units[slot]))
