@@ -3,7 +3,7 @@
 Sources (nothing here is typed in by hand but the column headings and short notes):
 
 * model families: ``moelora.integrations.KNOWN_EXPERTS_CLASSES`` (tested against PEFT), the expert dtypes
-  the integration and the pool accept, and the activations of the layer (``moelora.torch_path``);
+  the integration and the pool accept, and the activations of the layer (``moelora.activations``);
 * benchmarked shapes: ``moelora.bench.MODELS`` and, per shape, the tuned launch-config files in
   ``triton_ops/configs/`` (``triton_ops.configs.config_file_name``);
 * adapter formats: the format names, projection names, fused-parameter order, LoRA dtypes and refused
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from moelora import bench, peft_loader, torch_path  # noqa: E402
+from moelora import activations, bench, peft_loader  # noqa: E402
 from moelora import pool as pool_module  # noqa: E402
 from moelora.integrations import transformers as hf  # noqa: E402
 
@@ -84,11 +84,14 @@ def families_table() -> list[str]:
         rows.append(f"| `{cls}` | {label} | known class, tested against PEFT |")
     rows.append("| other modules with `gate_up_proj (E, 2I, H)`, `down_proj (E, H, I)` | - | forward "
                 "checked numerically at attach time |")
+    rows.append("| ... with a clamped SwiGLU `_apply_gate` | DeepSeek-V4, GLM-5-next, Hunyuan-V4, "
+                "MiniMax-M3, Step-3.7 | gate found by probing; experts modules tested against their own "
+                "forward |")
     rows += [
         "",
         "Tested against PEFT: the logits of each row and the greedy continuation. Expert weights: "
-        f"{_dtype_names(dtypes)}; activations: {', '.join(torch_path._ACTIVATIONS)} (exact). Anything else "
-        "is refused at attach time, with the reason.",
+        f"{_dtype_names(dtypes)}; activations: {', '.join(activations.ACTIVATION_KINDS)} "
+        "(`moelora.activations`). Anything else is refused at attach time, with the reason.",
     ]
     return rows
 

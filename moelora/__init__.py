@@ -4,6 +4,7 @@ Importing the package does not compile or load any Triton kernel: the kernel mod
 when a layer first runs on the Triton path, so ``TRITON_INTERPRET`` can still be set after import.
 """
 
+from moelora.activations import GatedActivation
 from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.layer import FusedMoEWithLoRA
@@ -14,6 +15,7 @@ __all__ = [
     "AdapterLoadError",
     "AdapterMemory",
     "FusedMoEWithLoRA",
+    "GatedActivation",
     "LoRALayerBuffers",
     "LoRAProjection",
     "MoELoRABatchInfo",

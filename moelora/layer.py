@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moelora.activations import GatedActivation, as_gated_activation
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
@@ -54,7 +55,8 @@ class FusedMoEWithLoRA(nn.Module):
         w2: (E, H, I) base down weights; shared, not copied.
         pool: the adapter pool; ``layer_id`` (the model's own layer index) must be one of its layers.
         routed_scaling_factor: rsf of DESIGN §1 (DeepSeek-V3: 2.5 unless the router already applied it).
-        activation: "silu" (default) or "gelu".
+        activation: the gated activation: "silu" (default), "gelu" (exact), "gelu_tanh", or a
+            :class:`moelora.activations.GatedActivation` (the clamped SwiGLUs of gpt-oss-style families).
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
         path: "auto", "fused", "split", "staged" or "torch" (see the module docstring).
         fp8: block scales of float8_e4m3fn ``w13``/``w2`` (``triton_ops.fp8.BlockFp8Weights``): the base
@@ -92,7 +94,7 @@ class FusedMoEWithLoRA(nn.Module):
         pool: MoELoRAMemoryPool,
         layer_id: int,
         routed_scaling_factor: float = 1.0,
-        activation: str = "silu",
+        activation: str | GatedActivation = "silu",
         apply_router_weight_on_input: bool = False,
         path: str = "auto",
         cuda_graphs: bool = False,
@@ -135,7 +137,7 @@ class FusedMoEWithLoRA(nn.Module):
         self.w2 = w2
         self.fp8 = fp8
         self.routed_scaling_factor = float(routed_scaling_factor)
-        self.activation = activation
+        self.activation = as_gated_activation(activation)
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.path = path
         self.launch_cache = None  # a triton_ops.launch.LaunchCache once a Triton path has run

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from moelora.activations import GatedActivation, as_gated_activation
 from moelora.adapter_weights import LoRAProjection, ReferenceLoRA
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "grouped_topk",
 ]
 
-_ACTIVATIONS = ("silu", "gelu")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -54,14 +53,6 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def _cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=dtype)
-
-
-def _activation(name: str, g: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(g)
-    if name == "gelu":
-        return F.gelu(g, approximate="none")
-    raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {name!r}")
 
 
 def _convert_projections(
@@ -141,15 +132,12 @@ def _used_adapters(adapters: list[ReferenceLoRA | None], slots: list[int], hidde
     return used
 
 
-def _check_ids_and_activation(topk_ids: torch.Tensor, activation: str) -> str:
-    """Raises on non-integer expert ids or an unknown activation; returns the activation's name, lower
-    case. Ids outside [0, E) are valid input: such a pair contributes nothing (DESIGN §4)."""
+def _check_ids_and_activation(topk_ids: torch.Tensor, activation: str | GatedActivation) -> GatedActivation:
+    """Raises on non-integer expert ids or an unknown activation; returns the activation. Ids outside
+    [0, E) are valid input: such a pair contributes nothing (DESIGN §4)."""
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    activation = activation.lower()
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
-    return activation
+    return as_gated_activation(activation)
 
 
 def reference_moe_no_combine(
@@ -163,7 +151,7 @@ def reference_moe_no_combine(
     token_adapter: Sequence[int] | torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
     apply_router_weight_on_input: bool = False,
-    activation: str = "silu",
+    activation: str | GatedActivation = "silu",
 ) -> torch.Tensor:
     """Per-(token, k) weighted expert outputs, before the top-k sum.
 
@@ -229,7 +217,7 @@ def reference_moe_no_combine(
                 du = _lora_delta(lora.up.get(e), xin)
                 g = g if dg is None else g + dg  # the gate/up delta enters BEFORE the activation
                 u = u if du is None else u + du
-            h = _activation(activation, g) * u
+            h = activation(g, u)
 
             y = w_down @ h
             if lora is not None:
@@ -253,7 +241,7 @@ def reference_moe(
     token_adapter: Sequence[int] | torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
     apply_router_weight_on_input: bool = False,
-    activation: str = "silu",
+    activation: str | GatedActivation = "silu",
 ) -> torch.Tensor:
     """MoE layer output with per-token LoRA adapters, ``(M, H)``.
 
@@ -291,7 +279,7 @@ def reference_moe_grouped(
     token_adapter: Sequence[int] | torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
     apply_router_weight_on_input: bool = False,
-    activation: str = "silu",
+    activation: str | GatedActivation = "silu",
     combine: bool = True,
 ) -> torch.Tensor:
     """:func:`reference_moe`'s math, an (expert, adapter) group of routed pairs at a time, on ``x``'s
@@ -335,7 +323,7 @@ def reference_moe_grouped(
             if lora is not None:
                 g = _add_lora_rows(g, lora.gate.get(e), xin)  # the gate/up delta enters BEFORE the activation
                 u = _add_lora_rows(u, lora.up.get(e), xin)
-            h = _activation(activation, g) * u
+            h = activation(g, u)
             y = _add_lora_rows(h @ w2[e].to(dtype).T, lora.down.get(e) if lora else None, h)  # activated h
             out[pairs] = (y if apply_router_weight_on_input else y * w) * routed_scaling_factor
     finally:
@@ -368,7 +356,7 @@ def reference_moe_from_pool(
     routed_scaling_factor: float = 1.0,
     *,
     apply_router_weight_on_input: bool = False,
-    activation: str = "silu",
+    activation: str | GatedActivation = "silu",
 ) -> torch.Tensor:
     """:func:`reference_moe` on adapters stored in the pool layout of DESIGN.md §2, ``(M, H)``.
 

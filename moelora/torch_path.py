@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from moelora.activations import GatedActivation, as_gated_activation
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import DenseLoRA, LoRALayerBuffers
 
@@ -27,15 +28,6 @@ if TYPE_CHECKING:
     from triton_ops.fp8 import BlockFp8Weights
 
 __all__ = ["dequantize_fp8_blocks", "fp8_group_roundtrip", "moe_lora_forward_torch", "quantize_fp8_blocks"]
-
-_ACTIVATIONS = ("silu", "gelu")
-
-
-def _activation(name: str, g: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(g)
-    return F.gelu(g, approximate="none")
-
 
 def _check_buffers(buffers: LoRALayerBuffers | DenseLoRA, num_experts: int, hidden: int, inter: int) -> int:
     """Checks the buffer shapes against the base weights; returns the slot count."""
@@ -168,7 +160,7 @@ def moe_lora_forward_torch(
     batch: MoELoRABatchInfo | None,
     *,
     routed_scaling_factor: float = 1.0,
-    activation: str = "silu",
+    activation: str | GatedActivation = "silu",
     apply_router_weight_on_input: bool = False,
     fp8: BlockFp8Weights | None = None,
 ) -> torch.Tensor:
@@ -206,9 +198,7 @@ def moe_lora_forward_torch(
         check_block_fp8(w13, w2, fp8)
     m, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    activation = activation.lower()
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    activation = as_gated_activation(activation)
 
     if batch is not None and (batch.num_tokens != m or batch.token_slots.numel() != m):
         raise ValueError(f"batch describes {batch.num_tokens} tokens but x has {m}")
@@ -279,7 +269,7 @@ def moe_lora_forward_torch(
             d_up = _expand(a1[:, big_r:], gub[:, inter:], local)
             gu[sel] = gu[sel] + torch.cat([d_gate, d_up], dim=1) * scale  # before the activation
 
-        h = _activation(activation, gu[:, :inter]) * gu[:, inter:]
+        h = activation(gu[:, :inter], gu[:, inter:])
         h_base = h
         if block_scaled:
             h_base = fp8_group_roundtrip(h.to(x.dtype), fp8.block_shape[1]).to(cdtype)

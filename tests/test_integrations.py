@@ -441,7 +441,10 @@ def test_unknown_class_is_checked_numerically():
     with pytest.raises(NotImplementedError, match="does not compute"):
         attach(_stack(_LoopExperts(factor=2.0)))  # e.g. a scaling inside the experts module
     with pytest.raises(NotImplementedError, match="activation"):
-        attach(_stack(_LoopExperts(act=nn.GELU(approximate="tanh"))))
+        attach(_stack(_LoopExperts(act=nn.Mish())))
+    tanh_gelu = _stack(_LoopExperts(act=nn.GELU(approximate="tanh")))  # tanh GELU: served, checked
+    with attach(tanh_gelu, max_loras=1, max_rank=4, path="torch"):
+        assert tanh_gelu.layers[1].mlp.experts.layer.activation.kind == "gelu_tanh"
     refused = _stack(_LoopExperts(factor=2.0))
     with pytest.raises(NotImplementedError):
         attach(refused)
@@ -454,7 +457,7 @@ def test_refused_models():
         vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
         layer_types=["full_attention"]))
-    with pytest.raises(NotImplementedError, match="transposed.*interleaves.*biases.*_apply_gate"):
+    with pytest.raises(NotImplementedError, match="transposed.*interleaves.*biases"):
         attach(gpt_oss)
     dense = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
                                              num_hidden_layers=1, num_attention_heads=4))

@@ -9,11 +9,13 @@ engines that want the unfused op.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation
+from triton_ops.fused_moe import _gated_activation, activation_args
 from triton_ops.hostmath import cdiv, next_power_of_2
 
 
@@ -29,6 +31,9 @@ def _act_and_mul_kernel(
     stride_ot,
     # Meta-parameters
     ACTIVATION: tl.constexpr,
+    ACT_LIMIT: tl.constexpr,
+    ACT_ALPHA: tl.constexpr,
+    ACT_UP_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -36,14 +41,14 @@ def _act_and_mul_kernel(
     mask = offs < N
     gate = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xt + N + offs, mask=mask, other=0.0).to(tl.float32)
-    out = _gated_activation(gate, up, ACTIVATION)
+    out = _gated_activation(gate, up, ACTIVATION, ACT_LIMIT, ACT_ALPHA, ACT_UP_OFFSET)
     tl.store(out_ptr + row * stride_ot + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_and_mul(x: torch.Tensor, activation: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
-    """``act(x[:, :N]) * x[:, N:]`` for x (T, 2N); fp32 math, result in x's dtype."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+def act_and_mul(x: torch.Tensor, activation: Any = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x[:, :N], x[:, N:])`` for x (T, 2N) (``activation``: a name or a
+    ``moelora.activations.GatedActivation``, ``activation_args``); fp32 math, result in x's dtype."""
+    act = activation_args(activation)
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be (tokens, 2*N), got shape {tuple(x.shape)}")
     if x.stride(1) != 1:
@@ -62,7 +67,7 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu", out: torch.Tensor | N
         N=n,
         stride_xt=x.stride(0),
         stride_ot=out.stride(0),
-        ACTIVATION=_ACTIVATIONS[activation],
+        **act,
         BLOCK_N=block_n,
     )
     return out

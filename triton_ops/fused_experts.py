@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -37,10 +38,10 @@ from triton_ops.decode_shrink import (
 )
 from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, check_block_fp8, quantize_fp8_groups, uses_block_fp8
 from triton_ops.fused_moe import (
-    _ACTIVATIONS,
     LONG_K_SLOT_GROUP_MIN_K,
     LoRAOperands,
     TopkSumOperands,
+    activation_args,
     invoke_fused_moe_kernel,
     lora_ext_expand,
     lora_rank_block,
@@ -264,7 +265,7 @@ def fused_experts(
     topk_ids: torch.Tensor,
     *,
     inplace: bool = False,
-    activation: str = "silu",
+    activation: Any = "silu",
     apply_router_weight_on_input: bool = False,
     routed_scaling_factor: float = 1.0,
     no_combine: bool = False,
@@ -282,7 +283,8 @@ def fused_experts(
         topk_weights: (M, top_k) routing weights (float32; other float dtypes are upcast).
         topk_ids: (M, top_k) int32/int64 expert ids in [0, E) (not checked on the device).
         inplace: write the result into x and return x.
-        activation: "silu" or "gelu" (exact), applied to the gate half.
+        activation: the gated activation: "silu", "gelu" (exact), "gelu_tanh" or a
+            ``moelora.activations.GatedActivation`` (the clamped SwiGLUs; ``activation_args``).
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top_k == 1 models).
         routed_scaling_factor: rsf, multiplies the combined output.
         no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
@@ -313,8 +315,7 @@ def fused_experts(
             raise ValueError("FP8 experts take lora_path 'split' or 'staged': the fused path's shrink rides "
                              "on the GEMM's a tiles, the FP8 copy of x, and the LoRA must read x itself "
                              "(DESIGN §1)")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    activation_args(activation)  # raises for an unknown one
     if inplace and no_combine:
         raise ValueError("inplace and no_combine cannot be combined: the outputs have different shapes")
     if lora is not None:

@@ -95,16 +95,52 @@ ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
 ACTIVATION_GELU = 2
 ACTIVATION_GATED_RAW = 3
-_ACTIVATIONS = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU}
+ACTIVATION_GELU_TANH = 4
+ACTIVATION_CLAMPED_SWIGLU = 5
+ACTIVATION_CLAMPED_SILU_AFTER = 6
+# kind -> code; the clamped kinds need their constants (moelora.activations.GatedActivation)
+_ACTIVATION_CODES = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU, "gelu_tanh": ACTIVATION_GELU_TANH,
+                     "clamped_swiglu": ACTIVATION_CLAMPED_SWIGLU,
+                     "clamped_silu_after": ACTIVATION_CLAMPED_SILU_AFTER}
+_PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def activation_args(activation: Any) -> dict[str, Any]:
+    """The kernels' meta-parameters (``ACTIVATION``, ``ACT_LIMIT``, ``ACT_ALPHA``, ``ACT_UP_OFFSET``) of a
+    gated activation: a name of one without constants (``"silu"``, ``"gelu"``, ``"gelu_tanh"``) or an
+    object with ``kind``, ``limit``, ``alpha`` and ``up_offset`` (``moelora.activations.GatedActivation``,
+    which checks them). ValueError for anything else."""
+    if isinstance(activation, str):
+        if activation not in _PLAIN_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {_PLAIN_ACTIVATIONS} or a GatedActivation, got "
+                             f"{activation!r}")
+        return dict(ACTIVATION=_ACTIVATION_CODES[activation], ACT_LIMIT=0.0, ACT_ALPHA=1.0, ACT_UP_OFFSET=0.0)
+    kind = getattr(activation, "kind", None)
+    if kind not in _ACTIVATION_CODES:
+        raise ValueError(f"activation must be one of {_PLAIN_ACTIVATIONS} or a GatedActivation of a kind in "
+                         f"{sorted(_ACTIVATION_CODES)}, got {activation!r}")
+    return dict(ACTIVATION=_ACTIVATION_CODES[kind], ACT_LIMIT=float(activation.limit),
+                ACT_ALPHA=float(activation.alpha), ACT_UP_OFFSET=float(activation.up_offset))
 
 
 @triton.jit
-def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr, ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr,
+                      ACT_UP_OFFSET: tl.constexpr):
+    """``moelora.activations.GatedActivation`` of fp32 ``gate`` and ``up`` (codes ``ACTIVATION_*``)."""
     if ACTIVATION == 1:
-        act = gate / (1.0 + tl.exp(-gate))
+        return gate / (1.0 + tl.exp(-gate)) * up
+    elif ACTIVATION == 2:
+        return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    elif ACTIVATION == 4:  # tanh(z) = 2 / (1 + exp(-2z)) - 1
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        return gate * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z))) * up
+    elif ACTIVATION == 5:
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        return g / (1.0 + tl.exp(-ACT_ALPHA * g)) * (u + ACT_UP_OFFSET)
     else:
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
-    return act * up
+        silu = tl.minimum(gate / (1.0 + tl.exp(-gate)), ACT_LIMIT)
+        return silu * tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
 
 
 @triton.jit
@@ -298,6 +334,9 @@ def _fused_moe_kernel(
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    ACT_LIMIT: tl.constexpr,
+    ACT_ALPHA: tl.constexpr,
+    ACT_UP_OFFSET: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
     TILE_B_SCALE: tl.constexpr,  # BLOCK_SCALED, each tile (and its up tile) within one weight scale block
     SCALE_BLOCK_N: tl.constexpr,  # rows of b per weight scale block (BLOCK_SCALED)
@@ -478,7 +517,7 @@ def _fused_moe_kernel(
         if ACTIVATION == 3:  # raw gate and up halves, for the staged LoRA path
             _store_rows(c_ptr, acc_up, pair, row_valid, offs_n + N, col_valid, stride_cm, stride_cn)
         else:
-            acc = _gated_activation(acc, acc_up, ACTIVATION)
+            acc = _gated_activation(acc, acc_up, ACTIVATION, ACT_LIMIT, ACT_ALPHA, ACT_UP_OFFSET)
             if DOWN_SHRINK:
                 if LORA != LORA_ONE_ROW:  # its scalars exist only there
                     one_has, one_rank, one_rows = 0, 0, row_valid
@@ -768,7 +807,7 @@ def invoke_fused_moe_kernel(
     num_post_padded: torch.Tensor | None = None,
     a_row_div: int,
     config: GemmConfig,
-    activation: str | None = None,
+    activation: Any = None,
     scale: float = 1.0,
     lora: LoRAOperands | None = None,
     direct_ids: torch.Tensor | None = None,
@@ -814,9 +853,12 @@ def invoke_fused_moe_kernel(
     elif a_scale is not None or b_scale is not None:
         raise TypeError(f"a_scale and b_scale belong to float8_e4m3fn a and b (block-scaled FP8), got "
                         f"{a.dtype} and {b.dtype}")
-    activation_code = ACTIVATION_NONE
-    if gated:
-        activation_code = ACTIVATION_GATED_RAW if activation == "gated_raw" else _ACTIVATIONS[activation]
+    act = dict(ACTIVATION=ACTIVATION_NONE, ACT_LIMIT=0.0, ACT_ALPHA=1.0, ACT_UP_OFFSET=0.0)
+    if activation == "gated_raw":
+        act["ACTIVATION"] = ACTIVATION_GATED_RAW
+    elif gated:
+        act = activation_args(activation)
+    activation_code = act["ACTIVATION"]
     max_padded = numel * config.block_m if direct else sorted_ids.shape[0]
     grid_n = cdiv(out_n, config.block_n)
     grid = (cdiv(max_padded, config.block_m) * grid_n,)
@@ -867,7 +909,7 @@ def invoke_fused_moe_kernel(
         stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
         **_lora_kernel_args(lora, epilogue, c, b, gated=gated),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
-        ACTIVATION=activation_code,
+        **act,
         BLOCK_SCALED=block_scaled,
         TILE_B_SCALE=block_scaled and tile_b_scale(config.block_n, scale_block_n, out_n, gated),
         SCALE_BLOCK_N=scale_block_n if block_scaled else 1,
@@ -1067,7 +1109,7 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
 def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
                      sorted_ids: torch.Tensor | None, expert_ids: torch.Tensor | None,
                      num_post_padded: torch.Tensor | None, direct_ids: torch.Tensor | None,
-                     config: GemmConfig, activation: str | None, out_n: int, lora: LoRAOperands | None,
+                     config: GemmConfig, activation: Any, out_n: int, lora: LoRAOperands | None,
                      zero_counters: TopkSumOperands | None, topk_sum: TopkSumOperands | None,
                      late_wait: bool) -> None:
     """Raises ValueError/TypeError saying what was expected for inconsistent GEMM operands."""
@@ -1085,8 +1127,8 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
         if counted is not None and counted.counters.dtype != torch.int32:
             raise TypeError(f"top-k sum counters must be int32, got {counted.counters.dtype}")
     gated = activation is not None
-    if gated and activation != "gated_raw" and activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    if gated and not (isinstance(activation, str) and activation == "gated_raw"):
+        activation_args(activation)  # raises for an unknown one
     expected_b_rows = 2 * out_n if gated else out_n
     if b.shape[1] != expected_b_rows or b.shape[2] != a.shape[1]:
         raise ValueError(
@@ -1175,7 +1217,7 @@ def _check_packed(lora: LoRAOperands, a: torch.Tensor, numel: int, *, gated: boo
 
 def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out_n: int,
                        block_n: int) -> None:
-    if activation_code not in (ACTIVATION_SILU, ACTIVATION_GELU):
+    if activation_code in (ACTIVATION_NONE, ACTIVATION_GATED_RAW):
         raise ValueError("down_shrunk is written by GEMM1's activated epilogue: activation must be silu/gelu")
     rank = lora.lora_b.max_rank
     if lora.down_a is None or (lora.down_a.max_rank, lora.down_a.cols) != (rank, out_n):

@@ -16,11 +16,13 @@ load, so tokens with slot -1 cost nothing and a slot's rank rows beyond its real
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from triton_ops.fused_moe import _ACTIVATIONS, _gated_activation, lora_slot_group
+from triton_ops.fused_moe import _gated_activation, activation_args, lora_slot_group
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.lora_tiles import (
@@ -171,6 +173,9 @@ def _moe_lora_gate_up_b_kernel(
     stride_hm,
     # Meta-parameters
     ACTIVATION: tl.constexpr,
+    ACT_LIMIT: tl.constexpr,
+    ACT_ALPHA: tl.constexpr,
+    ACT_UP_OFFSET: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
@@ -216,7 +221,7 @@ def _moe_lora_gate_up_b_kernel(
         weight = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0)
         delta_gate *= weight[:, None]
         delta_up *= weight[:, None]
-    h = _gated_activation(gate + delta_gate, up + delta_up, ACTIVATION)
+    h = _gated_activation(gate + delta_gate, up + delta_up, ACTIVATION, ACT_LIMIT, ACT_ALPHA, ACT_UP_OFFSET)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -446,7 +451,7 @@ def moe_lora_gate_up_b(
     block_m: int,
     top_k: int,
     rank_block: int,
-    activation: str,
+    activation: Any,
     topk_weights: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
@@ -491,7 +496,7 @@ def moe_lora_gate_up_b(
         stride_lb_n=gate_up_b.stride_col,
         stride_lb_r=gate_up_b.stride_rank,
         stride_hm=out.stride(0),
-        ACTIVATION=_ACTIVATIONS[activation],
+        **activation_args(activation),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         FP32_IEEE=c1.dtype == torch.float32,
         LORA_R=rank_block,

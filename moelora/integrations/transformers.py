@@ -17,7 +17,7 @@ loads adapters into the pool and selects one adapter per batch row::
 What is swapped. In transformers 5 the routed experts of a MoE layer are one module with fused
 parameters ``gate_up_proj (E, 2I, H)`` (rows ``[0, I)`` gate, ``[I, 2I)`` up) and ``down_proj
 (E, H, I)`` and ``forward(hidden_states (M, H), top_k_index (M, k), top_k_weights (M, k))`` computing
-``sum_k w_k * down_e(act(gate_e x) * up_e x)``: ``Qwen3MoeExperts``, ``Qwen2MoeExperts``,
+``sum_k w_k * down_e(act(gate_e x, up_e x))``: ``Qwen3MoeExperts``, ``Qwen2MoeExperts``,
 ``OlmoeExperts``, ``MixtralExperts``, ``DeepseekV3Experts`` (the families in
 :data:`KNOWN_EXPERTS_CLASSES`, tested against PEFT) and many others built with transformers'
 ``use_experts_implementation``. The router of each family runs before the experts module and hands it
@@ -25,11 +25,13 @@ the final routing weights: DeepSeek-V3's ``DeepseekV3TopkRouter`` already multip
 ``routed_scaling_factor`` (and renormalises with ``norm_topk_prob``), so the experts module, and
 therefore the swapped layer, uses ``routed_scaling_factor = 1``: the same math as the original module.
 Other classes with the same structure are accepted after a numerical check of their forward against
-that formula at attach time. Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that says
-why: transposed or interleaved ``gate_up_proj`` layouts (gpt-oss, Aria), expert biases, a custom gating
-function (``_apply_gate`` overridden: gpt-oss' clamped SwiGLU, DeepSeek-V4, ...), experts without a gate
-(Nemotron-H), a norm after each expert, expert parallelism across ranks that hold different batches
-(transformers' all-to-all), activations other than SiLU/GELU,
+that formula at attach time. ``act`` is SiLU, exact or tanh GELU (probed from ``act_fn``), or, where the
+class overrides ``_apply_gate``, the clamped SwiGLU it computes (DeepSeek-V4, GLM-5-next, Hunyuan-V4,
+MiniMax-M3, Step-3.7: found by running it on probe values, :class:`moelora.activations.GatedActivation`).
+Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that says why: transposed or interleaved
+``gate_up_proj`` layouts (gpt-oss, Aria), expert biases, an ``_apply_gate`` of another form, experts
+without a gate (Nemotron-H), a norm after each expert, expert parallelism across ranks that hold different
+batches (transformers' all-to-all), other activations,
 quantised or meta-device expert weights, experts spread over several devices or dtypes, MoE layers of
 different shapes in one model, transformers-4 per-expert ``nn.Linear`` experts, and a model that PEFT
 already wraps (attach to the plain base model). A model loaded with transformers' tensor-parallel plan, or its
@@ -58,6 +60,7 @@ name is ``None``) the original module runs: exactly the base model's output.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import threading
 import warnings
@@ -67,9 +70,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moelora.activations import GatedActivation
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.layer import PATHS, FusedMoEWithLoRA, fp8_scales_of
 from moelora.parallel import MoEShard
@@ -162,7 +165,7 @@ def _default_apply_gate() -> Any:
 
 
 def _activation_of(name: str, module: nn.Module) -> str:
-    """``"silu"`` or ``"gelu"`` (exact), from what ``module.act_fn`` computes on a probe vector."""
+    """``"silu"``, ``"gelu"`` (exact) or ``"gelu_tanh"``, from what ``module.act_fn`` computes on a probe."""
     act = getattr(module, "act_fn", None)
     if not callable(act):
         raise UnsupportedModelError(f"experts module {name!r} ({type(module).__name__}) has no act_fn")
@@ -173,19 +176,68 @@ def _activation_of(name: str, module: nn.Module) -> str:
     except Exception as exc:
         raise UnsupportedModelError(f"experts module {name!r}: its act_fn cannot be probed ({exc})") from exc
     if isinstance(y, torch.Tensor) and y.shape == probe.shape:
-        if torch.allclose(y, F.silu(probe), rtol=1e-5, atol=1e-6):
-            return "silu"
-        if torch.allclose(y, F.gelu(probe), rtol=1e-5, atol=1e-6):
-            return "gelu"
+        for kind in ("silu", "gelu", "gelu_tanh"):
+            if torch.allclose(y, GatedActivation(kind)(probe, torch.ones_like(probe)), rtol=1e-5, atol=1e-6):
+                return kind
     raise UnsupportedModelError(
         f"experts module {name!r} ({type(module).__name__}) uses the activation {act!r}; the MoE LoRA layer "
-        "implements SiLU and exact GELU only"
+        "implements SiLU, exact GELU and tanh GELU (and the clamped SwiGLUs, through _apply_gate)"
     )
 
 
-def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> str:
+def _number_attr(module: nn.Module, names: tuple[str, ...]) -> float | None:
+    """The first of ``names`` that ``module`` holds as a finite number."""
+    for attr in names:
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def _gate_of(name: str, module: nn.Module, apply_gate: Any, width: int) -> GatedActivation:
+    """The :class:`GatedActivation` that the module's own ``_apply_gate`` computes, found by running it on
+    ``width`` (2I) probe columns reaching past its clamp limit (gate and up halves, ``chunk(2)`` order),
+    against the kinds its constants (``limit``/``swiglu_limit``, ``alpha``/``swiglu_alpha``) allow.
+    UnsupportedModelError where none matches (an interleaved layout, a soft cap, another formula)."""
+    where = f"experts module {name!r} ({type(module).__name__})"
+    limit = _number_attr(module, ("limit", "swiglu_limit"))
+    alpha = _number_attr(module, ("alpha", "swiglu_alpha"))
+    candidates = []
+    if limit is not None and limit > 0:
+        for a in dict.fromkeys((alpha or 1.0, 1.0)):
+            candidates += [GatedActivation("clamped_swiglu", limit, a, 1.0),
+                           GatedActivation("clamped_swiglu", limit, a, 0.0)]
+        candidates.append(GatedActivation("clamped_silu_after", limit))
+    if callable(getattr(module, "act_fn", None)):
+        try:
+            candidates.append(GatedActivation(_activation_of(name, module)))
+        except UnsupportedModelError:
+            pass
+    gen = torch.Generator().manual_seed(0)
+    scale = 2.0 * (limit if limit is not None and limit > 0 else 4.0)
+    probe = (torch.rand(64, width, generator=gen, dtype=torch.float32) * 2.0 - 1.0) * scale
+    try:
+        with torch.no_grad():
+            want = apply_gate(module, probe)
+    except Exception as exc:
+        raise UnsupportedModelError(f"{where}: its _apply_gate cannot be probed ({exc})") from exc
+    gate, up = probe.chunk(2, dim=-1)
+    for candidate in candidates:
+        got = candidate(gate, up)
+        if isinstance(want, torch.Tensor) and want.shape == got.shape and torch.allclose(
+                want.float(), got, rtol=1e-5, atol=1e-5 * float(got.abs().max().clamp_min(1.0))):
+            return candidate
+    raise UnsupportedModelError(
+        f"{where} overrides _apply_gate with a gated activation moelora does not compute (tried "
+        f"{', '.join(map(str, candidates)) or 'none: no limit/alpha constants and no act_fn'}): the layer "
+        "computes act(gate) * up for SiLU/GELU/tanh GELU and the clamped SwiGLUs, with gate and up as the "
+        "halves of gate_up_proj"
+    )
+
+
+def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> str | GatedActivation:
     """Raises UnsupportedModelError naming the reason if ``module`` cannot be served exactly; returns its
-    activation (``"silu"`` or ``"gelu"``)."""
+    activation (a name, or the :class:`GatedActivation` its own ``_apply_gate`` computes)."""
     cls = type(module).__name__
     where = f"experts module {name!r} ({cls})"
     if parent is not None and (hasattr(parent, "lora_A") or type(parent).__name__ == "ParamWrapper"):
@@ -214,8 +266,9 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
     custom_gate = getattr(type(module), "_apply_gate", default_gate)
     fp8_plain_gate = cls == _FP8_EXPERTS_CLASS and all(getattr(module, a, None) is None
                                                  for a in _FP8_GATE_VARIANTS)
-    if default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate:
-        reasons.append("overrides _apply_gate (a custom gated activation, e.g. a clamped SwiGLU)")
+    overridden = default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate
+    if overridden and cls == _FP8_EXPERTS_CLASS:
+        reasons.append("overrides _apply_gate (an FP8 gate variant: soft caps or a clamped SwiGLU)")
     if reasons:
         raise UnsupportedModelError(
             f"{where} {'; '.join(reasons)}: the MoE LoRA layer serves (E, 2I, H) [gate; up] and (E, H, I) "
@@ -244,6 +297,8 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             raise UnsupportedModelError(f"{where}: {pname} is on the meta device (offloaded?); load it first")
     if w13.dtype != w2.dtype or w13.device != w2.device:
         raise UnsupportedModelError(f"{where}: gate_up_proj and down_proj differ in dtype or device")
+    if overridden:
+        return _gate_of(name, module, custom_gate, two_i)
     return _activation_of(name, module)
 
 
@@ -310,7 +365,7 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
         "and its expert-parallel plan (grouped_gemm)")
 
 
-def _verify_math(name: str, module: nn.Module, activation: str) -> None:
+def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation) -> None:
     """Runs ``module`` and the §1 formula (no LoRA, rsf 1) on a few random tokens and refuses the module
     if they differ: its forward does something else (weights on the input, a scaling, ...)."""
     w13, w2 = module.gate_up_proj, module.down_proj
@@ -479,7 +534,7 @@ class MoELoRAExperts(nn.Module):
         *,
         pool: MoELoRAMemoryPool,
         layer_id: int,
-        activation: str,
+        activation: str | GatedActivation,
         path: str,
         selector: _Selector,
         cuda_graphs: bool = False,
@@ -787,7 +842,7 @@ def attach(
             "and dense models are not supported"
         )
     sites: list[tuple[str, int, nn.Module, nn.Module, str]] = []
-    activations: dict[int, str] = {}
+    activations: dict[int, str | GatedActivation] = {}
     parallel: dict[int, tuple[int, int, object] | None] = {}
     for name, lid, module in found:
         parent_name, _, attr = name.rpartition(".")
