@@ -93,6 +93,15 @@ def _family_config(family: str):
             moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
             q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+    # Clamped SwiGLUs found from _apply_gate (tests/test_activations.py checks the clamps themselves).
+    if family == "hy_v4":  # layer 0 dense; silu(min(g, limit)) * clamp(u, ±limit)
+        return t.HYV4ForCausalLM, t.HYV4Config(
+            **_common(), num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+            num_local_experts=8, num_experts_per_tok=2, swiglu_limit=2.0)
+    if family == "minimax_m3_vl":  # gpt-oss' form on [gate; up] halves: alpha 1.702, up + 1
+        return t.MiniMaxM3VLForCausalLM, t.MiniMaxM3VLTextConfig(
+            **_common(), num_hidden_layers=2, intermediate_size=16, num_local_experts=8,
+            num_experts_per_tok=2, swiglu_limit=0.5)
     raise ValueError(family)
 
 
@@ -102,6 +111,8 @@ FAMILIES = {  # family -> (experts class, MoE layer ids)
     "olmoe": ("OlmoeExperts", (0, 1)),
     "mixtral": ("MixtralExperts", (0, 1)),
     "deepseek_v3": ("DeepseekV3Experts", (1, 2)),
+    "hy_v4": ("HYV4Experts", (1, 2)),
+    "minimax_m3_vl": ("MiniMaxM3VLExperts", (0, 1)),
 }
 
 
