@@ -84,9 +84,11 @@ def families_table() -> list[str]:
         rows.append(f"| `{cls}` | {label} | known class, tested against PEFT |")
     rows.append("| other modules with `gate_up_proj (E, 2I, H)`, `down_proj (E, H, I)` | - | forward "
                 "checked numerically at attach time |")
-    rows.append("| ... with a clamped SwiGLU `_apply_gate` | DeepSeek-V4, GLM-5-next, Hunyuan-V4, "
-                "MiniMax-M3, Step-3.7 | gate found by probing; Hunyuan-V4 and MiniMax-M3 tested against "
-                "PEFT, the others' experts modules against their own forward |")
+    rows.append("| `Gemma4TextExperts`, `HYV4Experts`, `MiniMaxM3VLExperts` | Gemma-4 (tanh GELU), "
+                "Hunyuan-V4, MiniMax-M3 (clamped SwiGLUs) | forward checked at attach time; tested against "
+                "PEFT |")
+    rows.append("| other classes whose `_apply_gate` is a clamped SwiGLU | DeepSeek-V4, GLM-5-next, "
+                "Step-3.7 | gate found by probing; their experts modules tested against their own forward |")
     rows += [
         "",
         "Tested against PEFT: the logits of each row and the greedy continuation. Expert weights: "

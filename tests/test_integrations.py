@@ -39,14 +39,15 @@ pytestmark = pytest.mark.filterwarnings(
 
 REL_TOL = 1e-4
 NEW_TOKENS = 8
-TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# Suffixes of the experts' parameter names: Gemma-4 holds its experts at layers.N.experts, not mlp.experts.
+TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 # Three adapters of different ranks / scalings: a plain one, an rsLoRA one whose down_proj has its own
 # rank and alpha (rank_pattern / alpha_pattern), and a gate_up-only one.
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_parameters=TARGETS),
     "b": dict(r=8, lora_alpha=8, use_rslora=True, target_parameters=TARGETS,
               rank_pattern={"down_proj": 4}, alpha_pattern={"down_proj": 2}),
-    "c": dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj"]),
+    "c": dict(r=2, lora_alpha=4, target_parameters=["experts.gate_up_proj"]),
 }
 ROWS = ["a", "b", None, "c"]  # one adapter per sequence, one row without
 ROW_LENS = [7, 5, 7, 4]  # left padded to 7
@@ -102,6 +103,11 @@ def _family_config(family: str):
         return t.MiniMaxM3VLForCausalLM, t.MiniMaxM3VLTextConfig(
             **_common(), num_hidden_layers=2, intermediate_size=16, num_local_experts=8,
             num_experts_per_tok=2, swiglu_limit=0.5)
+    if family == "gemma4":  # GELU-tanh experts beside a dense MLP in every layer, at layers.N.experts
+        return t.Gemma4ForCausalLM, t.Gemma4TextConfig(
+            **_common(), num_hidden_layers=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+            num_experts=8, top_k_experts=2, enable_moe_block=True,
+            layer_types=["sliding_attention", "full_attention"])
     raise ValueError(family)
 
 
@@ -113,6 +119,7 @@ FAMILIES = {  # family -> (experts class, MoE layer ids)
     "deepseek_v3": ("DeepseekV3Experts", (1, 2)),
     "hy_v4": ("HYV4Experts", (1, 2)),
     "minimax_m3_vl": ("MiniMaxM3VLExperts", (0, 1)),
+    "gemma4": ("Gemma4TextExperts", (0, 1)),
 }
 
 
