@@ -103,6 +103,12 @@ def _family_config(family: str):
         return t.MiniMaxM3VLForCausalLM, t.MiniMaxM3VLTextConfig(
             **_common(), num_hidden_layers=2, intermediate_size=16, num_local_experts=8,
             num_experts_per_tok=2, swiglu_limit=0.5)
+    if family == "deepseek_v4":  # silu(min(g, limit)) * clamp(u, ±limit); hash-routed, then learned routing
+        return t.DeepseekV4ForCausalLM, t.DeepseekV4Config(
+            **_common(num_key_value_heads=1), num_hidden_layers=2, moe_intermediate_size=16,
+            n_routed_experts=8, num_experts_per_tok=2, head_dim=16, q_lora_rank=16, o_groups=2,
+            o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4, swiglu_limit=2.0,
+            num_nextn_predict_layers=0, mlp_layer_types=["hash_moe", "moe"])
     if family == "gemma4":  # GELU-tanh experts beside a dense MLP in every layer, at layers.N.experts
         return t.Gemma4ForCausalLM, t.Gemma4TextConfig(
             **_common(), num_hidden_layers=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
@@ -120,6 +126,7 @@ FAMILIES = {  # family -> (experts class, MoE layer ids)
     "hy_v4": ("HYV4Experts", (1, 2)),
     "minimax_m3_vl": ("MiniMaxM3VLExperts", (0, 1)),
     "gemma4": ("Gemma4TextExperts", (0, 1)),
+    "deepseek_v4": ("DeepseekV4Experts", (0, 1)),
 }
 
 
