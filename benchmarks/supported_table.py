@@ -84,9 +84,9 @@ def families_table() -> list[str]:
         rows.append(f"| `{cls}` | {label} | known class, tested against PEFT |")
     rows.append("| other modules with `gate_up_proj (E, 2I, H)`, `down_proj (E, H, I)` | - | forward "
                 "checked numerically at attach time |")
-    rows.append("| `Gemma4TextExperts`, `DeepseekV4Experts`, `HYV4Experts`, `MiniMaxM3VLExperts` | Gemma-4 "
-                "(tanh GELU), DeepSeek-V4, Hunyuan-V4, MiniMax-M3 (clamped SwiGLUs) | forward checked at "
-                "attach time; tested against PEFT |")
+    rows.append("| `Gemma4TextExperts`, `DeepseekV4Experts`, `HYV4Experts`, `MiniMaxM3VLExperts`, "
+                "`AriaExperts` | Gemma-4 (tanh GELU), DeepSeek-V4, Hunyuan-V4, MiniMax-M3 (clamped SwiGLUs), "
+                "Aria (transposed storage) | forward checked at attach time; tested against PEFT |")
     rows.append("| other classes whose `_apply_gate` is a clamped SwiGLU | GLM-5-next, Step-3.7 | gate found "
                 "by probing; their experts modules tested against their own forward |")
     rows += [

@@ -109,6 +109,10 @@ def _family_config(family: str):
             n_routed_experts=8, num_experts_per_tok=2, head_dim=16, q_lora_rank=16, o_groups=2,
             o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4, swiglu_limit=2.0,
             num_nextn_predict_layers=0, mlp_layer_types=["hash_moe", "moe"])
+    if family == "aria":  # experts stored transposed, (E, H, 2I) / (E, I, H): read through strides
+        return t.AriaTextForCausalLM, t.AriaTextConfig(
+            **_common(), num_hidden_layers=2, intermediate_size=24, moe_num_experts=8, moe_topk=2,
+            moe_num_shared_experts=1)
     if family == "gemma4":  # GELU-tanh experts beside a dense MLP in every layer, at layers.N.experts
         return t.Gemma4ForCausalLM, t.Gemma4TextConfig(
             **_common(), num_hidden_layers=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
@@ -127,6 +131,7 @@ FAMILIES = {  # family -> (experts class, MoE layer ids)
     "minimax_m3_vl": ("MiniMaxM3VLExperts", (0, 1)),
     "gemma4": ("Gemma4TextExperts", (0, 1)),
     "deepseek_v4": ("DeepseekV4Experts", (0, 1)),
+    "aria": ("AriaExperts", (0, 1)),
 }
 
 
@@ -482,7 +487,7 @@ def test_refused_models():
         vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
         layer_types=["full_attention"]))
-    with pytest.raises(NotImplementedError, match="transposed.*interleaves.*biases"):
+    with pytest.raises(NotImplementedError, match="interleaves.*biases"):
         attach(gpt_oss)
     dense = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
                                              num_hidden_layers=1, num_attention_heads=4))

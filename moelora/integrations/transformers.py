@@ -28,10 +28,11 @@ Other classes with the same structure are accepted after a numerical check of th
 that formula at attach time. ``act`` is SiLU, exact or tanh GELU (probed from ``act_fn``), or, where the
 class overrides ``_apply_gate``, the clamped SwiGLU it computes (DeepSeek-V4, GLM-5-next, Hunyuan-V4,
 MiniMax-M3, Step-3.7: found by running it on probe values, :class:`moelora.activations.GatedActivation`).
-Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that says why: transposed or interleaved
-``gate_up_proj`` layouts (gpt-oss, Aria), expert biases, an ``_apply_gate`` of another form, experts
-without a gate (Nemotron-H), a norm after each expert, expert parallelism across ranks that hold different
-batches (transformers' all-to-all), other activations,
+Experts stored transposed (``is_transposed``: ``(E, H, 2I)`` / ``(E, I, H)``, Aria) are read through
+transposed views (no copy). Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that
+says why: interleaved ``gate_up_proj`` columns (gpt-oss), expert biases, an ``_apply_gate`` of another
+form, experts without a gate (Nemotron-H), a norm after each expert, expert parallelism across ranks that
+hold different batches (transformers' all-to-all), other activations,
 quantised or meta-device expert weights, experts spread over several devices or dtypes, MoE layers of
 different shapes in one model, transformers-4 per-expert ``nn.Linear`` experts, and a model that PEFT
 already wraps (attach to the plain base model). A model loaded with transformers' tensor-parallel plan, or its
@@ -235,6 +236,16 @@ def _gate_of(name: str, module: nn.Module, apply_gate: Any, width: int) -> Gated
     )
 
 
+def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up_proj`` and ``down_proj`` as ``(E, 2I, H)`` and ``(E, H, I)``: the parameters themselves, or,
+    for a module storing them transposed (``is_transposed``: ``(E, H, 2I)`` / ``(E, I, H)``, Aria), views of
+    them that the kernels read through their strides (no copy)."""
+    w13, w2 = module.gate_up_proj, module.down_proj
+    if getattr(module, "is_transposed", False):
+        return w13.transpose(1, 2), w2.transpose(1, 2)
+    return w13, w2
+
+
 def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> str | GatedActivation:
     """Raises UnsupportedModelError naming the reason if ``module`` cannot be served exactly; returns its
     activation (a name, or the :class:`GatedActivation` its own ``_apply_gate`` computes)."""
@@ -251,7 +262,6 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             "model"
         )
     flags = {
-        "is_transposed": (True, "stores its weights transposed ((E, H, 2I) / (E, I, H))"),
         "is_concatenated": (False, "interleaves the gate and up columns of gate_up_proj"),
         "has_bias": (True, "has expert biases"),
         "has_gate": (False, "has no gate projection (up -> act -> down)"),
@@ -271,10 +281,14 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
         reasons.append("overrides _apply_gate (an FP8 gate variant: soft caps or a clamped SwiGLU)")
     if reasons:
         raise UnsupportedModelError(
-            f"{where} {'; '.join(reasons)}: the MoE LoRA layer serves (E, 2I, H) [gate; up] and (E, H, I) "
-            "bias-free experts computing act(gate x) * up x exactly"
+            f"{where} {'; '.join(reasons)}: the MoE LoRA layer serves bias-free [gate; up] experts stored "
+            "(E, 2I, H) / (E, H, I) or transposed, computing act(gate x, up x) exactly"
         )
-    w13, w2 = module.gate_up_proj, module.down_proj
+    transposed = getattr(module, "is_transposed", False)
+    if transposed and any(type(t).__name__ == "DTensor" for t in (module.gate_up_proj, module.down_proj)):
+        raise UnsupportedModelError(f"{where} stores its weights transposed and is sharded by a parallel "
+                                  "plan; moelora serves transposed experts unsharded")
+    w13, w2 = _expert_weights(module)
     e, two_i, h = w13.shape
     if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
         raise UnsupportedModelError(
@@ -282,6 +296,8 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             "(E, 2I, H) and (E, H, I)"
         )
     fp8 = w13.dtype == torch.float8_e4m3fn and w2.dtype == torch.float8_e4m3fn
+    if fp8 and transposed:
+        raise UnsupportedModelError(f"{where}: FP8 experts stored transposed are not served")
     if fp8:
         try:
             fp8_scales_of(module, "gate_up_proj", "down_proj").check(w13, w2)
@@ -368,7 +384,7 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
 def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation) -> None:
     """Runs ``module`` and the §1 formula (no LoRA, rsf 1) on a few random tokens and refuses the module
     if they differ: its forward does something else (weights on the input, a scaling, ...)."""
-    w13, w2 = module.gate_up_proj, module.down_proj
+    w13, w2 = _expert_weights(module)
     e, _, h = w13.shape
     n, k = 8, min(2, e)
     gen = torch.Generator().manual_seed(1234)
@@ -544,13 +560,13 @@ class MoELoRAExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = original.gate_up_proj
         self.down_proj = original.down_proj
-        self.num_experts, two_i, self.hidden_dim = (int(d) for d in original.gate_up_proj.shape)
+        self.num_experts, two_i, self.hidden_dim = (int(d) for d in _expert_weights(original)[0].shape)
         self.intermediate_dim = two_i // 2
         self.layer_id = int(layer_id)
         # Not registered as submodules: the original stays out of the module tree (and state_dict), and
         # the layer holds the same Parameters (its own registration of them must not add state_dict keys).
         object.__setattr__(self, "original", original)
-        w13, w2, parallel = original.gate_up_proj, original.down_proj, {}
+        (w13, w2), parallel = _expert_weights(original), {}
         if process_group is not None:
             # This rank's part of gate/up and down (views of the DTensors' local shards, its I share or its
             # experts); the layer all-reduces its partial output over the group, as the plan's own
@@ -864,14 +880,14 @@ def attach(
     sharding = next(iter(parallel.values()))
 
     first = found[0][2]
-    w13_first = first.gate_up_proj
+    w13_first = _expert_weights(first)[0]
     shape, dtype, device = tuple(w13_first.shape), w13_first.dtype, w13_first.device
     fp8 = dtype == torch.float8_e4m3fn
     if fp8 and sharding is not None:
         raise UnsupportedModelError("FP8 experts sharded by a tensor- or expert-parallel plan are not served "
                                   "yet (their block scales would need sharding too)")
     for name, _, module in found[1:]:
-        w13 = module.gate_up_proj
+        w13 = _expert_weights(module)[0]
         if tuple(w13.shape) != shape:
             raise UnsupportedModelError(
                 f"MoE layers of different shapes ({found[0][0]}: {shape}, {name}: {tuple(w13.shape)}); "
