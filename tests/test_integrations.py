@@ -530,9 +530,11 @@ GPU_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 
 
 # Gemma-4 in bf16 is left out: its rsLoRA adapter's row differed from PEFT's bf16 forward by 0.31 (max
-# relative) on an H100 while fp32 matched within 1e-3; not explained yet (README, known limits).
+# relative) on an H100 while fp32 matched within 1e-3; not explained yet (README, known limits). Aria is
+# left out: on the GPU machine's library versions PEFT found no expert parameters to target in it (no
+# oracle); its layer on CUDA serves a contiguous copy of the weights, the layout the other families test.
 CUDA_CASES = [(name, dtype) for name in FAMILIES for dtype in (torch.float32, torch.bfloat16)
-              if (name, dtype) != ("gemma4", torch.bfloat16)]
+              if (name, dtype) != ("gemma4", torch.bfloat16) and name != "aria"]
 
 
 @pytest.mark.gpu

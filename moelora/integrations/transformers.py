@@ -29,7 +29,8 @@ that formula at attach time. ``act`` is SiLU, exact or tanh GELU (probed from ``
 class overrides ``_apply_gate``, the clamped SwiGLU it computes (DeepSeek-V4, GLM-5-next, Hunyuan-V4,
 MiniMax-M3, Step-3.7: found by running it on probe values, :class:`moelora.activations.GatedActivation`).
 Experts stored transposed (``is_transposed``: ``(E, H, 2I)`` / ``(E, I, H)``, Aria) are read through
-transposed views (no copy). Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that
+transposed views on the CPU; on CUDA the layer holds one ``(E, 2I, H)`` copy made at attach. Refused,
+with an :class:`UnsupportedModelError` (a ``ValueError``) that
 says why: interleaved ``gate_up_proj`` columns (gpt-oss), expert biases, an ``_apply_gate`` of another
 form, experts without a gate (Nemotron-H), a norm after each expert, expert parallelism across ranks that
 hold different batches (transformers' all-to-all), other activations,
@@ -567,6 +568,10 @@ class MoELoRAExperts(nn.Module):
         # the layer holds the same Parameters (its own registration of them must not add state_dict keys).
         object.__setattr__(self, "original", original)
         (w13, w2), parallel = _expert_weights(original), {}
+        if getattr(original, "is_transposed", False) and w13.is_cuda:
+            # The PyTorch path reads the transposed views; the Triton kernels get one (E, 2I, H) copy made
+            # here (the expert weights once more in memory) until their strided reads are verified on a GPU.
+            w13, w2 = w13.contiguous(), w2.contiguous()
         if process_group is not None:
             # This rank's part of gate/up and down (views of the DTensors' local shards, its I share or its
             # experts); the layer all-reduces its partial output over the group, as the plan's own
