@@ -234,7 +234,7 @@ def make_lora_buffers(shape: ModelShape, rank: int, slots: int, dtype: torch.dty
 def arena_weights(buf: LoRABuffers) -> dict[str, Any]:
     """``buf``'s adapters laid out as ``MoELoRAMemoryPool`` stores them (moelora.pool): a zero block, then
     each slot's experts one rank-R block after the other, B transposed, read through a block table."""
-    from triton_ops.lora_weights import LoRAWeights
+    from triton_ops.lora_weights import arena_lora_weights
 
     slots, experts, two_r, hidden = buf.gate_up_a.shape
     rank, inter, dev, dtype = two_r // 2, buf.down_a.shape[3], buf.gate_up_a.device, buf.gate_up_a.dtype
@@ -257,16 +257,7 @@ def arena_weights(buf: LoRABuffers) -> dict[str, Any]:
     blocks_of(down_a).copy_(rank_rows(buf.down_a))
     blocks_of(down_b).copy_(rank_rows(buf.down_b.transpose(2, 3)))
     table = (step * (1 + torch.arange(slots * experts, device=dev))).to(torch.int32).view(slots, experts)
-    return {
-        "gate_up_a": LoRAWeights(gate_up_a, table, stride_unit=hidden, stride_rank=hidden, stride_col=1,
-                                 up_offset=gate_up_a.stride(0), max_rank=rank, cols=hidden),
-        "gate_up_b": LoRAWeights(gate_up_b, table, stride_unit=2 * inter, stride_rank=2 * inter, stride_col=1,
-                                 up_offset=0, max_rank=rank, cols=2 * inter),
-        "down_a": LoRAWeights(down_a, table, stride_unit=inter, stride_rank=inter, stride_col=1, up_offset=0,
-                              max_rank=rank, cols=inter),
-        "down_b": LoRAWeights(down_b, table, stride_unit=hidden, stride_rank=hidden, stride_col=1,
-                              up_offset=0, max_rank=rank, cols=hidden),
-    }
+    return arena_lora_weights(gate_up_a, gate_up_b, down_a, down_b, table, rank)
 
 
 def make_weights(shape: ModelShape, dtype: torch.dtype, device: torch.device,

@@ -229,13 +229,25 @@ class _AdapterStager:
         if shard is not None:
             layers = shard.split_adapter(name, layers)
         staged = self._stage(name, layers)
-        report.pool_bytes = sum(arena_bytes_of(len(staged.experts[lid]), rank, self.hidden_size,
-                                               self.intermediate_size, self.dtype)
-                                for lid, rank in staged.layer_ranks.items())
+        report.pool_bytes = self._arena_bytes(staged)
         staged.source = str(path.resolve())
         report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
         staged.report = report
         return staged
+
+    def _layer_blocks(self, staged: _StagedAdapter) -> list[tuple[int, int]]:
+        """(rank, block count) ``staged`` takes in each of the pool's layers, in layer order; (0, 0) where it
+        trains nothing."""
+        blocks = []
+        for lid in self.layer_ids:
+            rank, count = staged.layer_ranks.get(lid, 0), len(staged.experts.get(lid, ()))
+            blocks.append((rank, count) if rank and count else (0, 0))
+        return blocks
+
+    def _arena_bytes(self, staged: _StagedAdapter) -> int:
+        """Device bytes ``staged`` takes in the pool's arena."""
+        return sum(arena_bytes_of(count, rank, self.hidden_size, self.intermediate_size, self.dtype)
+                   for rank, count in self._layer_blocks(staged))
 
     def _stack_shapes(self, rank: int) -> dict[str, tuple[int, int, int]]:
         """The shape of each host stack of one layer at ``rank``: A (E, rank, in), B (E, out, rank)."""
@@ -576,8 +588,8 @@ class MoELoRAMemoryPool(_AdapterStager):
                        "gate_up_b": torch.zeros(units + tail, 2 * i, **kw),
                        "down_a": torch.zeros(units + tail, i, **kw),
                        "down_b": torch.zeros(units + tail, h, **kw)}
-        self._slot_units: list[list[int]] = [[] for _ in range(n_slots)]  # each slot's blocks, to free
-        self._slot_bytes = [0] * n_slots  # arena bytes of each slot's blocks
+        # Each slot's blocks, a list of starts per layer (empty: no adapter): what its write and free use.
+        self._slot_units: list[list[list[int]]] = [[] for _ in range(n_slots)]
         self.slot_ranks = torch.zeros(n_slots, dtype=torch.int32, device=self.device)
         self.layer_ranks = torch.zeros(len(self.layer_ids), n_slots, dtype=torch.int32, device=self.device)
         self.layers: dict[int, LoRALayerBuffers] = {
@@ -618,27 +630,15 @@ class MoELoRAMemoryPool(_AdapterStager):
         """Bytes of one arena unit (one rank row of one (layer, expert) across the four matrices): what
         ``arena_bytes`` is counted in. A rank-r adapter training n (layer, expert) pairs takes
         ``n * r`` units."""
-        return 3 * (hidden_size + intermediate_size) * torch.empty((), dtype=dtype).element_size()
+        return arena_bytes_of(1, 1, hidden_size, intermediate_size, dtype)
 
     def _layer_buffers(self, blocks: torch.Tensor, ranks: torch.Tensor) -> LoRALayerBuffers:
         """The kernels' view of the arena for one layer whose block table is ``blocks`` (L, E) and whose
         slots' ranks in this layer are ``ranks`` (L,)."""
-        from triton_ops.lora_weights import LoRAWeights
+        from triton_ops.lora_weights import arena_lora_weights
 
-        h, i, r = self.hidden_size, self.intermediate_size, self.max_rank
-        gate_up_a, gate_up_b = self._arena["gate_up_a"], self._arena["gate_up_b"]
-        down_a, down_b = self._arena["down_a"], self._arena["down_b"]
-        return LoRALayerBuffers(
-            gate_up_a=LoRAWeights(gate_up_a, blocks, stride_unit=h, stride_rank=h, stride_col=1,
-                                  up_offset=gate_up_a.stride(0), max_rank=r, cols=h),
-            gate_up_b=LoRAWeights(gate_up_b, blocks, stride_unit=2 * i, stride_rank=2 * i, stride_col=1,
-                                  up_offset=0, max_rank=r, cols=2 * i),
-            down_a=LoRAWeights(down_a, blocks, stride_unit=i, stride_rank=i, stride_col=1, up_offset=0,
-                               max_rank=r, cols=i),
-            down_b=LoRAWeights(down_b, blocks, stride_unit=h, stride_rank=h, stride_col=1, up_offset=0,
-                               max_rank=r, cols=h),
-            slot_ranks=ranks,
-        )
+        return LoRALayerBuffers(**arena_lora_weights(**self._arena, blocks=blocks, max_rank=self.max_rank),
+                                slot_ranks=ranks)
 
     def _arena_rows(self, key: str) -> torch.Tensor:
         """The (units, width) rows of the arena a host stack ``key`` (``gate_a``, ``up_b``, ...) goes to."""
@@ -682,14 +682,14 @@ class MoELoRAMemoryPool(_AdapterStager):
             for slot, name in enumerate(self.slot_adapters):
                 if not isinstance(name, str):
                     continue
-                staged, blocks = self._staged[name], sum(map(len, self._slot_units[slot]))
+                staged = self._staged[name]
                 adapters.append(AdapterMemory(
                     name=name, tier="gpu", slot=slot, pinned=name in self._pinned,
-                    users=self._slot_users[slot], rank=staged.rank, blocks=blocks,
-                    bytes=self._slot_bytes[slot],
+                    users=self._slot_users[slot], rank=staged.rank,
+                    blocks=sum(map(len, self._slot_units[slot])), bytes=self._arena_bytes(staged),
                     host_bytes=staged.nbytes))
             for name, staged in self._host_tier.items():
-                blocks = sum(len(v) for v in staged.experts.values()) if staged.rank else 0
+                blocks = sum(count for _, count in self._layer_blocks(staged))
                 adapters.append(AdapterMemory(name=name, tier="host", slot=None, pinned=False, users=0,
                                               rank=staged.rank, blocks=blocks, bytes=0,
                                               host_bytes=staged.nbytes))
@@ -943,27 +943,22 @@ class MoELoRAMemoryPool(_AdapterStager):
     def _block_needs(self, staged: _StagedAdapter) -> dict[int, int]:
         """Blocks ``staged`` takes: rank -> count over its layers."""
         needs: dict[int, int] = {}
-        for lid in self.layer_ids:
-            rank, count = staged.layer_ranks.get(lid, 0), len(staged.experts.get(lid, ()))
-            if rank and count:
+        for rank, count in self._layer_blocks(staged):
+            if count:
                 needs[rank] = needs.get(rank, 0) + count
         return needs
 
     def _assign(self, slot: int, staged: _StagedAdapter, got: dict[int, list[int]]) -> int:
         """Records ``got``'s blocks as ``slot``'s, layer by layer in the order ``_block_needs`` counted."""
         taken = dict.fromkeys(got, 0)
-        per_layer, nbytes = [], 0
-        for lid in self.layer_ids:
-            rank, count = staged.layer_ranks.get(lid, 0), len(staged.experts.get(lid, ()))
-            if not (rank and count):
-                per_layer.append([])
-                continue
-            per_layer.append(got[rank][taken[rank] : taken[rank] + count])
-            taken[rank] += count
-            nbytes += count * rank * self.unit_bytes
+        per_layer = []
+        for rank, count in self._layer_blocks(staged):
+            per_layer.append(got[rank][taken[rank] : taken[rank] + count] if count else [])
+            if count:
+                taken[rank] += count
         self._slot_units[slot] = per_layer
-        self._slot_bytes[slot] = nbytes
         return slot
+
 
     def _no_room(self, name: str, needs: dict[int, int]) -> str:
         held = f"pinned {sorted(self._pinned)}, used by live batches " + str(
@@ -987,7 +982,7 @@ class MoELoRAMemoryPool(_AdapterStager):
         """Gives the slot's arena blocks back and points every (layer, expert) of it at the zero block, with
         rank and scaling 0. Kernels queued before read the old entries (the fills are queued after them)."""
         self._units.free(u for starts in self._slot_units[slot] for u in starts)
-        self._slot_units[slot], self._slot_bytes[slot] = [], 0
+        self._slot_units[slot] = []
         self.blocks[:, slot].zero_()
         self.layer_ranks[:, slot].zero_()
         self._set_slot_tables(slot, 0, 0.0)
@@ -1074,7 +1069,7 @@ class MoELoRAMemoryPool(_AdapterStager):
         table = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.int32)
         ranks = torch.zeros(len(self.layer_ids), dtype=torch.int32)
         for li, lid in enumerate(self.layer_ids):
-            layer_starts = self._slot_units[slot][li] if self._slot_units[slot] else []
+            layer_starts = self._slot_units[slot][li]
             if not layer_starts:
                 continue
             experts, rank = staged.experts[lid], staged.layer_ranks[lid]
@@ -1104,7 +1099,7 @@ class MoELoRAMemoryPool(_AdapterStager):
                         dst.copy_(src)
         self.blocks[:, slot].copy_(table.to(self.device))
         self.layer_ranks[:, slot].copy_(ranks.to(self.device))
-        live = bool(self._slot_units[slot] and any(self._slot_units[slot]))
+        live = any(self._slot_units[slot])
         self._set_slot_tables(slot, staged.rank if live else 0, staged.scaling if live else 0.0)
 
     # ----------------------------------------------------------------------------------------------

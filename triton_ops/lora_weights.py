@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["LoRAWeights", "lora_weights"]
+__all__ = ["LoRAWeights", "arena_lora_weights", "lora_weights"]
 
 
 class LoRAWeights(NamedTuple):
@@ -88,3 +88,19 @@ def lora_weights(buffer: torch.Tensor | LoRAWeights, *, kind: str) -> LoRAWeight
     up_offset = rank * buffer.stride(2) if kind == "gated_a" else 0
     return LoRAWeights(buffer, blocks, stride_unit=buffer.stride(1), stride_rank=buffer.stride(2),
                        stride_col=buffer.stride(3), up_offset=up_offset, max_rank=rank, cols=cols)
+
+
+def arena_lora_weights(gate_up_a: torch.Tensor, gate_up_b: torch.Tensor, down_a: torch.Tensor,
+                       down_b: torch.Tensor, blocks: torch.Tensor, max_rank: int) -> dict[str, LoRAWeights]:
+    """The four matrices of a rank-row arena (``moelora.pool``'s layout) as the kernels read them: a unit
+    is one rank row, ``gate_up_a (2, U, H)`` (gate rows, then up rows), ``gate_up_b (U, 2I)``,
+    ``down_a (U, I)`` and ``down_b (U, H)`` (B as rank rows), all addressed through ``blocks`` (L, E)."""
+    hidden, inter = gate_up_a.shape[2], down_a.shape[1]
+
+    def rows(data: torch.Tensor, width: int, up_offset: int = 0) -> LoRAWeights:
+        return LoRAWeights(data, blocks, stride_unit=width, stride_rank=width, stride_col=1,
+                           up_offset=up_offset, max_rank=max_rank, cols=width)
+
+    return {"gate_up_a": rows(gate_up_a, hidden, up_offset=gate_up_a.stride(0)),
+            "gate_up_b": rows(gate_up_b, 2 * inter), "down_a": rows(down_a, inter),
+            "down_b": rows(down_b, hidden)}
