@@ -57,7 +57,10 @@ class FusedMoEWithLoRA(nn.Module):
         routed_scaling_factor: rsf of DESIGN §1 (DeepSeek-V3: 2.5 unless the router already applied it).
         activation: the gated activation: "silu" (default), "gelu" (exact), "gelu_tanh", or a
             :class:`moelora.activations.GatedActivation` (the clamped SwiGLUs of gpt-oss-style families).
-        apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models).
+        apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models, Llama-4).
+        w13_bias, w2_bias: (E, 2I) (gate then up) and (E, H) expert biases in the activations' dtype, or
+            None (gpt-oss has them): ``gu = W13 x + b13`` before the activation, ``y = W2 h + b2`` inside
+            the routed weight, each with its LoRA delta.
         path: "auto", "fused", "split", "staged" or "torch" (see the module docstring).
         fp8: block scales of float8_e4m3fn ``w13``/``w2`` (``triton_ops.fp8.BlockFp8Weights``): the base
             GEMMs run W8A8 (x and h quantized per token and 128-column group), the LoRA stays in the pool's
@@ -103,6 +106,8 @@ class FusedMoEWithLoRA(nn.Module):
         process_group: object | None = None,
         reduce_results: bool = False,
         fp8: BlockFp8Weights | None = None,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if reduce_results and process_group is None:
@@ -130,12 +135,29 @@ class FusedMoEWithLoRA(nn.Module):
             raise TypeError(f"w13/w2 must have the pool's dtype {pool.dtype}, got {w13.dtype}/{w2.dtype}")
         if w13.device.type != torch.device(pool.device).type or w2.device.type != w13.device.type:
             raise ValueError(f"w13/w2 are on {w13.device}/{w2.device} but the pool is on {pool.device}")
+        biases = (("w13_bias", w13_bias, expected[:2]), ("w2_bias", w2_bias, expected_w2[:2]))
+        for name, bias, shape in biases:
+            if bias is None:
+                continue
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != shape:
+                got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+                raise ValueError(f"{name} must be a tensor of shape {shape}, got {got}")
+            float_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+            if bias.dtype not in float_dtypes or bias.device.type != w13.device.type:
+                raise TypeError(f"{name} must be a float tensor on {w13.device}, got {bias.dtype} on "
+                                f"{bias.device}")
+        sharded = pool.shard is not None or process_group is not None
+        if (w13_bias is not None or w2_bias is not None) and sharded:
+            raise ValueError("expert biases are served on one device: a tensor- or expert-parallel layer "
+                             "would add the down bias once per rank (serve the model unsharded)")
         self.buffers_ = pool.layer(layer_id)
         self.pool = pool
         self.layer_id = layer_id
         self.w13 = w13
         self.w2 = w2
         self.fp8 = fp8
+        self.w13_bias = w13_bias
+        self.w2_bias = w2_bias
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.activation = as_gated_activation(activation)
         self.apply_router_weight_on_input = apply_router_weight_on_input
@@ -291,6 +313,7 @@ class FusedMoEWithLoRA(nn.Module):
                 self.buffers_ if has_lora else None, batch if has_lora else None,
                 routed_scaling_factor=self.routed_scaling_factor, activation=self.activation,
                 apply_router_weight_on_input=self.apply_router_weight_on_input, fp8=self.fp8,
+                w13_bias=self.w13_bias, w2_bias=self.w2_bias,
             )
         from triton_ops.fused_experts import MoELoRAInputs, fused_experts
         from triton_ops.launch import LaunchCache
@@ -309,6 +332,9 @@ class FusedMoEWithLoRA(nn.Module):
         inputs = [x, topk_weights, topk_ids, self.w13, self.w2]
         if self.fp8 is not None:
             inputs += [self.fp8.w13_scale, self.fp8.w2_scale]
+        w13_bias, w2_bias = (None if b is None else b.to(x.dtype).contiguous()
+                             for b in (self.w13_bias, self.w2_bias))
+        inputs += [b for b in (w13_bias, w2_bias) if b is not None]
         if has_lora:
             inputs += [batch.token_slots, buffers.slot_ranks, batch.slot_scalings, buffers.blocks,
                        *(w.data for w in buffers.tensors())]
@@ -342,6 +368,8 @@ class FusedMoEWithLoRA(nn.Module):
                 lora_path=path or "fused",
                 sparse_routing=self._expert_map is not None,
                 fp8=self.fp8,
+                w13_bias=w13_bias,
+                w2_bias=w2_bias,
             )
 
         with cache:
@@ -387,7 +415,8 @@ class FusedMoEWithLoRA(nn.Module):
         return (x.shape, x.dtype, x.device, topk_weights.shape, topk_ids.shape, topk_ids.dtype, lora,
                 w13.shape, w13.stride(), w13.dtype, w2.shape, w2.stride(), self.activation,
                 self.routed_scaling_factor, self.apply_router_weight_on_input,
-                None if self.fp8 is None else self.fp8.block_shape)
+                None if self.fp8 is None else self.fp8.block_shape, self.w13_bias is not None,
+                self.w2_bias is not None)
 
     def extra_repr(self) -> str:
         num_experts, two_i, hidden = self.w13.shape

@@ -152,6 +152,8 @@ def reference_moe_no_combine(
     routed_scaling_factor: float = 1.0,
     apply_router_weight_on_input: bool = False,
     activation: str | GatedActivation = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-(token, k) weighted expert outputs, before the top-k sum.
 
@@ -163,9 +165,11 @@ def reference_moe_no_combine(
     ``w = topk_weights[t, k]``::
 
         xin = w · x_t  if apply_router_weight_on_input  else x_t
-        g   = W_gate[e] xin + s_g B_g (A_g xin)        u = W_up[e] xin + s_u B_u (A_u xin)
+        g   = W_gate[e] xin + b_gate[e] + s_g B_g (A_g xin)    u = W_up[e] xin + b_up[e] + s_u B_u (A_u xin)
         h   = act(g) ⊙ u
-        y   = W_down[e] h + s_d B_d (A_d h)
+        y   = W_down[e] h + b_down[e] + s_d B_d (A_d h)
+
+    with the biases ``w13_bias (E, 2I)`` (gate then up) and ``w2_bias (E, H)`` zero when None.
         out[t, k] = rsf · y      if apply_router_weight_on_input
                     rsf · w · y  otherwise
 
@@ -189,12 +193,14 @@ def reference_moe_no_combine(
 
     # Expert weights are converted lazily, one expert at a time: a real layer's w13/w2 can be far
     # larger in fp32 than the experts a test batch actually touches.
-    expert_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    expert_cache: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expert(e: int) -> tuple[torch.Tensor, ...]:
         if e not in expert_cache:
             w13_e = _cpu(w13[e], dtype)
-            expert_cache[e] = (w13_e[:inter], w13_e[inter:], _cpu(w2[e], dtype))
+            b13_e = _cpu(w13_bias[e], dtype) if w13_bias is not None else torch.zeros(2 * inter, dtype=dtype)
+            b2_e = _cpu(w2_bias[e], dtype) if w2_bias is not None else torch.zeros(hidden, dtype=dtype)
+            expert_cache[e] = (w13_e[:inter], w13_e[inter:], _cpu(w2[e], dtype), b13_e, b2_e)
         return expert_cache[e]
 
     lora_cache = _used_adapters(adapters, slots, hidden, inter, dtype, "cpu")
@@ -207,11 +213,11 @@ def reference_moe_no_combine(
             if not 0 <= e < num_experts:
                 continue
             w = weights[t, k]
-            w_gate, w_up, w_down = expert(e)
+            w_gate, w_up, w_down, b13, b2 = expert(e)
             xin = xs[t] * w if apply_router_weight_on_input else xs[t]
 
-            g = w_gate @ xin
-            u = w_up @ xin
+            g = w_gate @ xin + b13[:inter]
+            u = w_up @ xin + b13[inter:]
             if lora is not None:
                 dg = _lora_delta(lora.gate.get(e), xin)
                 du = _lora_delta(lora.up.get(e), xin)
@@ -219,7 +225,7 @@ def reference_moe_no_combine(
                 u = u if du is None else u + du
             h = activation(g, u)
 
-            y = w_down @ h
+            y = w_down @ h + b2
             if lora is not None:
                 dd = _lora_delta(lora.down.get(e), h)  # uses the activated h (base + LoRA)
                 y = y if dd is None else y + dd
@@ -242,6 +248,8 @@ def reference_moe(
     routed_scaling_factor: float = 1.0,
     apply_router_weight_on_input: bool = False,
     activation: str | GatedActivation = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoE layer output with per-token LoRA adapters, ``(M, H)``.
 
@@ -264,6 +272,8 @@ def reference_moe(
         routed_scaling_factor=routed_scaling_factor,
         apply_router_weight_on_input=apply_router_weight_on_input,
         activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
     return per_slot.sum(dim=1)
 

@@ -163,6 +163,8 @@ def moe_lora_forward_torch(
     activation: str | GatedActivation = "silu",
     apply_router_weight_on_input: bool = False,
     fp8: BlockFp8Weights | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoE layer output with per-token LoRA adapters from the pool, ``(M, H)`` in ``x.dtype``.
 
@@ -170,11 +172,12 @@ def moe_lora_forward_torch(
     weight ``w``) pairs (DESIGN.md §1)::
 
         xin = w · x_t if apply_router_weight_on_input else x_t
-        gu  = w13[e] xin + s_a · [B_gate(A_gate xin); B_up(A_up xin)]     (before the activation)
+        gu  = w13[e] xin + b13[e] + s_a · [B_gate(A_gate xin); B_up(A_up xin)]     (before the activation)
         h   = act(gu[:I]) ⊙ gu[I:]
-        y   = w2[e] h + s_a · B_down(A_down h)                             (on the activated h)
+        y   = w2[e] h + b2[e] + s_a · B_down(A_down h)                             (on the activated h)
         out_t = rsf · Σ_k (w · y  or  y with the weight on the input)
 
+    ``b13 (E, 2I)`` / ``b2 (E, H)`` are ``w13_bias`` / ``w2_bias`` (zero when None).
     ``A/B`` come from ``buffers`` (one layer's :class:`LoRALayerBuffers`, or a :class:`DenseLoRA`) at
     slot ``a``, ``s_a`` from
     ``batch.slot_scalings``. ``buffers=None``, ``batch=None`` or a batch without adapters gives the
@@ -248,6 +251,8 @@ def moe_lora_forward_torch(
             xin, xin_base = xin * w[:, None], xin_base * w[:, None]
 
         gu = xin_base @ _expert_weight(w13, e, fp8, "w13_scale", cdtype, dev).T  # (n, 2I), all pairs at once
+        if w13_bias is not None:
+            gu = gu + w13_bias[e].to(device=dev, dtype=cdtype)
 
         sel = None
         if pair_slots is not None:
@@ -274,6 +279,8 @@ def moe_lora_forward_torch(
         if block_scaled:
             h_base = fp8_group_roundtrip(h.to(x.dtype), fp8.block_shape[1]).to(cdtype)
         y = h_base @ _expert_weight(w2, e, fp8, "w2_scale", cdtype, dev).T  # (n, H)
+        if w2_bias is not None:
+            y = y + w2_bias[e].to(device=dev, dtype=cdtype)
 
         if sel is not None:
             assert buffers is not None

@@ -274,6 +274,8 @@ def fused_experts(
     lora_path: str = "fused",
     sparse_routing: bool = False,
     fp8: BlockFp8Weights | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs the routed experts of one MoE layer (see the module docstring for the math).
 
@@ -306,6 +308,8 @@ def fused_experts(
         fp8: the block scales of float8_e4m3fn ``w13`` / ``w2`` (``triton_ops.fp8``): both GEMMs then
             read x and the activated intermediate quantized per token and ``block_k`` group (one launch
             each), while the LoRA shrinks read them unquantized; lora_path "split" or "staged".
+        w13_bias, w2_bias: (E, 2I) and (E, H) expert biases in x's dtype (gpt-oss): gu = W13 x + b13 before
+            the activation, y = W2 h + b2 inside the routed weight (each with its LoRA delta).
     """
     block_scaled = fp8 is not None or uses_block_fp8(w13, w2)
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, weight_dtype=FP8_DTYPE if block_scaled else None)
@@ -316,6 +320,7 @@ def fused_experts(
                              "on the GEMM's a tiles, the FP8 copy of x, and the LoRA must read x itself "
                              "(DESIGN §1)")
     activation_args(activation)  # raises for an unknown one
+    _check_biases(w13, w2, x, w13_bias, w2_bias)
     if inplace and no_combine:
         raise ValueError("inplace and no_combine cannot be combined: the outputs have different shapes")
     if lora is not None:
@@ -440,8 +445,8 @@ def fused_experts(
                                                dtype=x.dtype)
         if staged:
             invoke_fused_moe_kernel(gemm1_a, w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
-                                    a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", **align,
-                                    **gemm1_fp8)
+                                    a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", bias=w13_bias,
+                                    **align, **gemm1_fp8)
             moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, chunk_slots,
                                lora.slot_ranks, lora.slot_scalings, **align, block_m=cfg.block_m, top_k=top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
@@ -457,6 +462,7 @@ def fused_experts(
                 activation=activation,
                 lora=gemm1_lora,
                 zero_counters=topk_sum,
+                bias=w13_bias,
                 late_wait=plan.gemm1_late_wait,
                 dependent=plan.fp8_chain and lora is None,
                 **align,
@@ -496,6 +502,7 @@ def fused_experts(
             scale=routed_scaling_factor,
             lora=None if staged else gemm2_lora,
             topk_sum=topk_sum,
+            bias=w2_bias,
             late_wait=plan.gemm2_late_wait,
             dependent=plan.dependent_gemm2 or plan.fp8_chain,
             **align,
@@ -515,6 +522,21 @@ def fused_experts(
     if strided_target is not None:
         return strided_target.copy_(out)
     return out
+
+
+def _check_biases(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, w13_bias: torch.Tensor | None,
+                  w2_bias: torch.Tensor | None) -> None:
+    """Raises ValueError/TypeError unless the biases are (E, 2I) / (E, H) in x's dtype on x's device."""
+    for name, bias, expected in (("w13_bias", w13_bias, w13.shape[:2]), ("w2_bias", w2_bias, w2.shape[:2])):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != tuple(expected) or bias.device != x.device:
+            raise ValueError(f"{name} must be {tuple(expected)} on {x.device}, got {tuple(bias.shape)} on "
+                             f"{bias.device}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {bias.dtype}")
+        if bias.stride(1) != 1:
+            raise ValueError(f"{name} must have contiguous rows, got strides {bias.stride()}")
 
 
 @dataclass(frozen=True)

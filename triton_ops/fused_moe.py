@@ -187,6 +187,12 @@ def _row_scale(topk_weights_ptr, pair, row_valid, scale, MUL_ROUTED_WEIGHT: tl.c
 
 
 @triton.jit
+def _expert_bias(bias_ptr, expert, stride_bias_e, cols, col_valid):
+    """(BLOCK_N,) fp32: expert ``expert``'s bias at ``cols`` (0 past N)."""
+    return tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _add_block_scaled_dot(
     acc,  # (BLOCK_M, BLOCK_N) fp32
     a,  # (BLOCK_M, BLOCK_K) float8_e4m3fn, one scale group
@@ -292,6 +298,8 @@ def _fused_moe_kernel(
     stride_bse, stride_bsn, stride_bsk,
     N, K, num_experts,
     scale,  # multiplies every output row (rsf on GEMM2)
+    bias_ptr,  # (E, N or 2N) same dtype as c, read when HAS_BIAS: the experts' biases (gate then up)
+    stride_bias_e,
     # Routed pairs: the alignment's blocks, or with DIRECT_PAIRS the flat topk_ids in all three pointers
     sorted_ids_ptr,  # (max_padded,) int32, from moe_align_block_size
     expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
@@ -333,6 +341,7 @@ def _fused_moe_kernel(
     DOWN_SHRINK: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     ACT_LIMIT: tl.constexpr,
     ACT_ALPHA: tl.constexpr,
@@ -511,9 +520,14 @@ def _fused_moe_kernel(
     row_scale = _row_scale(topk_weights_ptr, pair, row_valid, scale, MUL_ROUTED_WEIGHT, BLOCK_M)
     if DIRECT_PAIRS:
         row_scale = tl.where(null_pair, 0.0, row_scale)
+    if HAS_BIAS and not GATED:  # GEMM2: the bias is part of the expert's output, inside the routed weight
+        acc += _expert_bias(bias_ptr, expert, stride_bias_e, offs_n, col_valid)[None, :]
     acc *= row_scale[:, None]
     if GATED:
         acc_up *= row_scale[:, None]
+        if HAS_BIAS:  # GEMM1: after a weight on the input, which scales x, not the bias
+            acc += _expert_bias(bias_ptr, expert, stride_bias_e, offs_n, col_valid)[None, :]
+            acc_up += _expert_bias(bias_ptr, expert, stride_bias_e, offs_n + N, col_valid)[None, :]
         if ACTIVATION == 3:  # raw gate and up halves, for the staged LoRA path
             _store_rows(c_ptr, acc_up, pair, row_valid, offs_n + N, col_valid, stride_cm, stride_cn)
         else:
@@ -818,6 +832,7 @@ def invoke_fused_moe_kernel(
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
     scale_block_n: int = 0,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Launches one grouped GEMM; ``c`` is (numel, N) with N = b.shape[1] (or b.shape[1] // 2 with a
     gated ``activation``). ``topk_weights`` (numel,) fp32 multiplies rows when given. No host sync.
@@ -838,7 +853,11 @@ def invoke_fused_moe_kernel(
     partials are read after the wait.
 
     ``dependent`` (sm_90+, ignored elsewhere): launched dependently whatever ``MOELORA_PDL`` says, waiting
-    for the launch before it as its first instruction (``one_token_dependent_gemm2``)."""
+    for the launch before it as its first instruction (``one_token_dependent_gemm2``).
+
+    ``bias`` (E, b.shape[1]), contiguous rows: the experts' biases, added to each pair's product (and
+    LoRA delta) inside the routed weight of an ungated GEMM, after it for a gated one (a weight on the
+    input scales x, not the bias), before the activation."""
     numel = c.shape[0]
     direct = direct_ids is not None
     gated = activation is not None
@@ -847,6 +866,11 @@ def invoke_fused_moe_kernel(
         lora = _with_lora_weights(lora, gated=gated)
     _check_gemm_args(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, direct_ids, config,
                      activation, out_n, lora, zero_counters, topk_sum, late_wait)
+    if bias is not None:
+        expected_bias = (b.shape[0], b.shape[1])
+        if tuple(bias.shape) != expected_bias or bias.stride(1) != 1 or bias.device != c.device:
+            raise ValueError(f"bias must be (E, {b.shape[1]}) = {expected_bias} with contiguous rows on "
+                             f"{c.device}, got {tuple(bias.shape)} strides {bias.stride()} on {bias.device}")
     block_scaled = a.dtype == FP8_DTYPE or b.dtype == FP8_DTYPE
     if block_scaled:
         _check_block_scaled(a, b, a_scale, b_scale, scale_block_n, config, lora)
@@ -888,6 +912,8 @@ def invoke_fused_moe_kernel(
         max_padded=max_padded,
         a_row_div=a_row_div,
         scale=float(scale),
+        bias_ptr=bias if bias is not None else c,
+        stride_bias_e=bias.stride(0) if bias is not None else 0,
         num_tokens=numel // topk_sum.top_k if topk_sum is not None else 0,
         top_k=topk_sum.top_k if topk_sum is not None else 1,
         num_counters=num_counters,
@@ -909,6 +935,7 @@ def invoke_fused_moe_kernel(
         stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
         **_lora_kernel_args(lora, epilogue, c, b, gated=gated),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        HAS_BIAS=bias is not None,
         **act,
         BLOCK_SCALED=block_scaled,
         TILE_B_SCALE=block_scaled and tile_b_scale(config.block_n, scale_block_n, out_n, gated),
