@@ -20,6 +20,7 @@ ACTIVATION_KINDS = {
     "silu": "silu(g) * u",
     "gelu": "gelu(g) * u (exact, erf)",
     "gelu_tanh": "gelu_tanh(g) * u (tanh approximation)",
+    "relu": "relu(g) * u (with g = u: the squared ReLU of ungated experts)",
     "clamped_swiglu": "g' * sigmoid(alpha * g') * (u' + up_offset), g' = min(g, limit), "
                       "u' = clamp(u, ±limit)",
     "clamped_silu_after": "min(silu(g), limit) * clamp(u, ±limit)",
@@ -31,7 +32,8 @@ _CLAMPED = ("clamped_swiglu", "clamped_silu_after")
 class GatedActivation:
     """``h = act(g, u)`` of one expert family (``ACTIVATION_KINDS``):
 
-    - ``silu``, ``gelu``, ``gelu_tanh``: ``act(g) * u``.
+    - ``silu``, ``gelu``, ``gelu_tanh``, ``relu``: ``act(g) * u``. Ungated experts with a squared ReLU
+      (Nemotron-H: ``relu(u)^2``) are ``relu`` with the up projection standing as the gate too.
     - ``clamped_swiglu``: gpt-oss and MiniMax-M3 (``alpha`` 1.702, ``up_offset`` 1), DeepSeek-V4,
       GLM-5-next and Hunyuan-V4 (``alpha`` 1, ``up_offset`` 0: a SiLU of the clamped gate).
     - ``clamped_silu_after``: Step-3.7 (the SiLU's output is clamped, not its input).
@@ -68,6 +70,8 @@ class GatedActivation:
             return F.gelu(g, approximate="none") * u
         if self.kind == "gelu_tanh":
             return F.gelu(g, approximate="tanh") * u
+        if self.kind == "relu":
+            return F.relu(g) * u
         u = u.clamp(min=-self.limit, max=self.limit)
         if self.kind == "clamped_silu_after":
             return F.silu(g).clamp(max=self.limit) * u

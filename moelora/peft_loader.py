@@ -105,8 +105,28 @@ FORMAT_F2_SWAPPED = "F2 (PEFT 0.18-0.19 swapped)"
 _PEFT_PREFIX = "base_model.model."
 # per-expert projection module name -> our projection
 _F1_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-# fused parameters in the order transformers-5 experts modules register them (innermost wrapper first)
-_F2_PARAMS = ("gate_up_proj", "down_proj")
+# fused parameters in the order transformers-5 experts modules register them (innermost wrapper first);
+# ungated experts (ExpertParamLayout.up_only) hold up_proj instead of gate_up_proj
+_F2_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ExpertParamLayout:
+    """How a model's fused expert parameters map onto the pool's gate, up and down rows (F2 adapters).
+
+    Attributes:
+        gate_up_interleaved: gate_up_proj's output columns alternate gate and up (gpt-oss): the gate_up B
+            rows ``0::2`` are the gate's, ``1::2`` the up's.
+        gate_up_experts: gate_up_proj holds this many experts, more than the model routes to its FFN
+            experts (LongCat-Flash stores rows for its identity experts, which never read them): the LoRA
+            factors of experts past ``num_experts`` are dropped. None: ``num_experts``.
+        up_only: ungated experts (Nemotron-H): ``up_proj (E, I, H)``, no gate. Its LoRA is stored as both
+            the gate's and the up's, the pool's form of ``relu(u) * u`` (``moelora.activations``).
+    """
+
+    gate_up_interleaved: bool = False
+    gate_up_experts: int | None = None
+    up_only: bool = False
 _PROJ_ORDER = ("gate", "up", "down")
 _PROJ_RANK = {p: i for i, p in enumerate(_PROJ_ORDER)}
 
@@ -348,7 +368,7 @@ def _json_type(v: Any) -> str:
     return "array" if isinstance(v, list) else type(v).__name__
 
 
-def _parse_config(file: Path) -> _LoraSettings:
+def _parse_config(file: Path, layout: ExpertParamLayout | None = None) -> _LoraSettings:
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -452,11 +472,15 @@ def _parse_config(file: Path) -> _LoraSettings:
     auto_mapping = cfg.get("auto_mapping")
     base_class = auto_mapping.get("base_model_class", "") if isinstance(auto_mapping, dict) else ""
     base_hint = re.sub(r"[-_\s]", "", f"{cfg.get('base_model_name_or_path') or ''} {base_class}".lower())
-    if "gptoss" in base_hint and any(t.rpartition(".")[2] == "gate_up_proj" for t in target_parameters):
+    interleaved = layout is not None and layout.gate_up_interleaved
+    if (layout is not None and not interleaved and "gptoss" in base_hint
+            and any(t.rpartition(".")[2] == "gate_up_proj" for t in target_parameters)):
         raise _fail(
             file,
-            "unsupported expert layout: gpt-oss interleaves gate and up columns in gate_up_proj (and has "
-            "expert biases); only the [gate rows; up rows] layout of DESIGN.md §2 can be served",
+            "unsupported expert layout: gpt-oss interleaves gate and up columns in gate_up_proj, and this "
+            "pool was built for [gate rows; up rows] experts; load gpt-oss adapters through "
+            "moelora.integrations.attach on the gpt-oss model (or a pool with "
+            "ExpertParamLayout(gate_up_interleaved=True))",
             "base_model_name_or_path",
         )
 
@@ -1295,6 +1319,7 @@ def read_peft_adapter(
     max_rank: int,
     dtype: torch.dtype = torch.float32,
     pool_dtype: torch.dtype | None = None,
+    layout: ExpertParamLayout | None = None,
 ) -> tuple[dict[int, ReferenceLoRA], AdapterLoadReport]:
     """Reads and validates a PEFT LoRA adapter of an MoE model; returns per-layer expert LoRAs and a report.
 
@@ -1309,6 +1334,8 @@ def read_peft_adapter(
         pool_dtype: the dtype the pool stores (default: ``dtype``), for ``pool_bytes`` and the overflow
             check. A pool that rescales B's per module (rank/alpha patterns) rounds once if it is given
             float32 tensors: read with ``dtype=torch.float32, pool_dtype=pool.dtype``.
+        layout: how the model's fused expert parameters map onto gate, up and down
+            (:class:`ExpertParamLayout`; default: ``[gate; up]`` rows of ``num_experts`` experts).
 
     Returns:
         ``({layer_id: ReferenceLoRA}, AdapterLoadReport)``: CPU tensors, ``a (r, in)``, ``b (out, r)``, the
@@ -1332,6 +1359,7 @@ def read_peft_adapter(
         max_rank=max_rank,
         dtype=dtype if pool_dtype is None else pool_dtype,
         out_dtype=dtype,
+        layout=layout if layout is not None else ExpertParamLayout(),
     )
 
 
@@ -1350,9 +1378,16 @@ def _read(
     max_rank: int,
     dtype: torch.dtype,
     out_dtype: torch.dtype,
+    layout: ExpertParamLayout,
 ) -> tuple[dict[int, ReferenceLoRA], AdapterLoadReport]:
     """:func:`read_peft_adapter`, checking overflow in ``dtype`` but returning ``out_dtype`` tensors."""
     n_exp = _check_positive_int("num_experts", num_experts)
+    if layout.gate_up_experts is not None and (not _is_int(layout.gate_up_experts)
+                                               or layout.gate_up_experts < n_exp):
+        raise ValueError(f"layout.gate_up_experts must be an int >= num_experts={n_exp}, got "
+                         f"{layout.gate_up_experts!r}")
+    # experts each fused parameter holds (LoRA rows of experts past n_exp are dropped)
+    param_experts = {"gate_up_proj": layout.gate_up_experts or n_exp, "up_proj": n_exp, "down_proj": n_exp}
     hid = _check_positive_int("hidden_size", hidden_size)
     inter = _check_positive_int("intermediate_size", intermediate_size)
     max_r = _check_positive_int("max_rank", max_rank)
@@ -1375,7 +1410,7 @@ def _read(
     except OSError as e:  # e.g. a name too long, a directory without search permission
         raise _fail(adir, f"cannot access the adapter directory: {type(e).__name__}: {e}") from e
 
-    settings = _parse_config(cfg_file)
+    settings = _parse_config(cfg_file, layout)
     # Only the header is read here: every name, dtype and shape is checked before any tensor data is.
     header = _read_safetensors_header(w_file)
     metas = header.tensors
@@ -1458,19 +1493,21 @@ def _read(
             group[0].append(p.a)
             group[1].append(p.b)
     else:
-        fmt, f2_params = _resolve_f2(f2, f2_layer, metas, settings, w_file, n_exp, hid, inter, notes)
+        fmt, f2_params = _resolve_f2(f2, f2_layer, metas, settings, w_file, param_experts, hid, inter, notes,
+                                     layout)
         for (container, depth), (param, swapped) in f2_params.items():
             p = f2[(container, depth)]
             assert p.a is not None and p.b is not None
             rows = metas[p.a].shape[0]
-            r = rows // n_exp
+            r = rows // param_experts[param]
             pname = f"{container}.{param}"
             cfg_r, alpha = settings.rank_alpha(pname)
             if r != cfg_r:
                 raise _fail(
                     w_file,
-                    f"lora_A has {rows} rows = num_experts ({n_exp}) x rank {r}, but the config gives "
-                    f"{pname!r} rank {cfg_r} (r / rank_pattern): rank or num_experts mismatch with the model",
+                    f"lora_A has {rows} rows = num_experts ({param_experts[param]}) x rank {r}, but the "
+                    f"config gives {pname!r} rank {cfg_r} (r / rank_pattern): rank or num_experts mismatch "
+                    "with the model",
                     p.a,
                 )
             s = settings.scaling(r, alpha)
@@ -1531,17 +1568,22 @@ def _read(
             a, b = tensors[p.a].float(), tensors[p.b].float()
             # expert-major A: (E, r, A cols); rank-major B: (B rows, r, E). Current PEFT: A cols = in,
             # B rows = out. PEFT 0.17-0.19.0 (swapped): A cols = out, B rows = in, delta transposed.
-            a3 = a.reshape(n_exp, r, a.shape[1])
-            b3 = b.reshape(b.shape[0], r, n_exp)
+            a3 = a.reshape(param_experts[param], r, a.shape[1])
+            b3 = b.reshape(b.shape[0], r, param_experts[param])
             keys = (p.b, p.a) if swapped else (p.a, p.b)  # file keys of our (A, B)
-            for e in range(n_exp):
+            for e in range(n_exp):  # an identity expert's rows (past n_exp) are never read: dropped
                 if swapped:
                     a_e, b_e = b3[:, :, e].T, a3[e].T  # (r, in), (out, r)
                 else:
                     a_e, b_e = a3[e], b3[:, :, e]
                 if param == "gate_up_proj":
-                    modules[(lid, e, "gate")] = (a_e, b_e[:inter], s, f"{pname}[expert {e} gate]", *keys)
-                    modules[(lid, e, "up")] = (a_e, b_e[inter:], s, f"{pname}[expert {e} up]", *keys)
+                    gate_b, up_b = ((b_e[0::2], b_e[1::2]) if layout.gate_up_interleaved
+                                    else (b_e[:inter], b_e[inter:]))
+                    modules[(lid, e, "gate")] = (a_e, gate_b, s, f"{pname}[expert {e} gate]", *keys)
+                    modules[(lid, e, "up")] = (a_e, up_b, s, f"{pname}[expert {e} up]", *keys)
+                elif param == "up_proj":  # ungated: relu(u) * u, u read as both gate and up
+                    modules[(lid, e, "gate")] = (a_e, b_e, s, f"{pname}[expert {e}]", *keys)
+                    modules[(lid, e, "up")] = (a_e, b_e, s, f"{pname}[expert {e}]", *keys)
                 else:
                     modules[(lid, e, "down")] = (a_e, b_e, s, f"{pname}[expert {e}]", *keys)
         ordered = sorted(modules.items(), key=lambda kv: (kv[0][0], kv[0][1], _PROJ_RANK[kv[0][2]]))
@@ -1620,10 +1662,11 @@ def _resolve_f2(
     metas: Mapping[str, _TensorMeta],
     settings: _LoraSettings,
     w_file: Path,
-    n_exp: int,
+    param_experts: Mapping[str, int],
     hid: int,
     inter: int,
     notes: list[str],
+    layout: ExpertParamLayout,
 ) -> tuple[str, dict[tuple[str, int], tuple[str, bool]]]:
     """Which fused parameter each F2 wrapper adapts, and whether the file uses the old swapped layout.
 
@@ -1639,8 +1682,10 @@ def _resolve_f2(
             first,
         )
     # in/out features of each fused parameter (E, out, in)
-    io = {"gate_up_proj": (hid, 2 * inter), "down_proj": (inter, hid)}
-    io_names = {"gate_up_proj": ("H", "2I"), "down_proj": ("I", "H")}
+    io = {"gate_up_proj": (hid, 2 * inter), "up_proj": (hid, inter), "down_proj": (inter, hid)}
+    io_names = {"gate_up_proj": ("H", "2I"), "up_proj": ("H", "I"), "down_proj": ("I", "H")}
+    # the parameters this model's experts hold: up_proj instead of gate_up_proj when ungated
+    model_params = ("up_proj", "down_proj") if layout.up_only else ("gate_up_proj", "down_proj")
 
     def orientations(param: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> set[bool]:
         """The layouts (swapped or not) in which lora_A / lora_B of these shapes adapt ``param``."""
@@ -1658,7 +1703,7 @@ def _resolve_f2(
         assert p.a is not None and p.b is not None
         targeted = [
             prm
-            for prm in _F2_PARAMS
+            for prm in model_params
             if any(
                 f"{container}.{prm}" == t or f"{container}.{prm}".endswith("." + t)
                 for t in settings.target_parameters
@@ -1668,7 +1713,7 @@ def _resolve_f2(
             raise _fail(
                 w_file,
                 f"fused-parameter LoRA weights on {container!r}, but target_parameters "
-                f"{settings.target_parameters} names none of its parameters {list(_F2_PARAMS)}",
+                f"{settings.target_parameters} names none of its parameters {list(model_params)}",
                 p.a,
             )
         if depth >= len(targeted):
@@ -1692,6 +1737,7 @@ def _resolve_f2(
                 "must share the num_experts x rank axis",
                 p.b,
             )
+        n_exp = param_experts[param]
         if a_shape[0] % n_exp:
             raise _fail(
                 w_file,
@@ -1700,7 +1746,7 @@ def _resolve_f2(
                 p.a,
             )
         cand = orientations(param, a_shape, b_shape)
-        other = next(prm for prm in _F2_PARAMS if prm != param)
+        other = next(prm for prm in model_params if prm != param)
         if not cand and orientations(other, a_shape, b_shape):
             # The shapes of gate_up_proj ({H, 2I}) and down_proj ({I, H}) never coincide, so tensors that
             # fit the other parameter mean the config's target_parameters, not the model sizes, is wrong.
@@ -2070,6 +2116,9 @@ def _describe_f2(
     for every wrapper remain. The model's true sizes are always among them, so this refuses only what no
     model could load.
     """
+    # ungated experts (up_proj, no gate_up_proj) are told by the config's targets
+    layout = ExpertParamLayout(up_only=any(t.rpartition(".")[2] == "up_proj"
+                                           for t in settings.target_parameters))
     first = next(iter(c.f2.values()))
     assert first.a is not None and first.b is not None
     a_cols, b_rows = metas[first.a].shape[1], metas[first.b].shape[0]
@@ -2082,7 +2131,8 @@ def _describe_f2(
     for h, i in hyps:
         found: list[str] = []
         try:
-            fmt, assignment = _resolve_f2(c.f2, c.f2_layer, metas, settings, w_file, 1, h, i, found)
+            fmt, assignment = _resolve_f2(c.f2, c.f2_layer, metas, settings, w_file,
+                                          dict.fromkeys(_F2_PARAMS, 1), h, i, found, layout)
         except AdapterLoadError as e:
             errors.append((h, i, e))
         else:
@@ -2146,7 +2196,7 @@ def _describe_f2(
         n_exp.setdefault(rows // cfg_r, p.a)
         ranks[pname], alphas[pname] = cfg_r, alpha
         lid = c.f2_layer[container]
-        projections.setdefault(lid, set()).update(("gate", "up") if param == "gate_up_proj" else ("down",))
+        projections.setdefault(lid, set()).update(("down",) if param == "down_proj" else ("gate", "up"))
         m = _F2_MODULE.match(container)
         assert m is not None
         templates.setdefault(_fold_ids(container, m, ("layer",), ("{L}",)), set()).add(param)

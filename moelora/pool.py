@@ -51,7 +51,7 @@ from moelora.arena import RankRowAllocator
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.load_worker import LoadWorker
 from moelora.parallel import MoEShard
-from moelora.peft_loader import arena_bytes_of, check_adapter_path, read_peft_adapter
+from moelora.peft_loader import ExpertParamLayout, arena_bytes_of, check_adapter_path, read_peft_adapter
 from moelora.pool_report import AdapterMemory, PoolMemoryReport
 from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
 
@@ -207,13 +207,14 @@ class _AdapterStager:
     max_rank: int
     dtype: torch.dtype
     shard: MoEShard | None
+    expert_layout: ExpertParamLayout
 
     @classmethod
     def sizes_of(cls, pool: _AdapterStager) -> _AdapterStager:
         """A stager with ``pool``'s sizes and nothing else (picklable)."""
         stager = cls()
         for attr in ("num_experts", "hidden_size", "intermediate_size", "layer_ids", "max_rank", "dtype",
-                     "shard"):
+                     "shard", "expert_layout"):
             setattr(stager, attr, getattr(pool, attr))
         return stager
 
@@ -225,6 +226,7 @@ class _AdapterStager:
             intermediate_size=shard.intermediate_size if shard else self.intermediate_size,
             layer_ids=self.layer_ids, max_rank=self.max_rank,
             dtype=torch.float32, pool_dtype=self.dtype,  # one rounding, after any per-module rescale
+            layout=self.expert_layout,
         )
         if shard is not None:
             layers = shard.split_adapter(name, layers)
@@ -488,6 +490,10 @@ class MoELoRAMemoryPool(_AdapterStager):
             ``max_rank`` training every expert of every layer take, the dense layout's size). Adapters
             take their own rank's bytes for the experts they train; when one does not fit, least
             recently used evictable adapters make room.
+        expert_layout: how the model's fused expert parameters map onto gate, up and down, for PEFT
+            ``target_parameters`` adapters (:class:`moelora.peft_loader.ExpertParamLayout`: gpt-oss'
+            interleaved gate/up columns, LongCat-Flash's identity experts, Nemotron-H's ungated up_proj);
+            ``attach`` sets it from the model.
         shard: a :class:`moelora.parallel.MoEShard` of a tensor- or expert-parallel rank: ``num_experts``
             and ``intermediate_size`` stay the model's, the buffers hold the shard's experts and I share,
             and every adapter (given or read for the whole model) is stored as the shard's part of it.
@@ -523,8 +529,13 @@ class MoELoRAMemoryPool(_AdapterStager):
         staging_bytes: int | None = None,
         load_process: bool | None = None,
         arena_bytes: int | None = None,
+        expert_layout: ExpertParamLayout | None = None,
     ) -> None:
         self.num_experts = _check_positive_int("num_experts", num_experts)
+        if expert_layout is not None and not isinstance(expert_layout, ExpertParamLayout):
+            raise TypeError(f"expert_layout must be a moelora.peft_loader.ExpertParamLayout, got "
+                            f"{type(expert_layout).__name__}")
+        self.expert_layout = expert_layout if expert_layout is not None else ExpertParamLayout()
         self.hidden_size = _check_positive_int("hidden_size", hidden_size)
         self.intermediate_size = _check_positive_int("intermediate_size", intermediate_size)
         if shard is not None:

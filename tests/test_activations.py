@@ -32,6 +32,7 @@ KINDS = {
     "swiglu_oai": GatedActivation("clamped_swiglu", 1.25, 1.702, 1.0),  # gpt-oss / MiniMax-M3 form
     "swiglu_clamp": GatedActivation("clamped_swiglu", 1.25),  # DeepSeek-V4 / GLM-5-next / Hunyuan-V4
     "silu_clamp_after": GatedActivation("clamped_silu_after", 0.5),  # Step-3.7
+    "relu": GatedActivation("relu"),  # ungated squared ReLU (Nemotron-H) with the up rows as the gate
 }
 
 # family -> (experts class, config fields, extra init kwargs, the activation it must be recognised as)

@@ -113,6 +113,23 @@ def _family_config(family: str):
         return t.AriaTextForCausalLM, t.AriaTextConfig(
             **_common(), num_hidden_layers=2, intermediate_size=24, moe_num_experts=8, moe_topk=2,
             moe_num_shared_experts=1)
+    if family == "gpt_oss":  # interleaved gate/up columns, transposed storage, expert biases, clamped SwiGLU
+        return t.GptOssForCausalLM, t.GptOssConfig(
+            **_common(), num_hidden_layers=2, head_dim=8, intermediate_size=16, num_local_experts=8,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+            swiglu_limit=1.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family == "nemotron_h":  # ungated experts: down(relu(up x)^2); Mamba, MoE and attention layers
+        return t.NemotronHForCausalLM, t.NemotronHConfig(
+            **_common(), head_dim=8, num_hidden_layers=3, layers_block_type=["mamba", "moe", "attention"],
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1, mamba_num_heads=4,
+            mamba_head_dim=8, ssm_state_size=8, n_groups=1, chunk_size=16)
+    if family == "longcat_flash":  # 2 identity (zero-computation) experts beside 8 FFN experts
+        return t.LongcatFlashForCausalLM, t.LongcatFlashConfig(
+            **_common(num_key_value_heads=4), head_dim=4, num_layers=2, n_routed_experts=8, zero_expert_num=2,
+            moe_topk=2,
+            expert_ffn_hidden_size=16, ffn_hidden_size=48, kv_lora_rank=16, q_lora_rank=16,
+            qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
     if family == "gemma4":  # GELU-tanh experts beside a dense MLP in every layer, at layers.N.experts
         return t.Gemma4ForCausalLM, t.Gemma4TextConfig(
             **_common(), num_hidden_layers=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
@@ -132,7 +149,21 @@ FAMILIES = {  # family -> (experts class, MoE layer ids)
     "gemma4": ("Gemma4TextExperts", (0, 1)),
     "deepseek_v4": ("DeepseekV4Experts", (0, 1)),
     "aria": ("AriaExperts", (0, 1)),
+    "gpt_oss": ("GptOssExperts", (0, 1)),
+    "nemotron_h": ("NemotronHExperts", (1,)),
+    "longcat_flash": ("LongcatFlashExperts", (0, 1)),
 }
+# Ungated experts hold up_proj where the others hold gate_up_proj.
+GATE_UP_PARAM = {"nemotron_h": "up_proj"}
+
+
+def _adapter_configs(family: str) -> dict[str, dict]:
+    param = GATE_UP_PARAM.get(family, "gate_up_proj")
+    if param == "gate_up_proj":
+        return ADAPTERS
+    swap = {"experts.gate_up_proj": f"experts.{param}"}
+    return {name: {**cfg, "target_parameters": [swap.get(t, t) for t in cfg["target_parameters"]]}
+            for name, cfg in ADAPTERS.items()}
 
 
 def _fresh(family: str, state: dict | None = None) -> nn.Module:
@@ -143,8 +174,10 @@ def _fresh(family: str, state: dict | None = None) -> nn.Module:
         gen = torch.Generator().manual_seed(7)
         with torch.no_grad():  # sharper routing than the default init, and a used correction bias
             for name, p in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
+                if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.classifier.weight")):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                if name.endswith("_proj_bias"):  # expert biases (gpt-oss), zero at init
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
@@ -189,7 +222,7 @@ def family(request, tmp_path_factory):
     ids, mask = _inputs(base.config.vocab_size)
     root = tmp_path_factory.mktemp(name)
     oracles: dict[str | None, nn.Module] = {None: base}
-    for i, (adapter, cfg) in enumerate(ADAPTERS.items()):
+    for i, (adapter, cfg) in enumerate(_adapter_configs(name).items()):
         pm = peft.get_peft_model(_fresh(name, state), peft.LoraConfig(target_modules=[], **cfg))
         _fill_lora(pm, seed=100 + i)
         pm.eval()
@@ -230,8 +263,9 @@ def test_family_mixed_batch_matches_peft(family):
         assert list(model.state_dict()) == keys_before  # same parameters, same names
         for lid, module in handle.modules.items():
             assert isinstance(module, MoELoRAExperts)
-            assert module.gate_up_proj is module.original.gate_up_proj  # shared, not copied
-            assert module.down_proj is module.original.down_proj
+            own = dict(module.original.named_parameters(recurse=False))
+            assert own and dict(module.named_parameters(recurse=False)).keys() == own.keys()
+            assert all(getattr(module, n) is p for n, p in own.items())  # shared, not copied
             assert module.layer.routed_scaling_factor == 1.0  # DeepSeek-V3's router applies rsf
             assert model.get_submodule(handle.module_names[lid]) is module
         for adapter in ADAPTERS:
@@ -483,12 +517,11 @@ def test_unknown_class_is_checked_numerically():
 
 def test_refused_models():
     t = transformers
-    gpt_oss = t.GptOssForCausalLM(t.GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["full_attention"]))
-    with pytest.raises(NotImplementedError, match="interleaves.*biases"):
-        attach(gpt_oss)
+    normed = mk.load_tiny_qwen3_moe()
+    normed.model.layers[1].mlp.experts.has_post_expert_norm = True  # a norm after each expert
+    with pytest.raises(NotImplementedError, match="applies a norm after each expert"):
+        attach(normed)
+    assert not any(isinstance(m, MoELoRAExperts) for m in normed.modules())  # nothing swapped
     dense = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
                                              num_hidden_layers=1, num_attention_heads=4))
     with pytest.raises(NotImplementedError, match="no fused routed-experts module"):
@@ -545,7 +578,7 @@ def test_cuda_mixed_batch_matches_peft(name, dtype, tmp_path):
     base = _fresh(name)
     state = {k: v.clone() for k, v in base.state_dict().items()}
     oracles: dict[str | None, nn.Module] = {}
-    for i, (adapter, cfg) in enumerate(ADAPTERS.items()):
+    for i, (adapter, cfg) in enumerate(_adapter_configs(name).items()):
         pm = peft.get_peft_model(_fresh(name, state), peft.LoraConfig(target_modules=[], **cfg))
         _fill_lora(pm, seed=100 + i)
         pm.save_pretrained(str(tmp_path / adapter))

@@ -98,11 +98,12 @@ ACTIVATION_GATED_RAW = 3
 ACTIVATION_GELU_TANH = 4
 ACTIVATION_CLAMPED_SWIGLU = 5
 ACTIVATION_CLAMPED_SILU_AFTER = 6
+ACTIVATION_RELU = 7
 # kind -> code; the clamped kinds need their constants (moelora.activations.GatedActivation)
 _ACTIVATION_CODES = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU, "gelu_tanh": ACTIVATION_GELU_TANH,
                      "clamped_swiglu": ACTIVATION_CLAMPED_SWIGLU,
-                     "clamped_silu_after": ACTIVATION_CLAMPED_SILU_AFTER}
-_PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+                     "clamped_silu_after": ACTIVATION_CLAMPED_SILU_AFTER, "relu": ACTIVATION_RELU}
+_PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
 def activation_args(activation: Any) -> dict[str, Any]:
@@ -134,6 +135,8 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr, ACT_LIMIT: tl.constexp
     elif ACTIVATION == 4:  # tanh(z) = 2 / (1 + exp(-2z)) - 1
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         return gate * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z))) * up
+    elif ACTIVATION == 7:  # with gate = up (ungated experts): relu(u)^2
+        return tl.maximum(gate, 0.0) * up
     elif ACTIVATION == 5:
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)

@@ -78,6 +78,7 @@ from moelora.activations import GatedActivation
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.layer import PATHS, FusedMoEWithLoRA, fp8_scales_of
 from moelora.parallel import MoEShard
+from moelora.peft_loader import ExpertParamLayout
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
 
@@ -118,8 +119,14 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 # --------------------------------------------------------------------------------------------------
 
 
+def _gate_up_name(module: nn.Module) -> str:
+    """The parameter holding the experts' input projections: ``gate_up_proj``, or ``up_proj`` for ungated
+    experts (``has_gate`` False, Nemotron-H)."""
+    return "up_proj" if getattr(module, "has_gate", True) is False else "gate_up_proj"
+
+
 def _is_fused_experts(module: nn.Module) -> bool:
-    w13 = getattr(module, "gate_up_proj", None)
+    w13 = getattr(module, _gate_up_name(module), None)
     w2 = getattr(module, "down_proj", None)
     return isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3 and w2.dim() == 3
 
@@ -198,9 +205,10 @@ def _number_attr(module: nn.Module, names: tuple[str, ...]) -> float | None:
 
 def _gate_of(name: str, module: nn.Module, apply_gate: Any, width: int) -> GatedActivation:
     """The :class:`GatedActivation` that the module's own ``_apply_gate`` computes, found by running it on
-    ``width`` (2I) probe columns reaching past its clamp limit (gate and up halves, ``chunk(2)`` order),
-    against the kinds its constants (``limit``/``swiglu_limit``, ``alpha``/``swiglu_alpha``) allow.
-    UnsupportedModelError where none matches (an interleaved layout, a soft cap, another formula)."""
+    ``width`` (2I) probe columns reaching past its clamp limit (gate and up halves in ``chunk(2)`` order,
+    or alternating columns where the module interleaves them, gpt-oss), against the kinds its constants
+    (``limit``/``swiglu_limit``, ``alpha``/``swiglu_alpha``) allow. UnsupportedModelError where none
+    matches (a soft cap, another formula)."""
     where = f"experts module {name!r} ({type(module).__name__})"
     limit = _number_attr(module, ("limit", "swiglu_limit"))
     alpha = _number_attr(module, ("alpha", "swiglu_alpha"))
@@ -223,7 +231,9 @@ def _gate_of(name: str, module: nn.Module, apply_gate: Any, width: int) -> Gated
             want = apply_gate(module, probe)
     except Exception as exc:
         raise UnsupportedModelError(f"{where}: its _apply_gate cannot be probed ({exc})") from exc
-    gate, up = probe.chunk(2, dim=-1)
+    gate, up = probe[..., 0::2], probe[..., 1::2]
+    if getattr(module, "is_concatenated", True):
+        gate, up = probe.chunk(2, dim=-1)
     for candidate in candidates:
         got = candidate(gate, up)
         if isinstance(want, torch.Tensor) and want.shape == got.shape and torch.allclose(
@@ -232,19 +242,86 @@ def _gate_of(name: str, module: nn.Module, apply_gate: Any, width: int) -> Gated
     raise UnsupportedModelError(
         f"{where} overrides _apply_gate with a gated activation moelora does not compute (tried "
         f"{', '.join(map(str, candidates)) or 'none: no limit/alpha constants and no act_fn'}): the layer "
-        "computes act(gate) * up for SiLU/GELU/tanh GELU and the clamped SwiGLUs, with gate and up as the "
-        "halves of gate_up_proj"
+        "computes act(gate) * up for SiLU/GELU/tanh GELU/ReLU and the clamped SwiGLUs"
     )
 
 
-def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up_proj`` and ``down_proj`` as ``(E, 2I, H)`` and ``(E, H, I)``: the parameters themselves, or,
-    for a module storing them transposed (``is_transposed``: ``(E, H, 2I)`` / ``(E, I, H)``, Aria), views of
-    them that the kernels read through their strides (no copy)."""
-    w13, w2 = module.gate_up_proj, module.down_proj
+def _identity_experts(module: nn.Module) -> int:
+    """Router ids past the FFN experts that are identity experts (LongCat-Flash's zero-computation
+    experts: ``out += w * x``): the extra experts ``gate_up_proj`` holds beyond ``down_proj``'s."""
+    w13 = getattr(module, _gate_up_name(module))
+    return max(0, int(w13.shape[0]) - int(module.down_proj.shape[0]))
+
+
+def _storage_of(module: nn.Module) -> str:
+    """The experts' storage in words, as the coverage table lists it."""
+    parts = ["ungated up_proj" if _gate_up_name(module) == "up_proj" else "gate_up_proj"]
+    if not getattr(module, "is_concatenated", True):
+        parts.append("interleaved gate/up")
     if getattr(module, "is_transposed", False):
-        return w13.transpose(1, 2), w2.transpose(1, 2)
-    return w13, w2
+        parts.append("transposed")
+    if any(b is not None for b in _raw_biases(module)):
+        parts.append("biases")
+    if _identity_experts(module):
+        parts.append(f"{_identity_experts(module)} identity experts")
+    return ", ".join(parts)
+
+
+def _canonical_gate_up(module: nn.Module, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` (a gate_up weight or bias) with its FFN experts' gate rows first and up rows second along
+    ``dim``: itself (or a view) for ``[gate; up]`` storage, a copy for interleaved columns (gpt-oss) or an
+    ungated up projection (Nemotron-H: the up rows stand as the gate rows too, ``relu(u) * u``)."""
+    t = t[: module.down_proj.shape[0]]  # LongCat-Flash: no rows of identity experts
+    if _gate_up_name(module) == "up_proj":
+        return torch.cat((t, t), dim=dim)
+    if not getattr(module, "is_concatenated", True):
+        index = [slice(None)] * t.dim()
+        gate, up = list(index), list(index)
+        gate[dim], up[dim] = slice(0, None, 2), slice(1, None, 2)
+        return torch.cat((t[tuple(gate)], t[tuple(up)]), dim=dim)
+    return t
+
+
+def _copies_gate_up(module: nn.Module) -> bool:
+    """Whether the layer's ``(E, 2I, H)`` gate/up weight is a copy made at attach (more memory)."""
+    return _gate_up_name(module) == "up_proj" or not getattr(module, "is_concatenated", True)
+
+
+def _expert_shape(module: nn.Module) -> tuple[int, int, int]:
+    """``(E, 2I, H)`` of the layer's gate/up weight (FFN experts only)."""
+    e, h, i = (int(d) for d in module.down_proj.shape)
+    if getattr(module, "is_transposed", False):  # (E, I, H)
+        h, i = i, h
+    return e, 2 * i, h
+
+
+def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up_proj`` and ``down_proj`` as ``(E, 2I, H)`` (gate rows, then up rows) and ``(E, H, I)``:
+    the parameters themselves; views for a module storing them transposed (``is_transposed``:
+    ``(E, H, 2I)`` / ``(E, I, H)``, Aria, gpt-oss) or holding identity experts (LongCat-Flash); a copy
+    of gate/up for interleaved columns (gpt-oss) and ungated experts (Nemotron-H)."""
+    w13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
+    if getattr(module, "is_transposed", False):
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    return _canonical_gate_up(module, w13, dim=1), w2
+
+
+def _expert_biases(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The experts' biases as ``(E, 2I)`` (gate then up) and ``(E, H)``, or None where there are none."""
+    gate_up = getattr(module, f"{_gate_up_name(module)}_bias", None)
+    down = getattr(module, "down_proj_bias", None)
+    gate_up = _canonical_gate_up(module, gate_up, dim=1) if isinstance(gate_up, torch.Tensor) else None
+    return gate_up, down if isinstance(down, torch.Tensor) else None
+
+
+def _expert_layout(module: nn.Module) -> ExpertParamLayout:
+    """How the PEFT ``target_parameters`` LoRA of this module's parameters maps onto the pool's rows."""
+    identity = _identity_experts(module)
+    return ExpertParamLayout(
+        gate_up_interleaved=not getattr(module, "is_concatenated", True),
+        gate_up_experts=int(module.down_proj.shape[0]) + identity if identity else None,
+        up_only=_gate_up_name(module) == "up_proj",
+    )
 
 
 def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> str | GatedActivation:
@@ -262,49 +339,59 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             f"{where} has parametrized tensors (a PEFT target_parameters LoRA?); attach to the plain base "
             "model"
         )
-    flags = {
-        "is_concatenated": (False, "interleaves the gate and up columns of gate_up_proj"),
-        "has_bias": (True, "has expert biases"),
-        "has_gate": (False, "has no gate projection (up -> act -> down)"),
-        "has_post_expert_norm": (True, "applies a norm after each expert"),
-    }
-    reasons = [why for attr, (bad, why) in flags.items() if getattr(module, attr, not bad) == bad]
-    if not getattr(module, "has_bias", False) and any(
-        isinstance(getattr(module, a, None), torch.Tensor) for a in ("gate_up_proj_bias", "down_proj_bias")
-    ):
-        reasons.append("has expert biases")
+    if getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedModelError(
+            f"{where} applies a norm after each expert: the MoE LoRA layer computes "
+            "sum_k w_k * down(act(gate x, up x)), nothing between an expert's down projection and its weight"
+        )
+    ungated = _gate_up_name(module) == "up_proj"
     default_gate = _default_apply_gate()
     custom_gate = getattr(type(module), "_apply_gate", default_gate)
     fp8_plain_gate = cls == _FP8_EXPERTS_CLASS and all(getattr(module, a, None) is None
                                                  for a in _FP8_GATE_VARIANTS)
-    overridden = default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate
-    if overridden and cls == _FP8_EXPERTS_CLASS:
-        reasons.append("overrides _apply_gate (an FP8 gate variant: soft caps or a clamped SwiGLU)")
-    if reasons:
-        raise UnsupportedModelError(
-            f"{where} {'; '.join(reasons)}: the MoE LoRA layer serves bias-free [gate; up] experts stored "
-            "(E, 2I, H) / (E, H, I) or transposed, computing act(gate x, up x) exactly"
-        )
+    overridden = (default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate
+                  and not ungated)
+    raw13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
+    copies = _copies_gate_up(module)
+    biases = [b for b in _raw_biases(module) if b is not None]
     transposed = getattr(module, "is_transposed", False)
-    if transposed and any(type(t).__name__ == "DTensor" for t in (module.gate_up_proj, module.down_proj)):
-        raise UnsupportedModelError(f"{where} stores its weights transposed and is sharded by a parallel "
-                                  "plan; moelora serves transposed experts unsharded")
-    w13, w2 = _expert_weights(module)
-    e, two_i, h = w13.shape
-    if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+    if cls == _FP8_EXPERTS_CLASS and (overridden or copies or biases or transposed):
         raise UnsupportedModelError(
-            f"{where}: gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} are not "
-            "(E, 2I, H) and (E, H, I)"
+            f"{where}: FP8 experts are served with bias-free [gate; up] weights stored (E, 2I, H) and the "
+            "plain gate (not an FP8 gate variant: soft caps, a clamped SwiGLU; not interleaved, transposed "
+            "or ungated)"
         )
-    fp8 = w13.dtype == torch.float8_e4m3fn and w2.dtype == torch.float8_e4m3fn
-    if fp8 and transposed:
-        raise UnsupportedModelError(f"{where}: FP8 experts stored transposed are not served")
+    reshaped = copies or getattr(module, "is_transposed", False) or _identity_experts(module)
+    if reshaped and any(type(t).__name__ == "DTensor" for t in (raw13, w2)):
+        raise UnsupportedModelError(f"{where} stores its weights {_storage_of(module)} and is sharded by a "
+                                  "parallel plan; moelora serves such experts unsharded")
+    if biases and any(type(t).__name__ == "DTensor" for t in (raw13, w2)):
+        raise UnsupportedModelError(f"{where} has expert biases and is sharded by a parallel plan; moelora "
+                                  "serves experts with biases unsharded")
+    e, two_i, h = _expert_shape(module)
+    want13 = (e + _identity_experts(module), two_i // 2 if ungated else two_i, h)
+    if getattr(module, "is_transposed", False):
+        want13 = (want13[0], want13[2], want13[1])
+    want2 = (e, two_i // 2, h) if getattr(module, "is_transposed", False) else (e, h, two_i // 2)
+    if tuple(raw13.shape) != want13 or tuple(w2.shape) != want2:
+        raise UnsupportedModelError(
+            f"{where}: {_gate_up_name(module)} {tuple(raw13.shape)} and down_proj {tuple(w2.shape)} are not "
+            f"{want13} and {want2} ({_storage_of(module)})"
+        )
+    for bias, shape in zip(_raw_biases(module), ((want13[0], two_i // 2 if ungated else two_i), (e, h)),
+                           strict=True):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != raw13.dtype
+                                 or bias.device != raw13.device):
+            raise UnsupportedModelError(f"{where}: an expert bias of shape {tuple(bias.shape)} "
+                                        f"({bias.dtype}, {bias.device}); expected {shape} in the weights' "
+                                        "dtype and device")
+    fp8 = raw13.dtype == torch.float8_e4m3fn and w2.dtype == torch.float8_e4m3fn
     if fp8:
         try:
-            fp8_scales_of(module, "gate_up_proj", "down_proj").check(w13, w2)
+            fp8_scales_of(module, "gate_up_proj", "down_proj").check(raw13, w2)
         except (ValueError, TypeError) as exc:
             raise UnsupportedModelError(f"{where}: {exc}") from exc
-    for pname, t in (("gate_up_proj", w13), ("down_proj", w2)):
+    for pname, t in ((_gate_up_name(module), raw13), ("down_proj", w2)):
         if t.dtype not in _POOL_DTYPES and not fp8:
             raise UnsupportedModelError(
                 f"{where}: {pname} has dtype {t.dtype} (quantised?); float32, float16 and bfloat16 are "
@@ -312,11 +399,39 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             )
         if t.device.type == "meta":
             raise UnsupportedModelError(f"{where}: {pname} is on the meta device (offloaded?); load it first")
-    if w13.dtype != w2.dtype or w13.device != w2.device:
-        raise UnsupportedModelError(f"{where}: gate_up_proj and down_proj differ in dtype or device")
+    if raw13.dtype != w2.dtype or raw13.device != w2.device:
+        raise UnsupportedModelError(f"{where}: {_gate_up_name(module)} and down_proj differ in dtype or "
+                                    "device")
+    if ungated:
+        return _ungated_activation_of(name, module)
     if overridden:
         return _gate_of(name, module, custom_gate, two_i)
     return _activation_of(name, module)
+
+
+def _raw_biases(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The module's own gate/up (or up) and down bias tensors, as stored."""
+    found = (getattr(module, f"{_gate_up_name(module)}_bias", None), getattr(module, "down_proj_bias", None))
+    return tuple(b if isinstance(b, torch.Tensor) else None for b in found)
+
+
+def _ungated_activation_of(name: str, module: nn.Module) -> GatedActivation:
+    """Ungated experts (``down(act(up x))``) are served when ``act`` is the squared ReLU: ``relu(u) * u``
+    with the up rows standing as the gate too."""
+    act = getattr(module, "act_fn", None)
+    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            y = act(probe) if callable(act) else None
+    except Exception as exc:
+        raise UnsupportedModelError(f"experts module {name!r}: its act_fn cannot be probed ({exc})") from exc
+    if isinstance(y, torch.Tensor) and y.shape == probe.shape and torch.allclose(
+            y, torch.relu(probe) ** 2, rtol=1e-5, atol=1e-6):
+        return GatedActivation("relu")
+    raise UnsupportedModelError(
+        f"experts module {name!r} ({type(module).__name__}) has no gate (up -> act -> down) with the "
+        f"activation {act!r}; ungated experts are served when act is the squared ReLU (relu(u) * u)"
+    )
 
 
 def _activation_dtype(model: nn.Module) -> torch.dtype:
@@ -342,7 +457,7 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without DTensor shards nothing
         return None
-    w13, w2 = module.gate_up_proj, module.down_proj
+    w13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
     if not isinstance(w13, DTensor) and not isinstance(w2, DTensor):
         return None
     where = f"experts module {name!r} ({type(module).__name__})"
@@ -382,20 +497,32 @@ def _sharding_of(name: str, module: nn.Module, model: nn.Module) -> tuple[MoESha
         "and its expert-parallel plan (grouped_gemm)")
 
 
+def _identity_term(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   num_experts: int) -> torch.Tensor:
+    """``sum_k w_k * x`` over the pairs routed to an identity expert (id ``>= num_experts``): LongCat-Flash's
+    zero-computation experts return their input. No host sync."""
+    identity = (weights * (ids >= num_experts)).sum(dim=-1, keepdim=True)
+    return (identity * x).to(x.dtype)
+
+
 def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation) -> None:
     """Runs ``module`` and the §1 formula (no LoRA, rsf 1) on a few random tokens and refuses the module
     if they differ: its forward does something else (weights on the input, a scaling, ...)."""
     w13, w2 = _expert_weights(module)
+    w13_bias, w2_bias = _expert_biases(module)
     e, _, h = w13.shape
-    n, k = 8, min(2, e)
+    routed = e + _identity_experts(module)  # identity experts' ids are routed too (LongCat-Flash)
+    n, k = 8, min(2, routed)
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(n, h, generator=gen).to(device=w13.device, dtype=w13.dtype)
-    ids = torch.rand(n, e, generator=gen).topk(k, dim=1).indices.to(w13.device)
+    ids = torch.rand(n, routed, generator=gen).topk(k, dim=1).indices.to(w13.device)
     weights = torch.rand(n, k, generator=gen).to(device=w13.device, dtype=w13.dtype)
     try:
         with torch.no_grad():
             got = module(x, ids, weights)
-            want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, activation=activation)
+            want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, activation=activation,
+                                          w13_bias=w13_bias, w2_bias=w2_bias)
+            want = want + _identity_term(x, ids, weights, e)
     except Exception as exc:
         raise UnsupportedModelError(
             f"experts module {name!r} ({type(module).__name__}) could not be checked: calling "
@@ -559,19 +686,25 @@ class MoELoRAExperts(nn.Module):
         process_group: object | None = None,
     ) -> None:
         super().__init__()
-        self.gate_up_proj = original.gate_up_proj
-        self.down_proj = original.down_proj
-        self.num_experts, two_i, self.hidden_dim = (int(d) for d in _expert_weights(original)[0].shape)
+        # The original's parameters under their own names (gate_up_proj or up_proj, down_proj, biases): the
+        # same objects, so state_dict() keys and tensors are unchanged.
+        for pname, param in original.named_parameters(recurse=False):
+            self.register_parameter(pname, param)
+        self.num_experts, two_i, self.hidden_dim = _expert_shape(original)
+        self.identity_experts = _identity_experts(original)
         self.intermediate_dim = two_i // 2
         self.layer_id = int(layer_id)
         # Not registered as submodules: the original stays out of the module tree (and state_dict), and
         # the layer holds the same Parameters (its own registration of them must not add state_dict keys).
         object.__setattr__(self, "original", original)
         (w13, w2), parallel = _expert_weights(original), {}
+        w13_bias, w2_bias = _expert_biases(original)
         if getattr(original, "is_transposed", False) and w13.is_cuda:
             # The PyTorch path reads the transposed views; the Triton kernels get one (E, 2I, H) copy made
             # here (the expert weights once more in memory) until their strided reads are verified on a GPU.
             w13, w2 = w13.contiguous(), w2.contiguous()
+        if w13_bias is not None or w2_bias is not None:
+            parallel.update(w13_bias=w13_bias, w2_bias=w2_bias)
         if process_group is not None:
             # This rank's part of gate/up and down (views of the DTensors' local shards, its I share or its
             # experts); the layer all-reduces its partial output over the group, as the plan's own
@@ -613,10 +746,10 @@ class MoELoRAExperts(nn.Module):
         hidden_states, top_k_index, top_k_weights = (t.to_local() if hasattr(t, "to_local") else t
                                                      for t in (hidden_states, top_k_index, top_k_weights))
         x = hidden_states.reshape(num_tokens, hidden)
-        out = self.layer(
-            x, top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1),
-            batch if batch is not None and batch.has_lora else None,
-        )
+        weights, ids = top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1)
+        out = self.layer(x, weights, ids, batch if batch is not None and batch.has_lora else None)
+        if self.identity_experts:  # the layer skips ids past its experts; they return their input
+            out = out + _identity_term(x, ids, weights.to(out.dtype), self.num_experts)
         return out.reshape(hidden_states.shape)
 
     def extra_repr(self) -> str:
@@ -885,23 +1018,28 @@ def attach(
     sharding = next(iter(parallel.values()))
 
     first = found[0][2]
-    w13_first = _expert_weights(first)[0]
-    shape, dtype, device = tuple(w13_first.shape), w13_first.dtype, w13_first.device
+    shape, dtype, device = _expert_shape(first), first.down_proj.dtype, first.down_proj.device
+    layout = _expert_layout(first)
     fp8 = dtype == torch.float8_e4m3fn
     if fp8 and sharding is not None:
         raise UnsupportedModelError("FP8 experts sharded by a tensor- or expert-parallel plan are not served "
                                   "yet (their block scales would need sharding too)")
     for name, _, module in found[1:]:
-        w13 = _expert_weights(module)[0]
-        if tuple(w13.shape) != shape:
+        w2 = module.down_proj
+        if _expert_shape(module) != shape:
             raise UnsupportedModelError(
-                f"MoE layers of different shapes ({found[0][0]}: {shape}, {name}: {tuple(w13.shape)}); "
+                f"MoE layers of different shapes ({found[0][0]}: {shape}, {name}: {_expert_shape(module)}); "
                 "one pool holds one (E, H, I)"
             )
-        if w13.dtype != dtype or w13.device != device:
+        if w2.dtype != dtype or w2.device != device:
             raise UnsupportedModelError(
-                f"experts on different dtypes/devices ({found[0][0]}: {dtype} {device}, {name}: {w13.dtype} "
-                f"{w13.device}); the pool lives on one device with one dtype"
+                f"experts on different dtypes/devices ({found[0][0]}: {dtype} {device}, {name}: {w2.dtype} "
+                f"{w2.device}); the pool lives on one device with one dtype"
+            )
+        if _expert_layout(module) != layout:
+            raise UnsupportedModelError(
+                f"MoE layers stored differently ({found[0][0]}: {_storage_of(first)}, {name}: "
+                f"{_storage_of(module)}); one pool reads one adapter layout"
             )
     num_experts, two_i, hidden = shape
     layer_ids = [lid for _, lid, _ in found]
@@ -912,18 +1050,21 @@ def attach(
         pool = MoELoRAMemoryPool(
             num_experts=num_experts, hidden_size=hidden, intermediate_size=two_i // 2, layer_ids=layer_ids,
             max_loras=max_loras, max_rank=max_rank, dtype=_activation_dtype(model) if fp8 else dtype,
-            device=device, max_cpu_loras=max_cpu_loras, shard=shard,
+            device=device, max_cpu_loras=max_cpu_loras, shard=shard, expert_layout=layout,
         )
     else:
         got = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
         want = (num_experts, hidden, two_i // 2) if shard is None else (
             shard.local_num_experts, hidden, shard.local_intermediate_size)
-        def layout(s: MoEShard | None) -> tuple | None:
+        def shard_layout(s: MoEShard | None) -> tuple | None:
             return None if s is None else (s.tp_rank, s.tp_size, s.experts)
 
-        if got != want or layout(pool.shard) != layout(shard):
+        if got != want or shard_layout(pool.shard) != shard_layout(shard):
             raise ValueError(f"the pool has (E, H, I) = {got} (shard {pool.shard}), the model's experts on "
                              f"this rank {want} (shard {shard})")
+        if pool.expert_layout != layout:
+            raise ValueError(f"the pool reads adapters as {pool.expert_layout}, the model's experts need "
+                             f"{layout} ({_storage_of(first)})")
         missing = [lid for lid in layer_ids if lid not in pool.layer_ids]
         if missing:
             raise ValueError(
