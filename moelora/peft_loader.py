@@ -122,11 +122,15 @@ class ExpertParamLayout:
             factors of experts past ``num_experts`` are dropped. None: ``num_experts``.
         up_only: ungated experts (Nemotron-H): ``up_proj (E, I, H)``, no gate. Its LoRA is stored as both
             the gate's and the up's, the pool's form of ``relu(u) * u`` (``moelora.activations``).
+        unflagged_transposed: the parameters are stored ``(E, in, out)`` without transformers'
+            ``is_transposed`` flag (Llama-4), so PEFT writes their factors as ``A (E*r, out)``,
+            ``B (in, E*r)``: what decides the orientation where the shapes cannot (``in == out``).
     """
 
     gate_up_interleaved: bool = False
     gate_up_experts: int | None = None
     up_only: bool = False
+    unflagged_transposed: bool = False
 _PROJ_ORDER = ("gate", "up", "down")
 _PROJ_RANK = {p: i for i, p in enumerate(_PROJ_ORDER)}
 
@@ -1796,6 +1800,9 @@ def _resolve_f2(
     if swapped_set:
         swapped = swapped_set.pop()
         notes.append("F2 orientation decided by the tensor shapes")
+    elif layout.unflagged_transposed:
+        swapped = True
+        notes.append("F2 orientation decided by the model's storage ((E, in, out) without is_transposed)")
     else:
         ver = _version_tuple(settings.peft_version)
         if ver is None:

@@ -130,6 +130,10 @@ def _family_config(family: str):
             moe_topk=2,
             expert_ffn_hidden_size=16, ffn_hidden_size=48, kv_lora_rank=16, q_lora_rank=16,
             qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+    if family == "llama4":  # dense form: every expert's rows stacked, scaled by sigmoid scores on the input
+        return t.Llama4ForCausalLM, t.Llama4TextConfig(
+            **_common(), head_dim=8, num_hidden_layers=2, intermediate_size=16, intermediate_size_mlp=48,
+            num_local_experts=8, num_experts_per_tok=2, interleave_moe_layer_step=1, no_rope_layers=[1, 1])
     if family == "gemma4":  # GELU-tanh experts beside a dense MLP in every layer, at layers.N.experts
         return t.Gemma4ForCausalLM, t.Gemma4TextConfig(
             **_common(), num_hidden_layers=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
@@ -152,7 +156,10 @@ FAMILIES = {  # family -> (experts class, MoE layer ids)
     "gpt_oss": ("GptOssExperts", (0, 1)),
     "nemotron_h": ("NemotronHExperts", (1,)),
     "longcat_flash": ("LongcatFlashExperts", (0, 1)),
+    "llama4": ("Llama4TextExperts", (0, 1)),
 }
+# The dense form's batch covers every expert's copy of the tokens (Llama-4: 8 experts).
+DENSE_COPIES = {"llama4": 8}
 # Ungated experts hold up_proj where the others hold gate_up_proj.
 GATE_UP_PARAM = {"nemotron_h": "up_proj"}
 
@@ -174,7 +181,8 @@ def _fresh(family: str, state: dict | None = None) -> nn.Module:
         gen = torch.Generator().manual_seed(7)
         with torch.no_grad():  # sharper routing than the default init, and a used correction bias
             for name, p in model.named_parameters():
-                if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.classifier.weight")):
+                if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.classifier.weight",
+                                  "feed_forward.router.weight")):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
                 if name.endswith("_proj_bias"):  # expert biases (gpt-oss), zero at init
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
@@ -279,7 +287,8 @@ def test_family_mixed_batch_matches_peft(family):
             assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, family["base_logits"])
             with handle.adapters(ROWS):
                 logits = model(input_ids=ids, attention_mask=mask).logits
-            assert builds == [(7, 7, 7, 7)]  # one batch info for all layers
+            copies = DENSE_COPIES.get(family["name"], 1)
+            assert builds == [(7, 7, 7, 7) * copies]  # one batch info for all layers
             for row in range(len(ROWS)):
                 want = family["logits"][row][_real(row)]
                 err = _close(logits[row, _real(row)], want)
@@ -291,7 +300,8 @@ def test_family_mixed_batch_matches_peft(family):
             with handle.adapters(ROWS):
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                      do_sample=False)
-            assert builds == [(7, 7, 7, 7), (1, 1, 1, 1)]  # prefill and decode, not per layer or step
+            # prefill and decode, not per layer or step
+            assert builds == [(7, 7, 7, 7) * copies, (1, 1, 1, 1) * copies]
             for row in range(len(ROWS)):
                 assert out[row, ids.shape[1] :].tolist() == family["tokens"][row].tolist(), ROWS[row]
 

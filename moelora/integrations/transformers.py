@@ -62,6 +62,7 @@ name is ``None``) the original module runs: exactly the base model's output.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import re
 import threading
@@ -246,6 +247,24 @@ def _gate_of(name: str, module: nn.Module, apply_gate: Any, width: int) -> Gated
     )
 
 
+def _dense_form(module: nn.Module) -> bool:
+    """Experts whose ``forward(hidden_states)`` takes every expert's inputs stacked, ``(E * M, H)``, already
+    scaled by the routing scores (Llama-4: zero rows for the experts a token is not routed to), and
+    returns ``(E * M, H)`` for its caller to sum. They multiply ``x @ W``: their weights are stored
+    transposed, ``(E, H, 2I)`` / ``(E, I, H)``, without an ``is_transposed`` flag."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1 and not any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _transposed(module: nn.Module) -> bool:
+    """Weights stored ``(E, H, 2I)`` / ``(E, I, H)``: ``is_transposed`` (Aria, gpt-oss) or the dense form."""
+    return bool(getattr(module, "is_transposed", False)) or _dense_form(module)
+
+
 def _identity_experts(module: nn.Module) -> int:
     """Router ids past the FFN experts that are identity experts (LongCat-Flash's zero-computation
     experts: ``out += w * x``): the extra experts ``gate_up_proj`` holds beyond ``down_proj``'s."""
@@ -258,7 +277,7 @@ def _storage_of(module: nn.Module) -> str:
     parts = ["ungated up_proj" if _gate_up_name(module) == "up_proj" else "gate_up_proj"]
     if not getattr(module, "is_concatenated", True):
         parts.append("interleaved gate/up")
-    if getattr(module, "is_transposed", False):
+    if _transposed(module):
         parts.append("transposed")
     if any(b is not None for b in _raw_biases(module)):
         parts.append("biases")
@@ -290,7 +309,7 @@ def _copies_gate_up(module: nn.Module) -> bool:
 def _expert_shape(module: nn.Module) -> tuple[int, int, int]:
     """``(E, 2I, H)`` of the layer's gate/up weight (FFN experts only)."""
     e, h, i = (int(d) for d in module.down_proj.shape)
-    if getattr(module, "is_transposed", False):  # (E, I, H)
+    if _transposed(module):  # (E, I, H)
         h, i = i, h
     return e, 2 * i, h
 
@@ -301,7 +320,7 @@ def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     ``(E, H, 2I)`` / ``(E, I, H)``, Aria, gpt-oss) or holding identity experts (LongCat-Flash); a copy
     of gate/up for interleaved columns (gpt-oss) and ungated experts (Nemotron-H)."""
     w13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
-    if getattr(module, "is_transposed", False):
+    if _transposed(module):
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
     return _canonical_gate_up(module, w13, dim=1), w2
 
@@ -321,6 +340,7 @@ def _expert_layout(module: nn.Module) -> ExpertParamLayout:
         gate_up_interleaved=not getattr(module, "is_concatenated", True),
         gate_up_experts=int(module.down_proj.shape[0]) + identity if identity else None,
         up_only=_gate_up_name(module) == "up_proj",
+        unflagged_transposed=_transposed(module) and not getattr(module, "is_transposed", False),
     )
 
 
@@ -354,14 +374,14 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
     raw13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
     copies = _copies_gate_up(module)
     biases = [b for b in _raw_biases(module) if b is not None]
-    transposed = getattr(module, "is_transposed", False)
+    transposed = _transposed(module)
     if cls == _FP8_EXPERTS_CLASS and (overridden or copies or biases or transposed):
         raise UnsupportedModelError(
             f"{where}: FP8 experts are served with bias-free [gate; up] weights stored (E, 2I, H) and the "
             "plain gate (not an FP8 gate variant: soft caps, a clamped SwiGLU; not interleaved, transposed "
             "or ungated)"
         )
-    reshaped = copies or getattr(module, "is_transposed", False) or _identity_experts(module)
+    reshaped = copies or _transposed(module) or _identity_experts(module)
     if reshaped and any(type(t).__name__ == "DTensor" for t in (raw13, w2)):
         raise UnsupportedModelError(f"{where} stores its weights {_storage_of(module)} and is sharded by a "
                                   "parallel plan; moelora serves such experts unsharded")
@@ -370,9 +390,9 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
                                   "serves experts with biases unsharded")
     e, two_i, h = _expert_shape(module)
     want13 = (e + _identity_experts(module), two_i // 2 if ungated else two_i, h)
-    if getattr(module, "is_transposed", False):
+    if _transposed(module):
         want13 = (want13[0], want13[2], want13[1])
-    want2 = (e, two_i // 2, h) if getattr(module, "is_transposed", False) else (e, h, two_i // 2)
+    want2 = (e, two_i // 2, h) if _transposed(module) else (e, h, two_i // 2)
     if tuple(raw13.shape) != want13 or tuple(w2.shape) != want2:
         raise UnsupportedModelError(
             f"{where}: {_gate_up_name(module)} {tuple(raw13.shape)} and down_proj {tuple(w2.shape)} are not "
@@ -505,6 +525,17 @@ def _identity_term(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return (identity * x).to(x.dtype)
 
 
+def _dense_routing(x: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of the dense form's stacked rows (``(E * M, H)``, expert-major): row ``j`` is one pair of
+    expert ``j // M`` with weight 1 (the scores already scale the rows); an all-zero row (an expert its
+    token is not routed to) gets id -1, which the layer skips, since it contributes exactly zero. No host
+    sync: ``(E * M, 1)`` weights and ids."""
+    rows = x.shape[0]
+    ids = torch.arange(num_experts, device=x.device).repeat_interleave(rows // num_experts)
+    ids = ids.masked_fill(~x.ne(0).any(dim=-1), -1)
+    return torch.ones(rows, 1, device=x.device, dtype=x.dtype), ids[:, None]
+
+
 def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation) -> None:
     """Runs ``module`` and the §1 formula (no LoRA, rsf 1) on a few random tokens and refuses the module
     if they differ: its forward does something else (weights on the input, a scaling, ...)."""
@@ -517,16 +548,21 @@ def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation
     x = torch.randn(n, h, generator=gen).to(device=w13.device, dtype=w13.dtype)
     ids = torch.rand(n, routed, generator=gen).topk(k, dim=1).indices.to(w13.device)
     weights = torch.rand(n, k, generator=gen).to(device=w13.device, dtype=w13.dtype)
+    dense = _dense_form(module)
+    if dense:  # every expert's stacked inputs; a token's rows of experts it is not routed to are zero
+        x = x.repeat(e, 1) * (torch.rand(e * n, 1, generator=gen) < 0.5).to(device=x.device, dtype=x.dtype)
+        weights, ids = _dense_routing(x, e)
     try:
         with torch.no_grad():
-            got = module(x, ids, weights)
+            got = module(x) if dense else module(x, ids, weights)
             want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, activation=activation,
                                           w13_bias=w13_bias, w2_bias=w2_bias)
             want = want + _identity_term(x, ids, weights, e)
     except Exception as exc:
+        call = "forward(hidden_states)" if dense else "forward(hidden_states, top_k_index, top_k_weights)"
         raise UnsupportedModelError(
-            f"experts module {name!r} ({type(module).__name__}) could not be checked: calling "
-            f"forward(hidden_states, top_k_index, top_k_weights) failed ({type(exc).__name__}: {exc})"
+            f"experts module {name!r} ({type(module).__name__}) could not be checked: calling {call} failed "
+            f"({type(exc).__name__}: {exc})"
         ) from exc
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         raise UnsupportedModelError(
@@ -557,7 +593,7 @@ class _Selection:
         self.names = names
         self.seq_lens = seq_lens
         self.any_adapter = any(n is not None for n in names)
-        self.batches: dict[int, MoELoRABatchInfo] = {}
+        self.batches: dict[int | tuple[int, int], MoELoRABatchInfo] = {}
         self.builds = 0
 
     def lens_for(self, num_tokens: int) -> tuple[int, ...]:
@@ -623,21 +659,24 @@ class _Selector:
         with self.lock:
             return self.stack[-1] if self.stack else self.default
 
-    def batch_for(self, num_tokens: int) -> MoELoRABatchInfo | None:
-        """The batch info of the active choice for ``num_tokens`` tokens; None = every token base."""
+    def batch_for(self, num_tokens: int, copies: int = 1) -> MoELoRABatchInfo | None:
+        """The batch info of the active choice for ``num_tokens`` tokens; None = every token base. With
+        ``copies`` the batch covers that many copies of those tokens one after the other (the dense form's
+        rows of every expert)."""
         with self.lock:
             sel = self.stack[-1] if self.stack else self.default
             if sel is None or not sel.any_adapter:
                 return None
-            batch = sel.batches.get(num_tokens)
-            if batch is None:
-                batch = self.pool.prepare_batch(sel.names, sel.lens_for(num_tokens))
-                sel.batches[num_tokens] = batch
-                sel.builds += 1
-            elif not self.pool.is_current(batch):
-                # An adapter was unloaded or evicted since: rebuilt in place (an unloaded one that is not
-                # in the host tier is refused here, by name).
-                self.pool.prepare_batch(sel.names, sel.lens_for(num_tokens), out=batch)
+            key = num_tokens if copies == 1 else (num_tokens, copies)
+            batch = sel.batches.get(key)
+            if batch is None or not self.pool.is_current(batch):
+                # (Re)built: first use, or an adapter was unloaded or evicted since (rebuilt in place; an
+                # unloaded one that is not in the host tier is refused here, by name).
+                names, lens = sel.names * copies, sel.lens_for(num_tokens) * copies
+                if batch is None:
+                    batch = sel.batches[key] = self.pool.prepare_batch(names, lens)
+                else:
+                    self.pool.prepare_batch(names, lens, out=batch)
                 sel.builds += 1
             return batch
 
@@ -692,6 +731,7 @@ class MoELoRAExperts(nn.Module):
             self.register_parameter(pname, param)
         self.num_experts, two_i, self.hidden_dim = _expert_shape(original)
         self.identity_experts = _identity_experts(original)
+        self.dense = _dense_form(original)
         self.intermediate_dim = two_i // 2
         self.layer_id = int(layer_id)
         # Not registered as submodules: the original stays out of the module tree (and state_dict), and
@@ -699,7 +739,7 @@ class MoELoRAExperts(nn.Module):
         object.__setattr__(self, "original", original)
         (w13, w2), parallel = _expert_weights(original), {}
         w13_bias, w2_bias = _expert_biases(original)
-        if getattr(original, "is_transposed", False) and w13.is_cuda:
+        if _transposed(original) and w13.is_cuda:
             # The PyTorch path reads the transposed views; the Triton kernels get one (E, 2I, H) copy made
             # here (the expert weights once more in memory) until their strided reads are verified on a GPU.
             w13, w2 = w13.contiguous(), w2.contiguous()
@@ -727,17 +767,28 @@ class MoELoRAExperts(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """``sum_k w_k * W2'(act(W_gate' x) * W_up' x)`` with each token's adapter (DESIGN §1)."""
+        """``sum_k w_k * W2'(act(W_gate' x) * W_up' x)`` with each token's adapter (DESIGN §1). The dense
+        form (Llama-4) takes ``hidden_states`` alone, every expert's rows stacked, and returns each row's
+        expert output."""
         hidden = hidden_states.shape[-1]
         num_tokens = hidden_states.numel() // hidden if hidden else 0
-        batch = self._selector.batch_for(num_tokens)
+        copies = self.num_experts if self.dense else 1
+        if num_tokens % copies:
+            raise ValueError(f"the dense experts module got {num_tokens} rows, not {copies} experts' rows of "
+                             "the same tokens")
+        batch = self._selector.batch_for(num_tokens // copies, copies=copies)
         if (batch is None or not batch.has_lora) and self.layer.fp8 is None:
+            if self.dense:
+                return self.original(hidden_states, *args, **kwargs)
             return self.original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        if self.dense and (top_k_index is not None or top_k_weights is not None):
+            raise TypeError(f"{type(self.original).__name__}.forward takes hidden_states alone (the dense "
+                            "form)")
         if args or kwargs:
             raise TypeError(
                 f"MoELoRAExperts.forward takes (hidden_states, top_k_index, top_k_weights) only, got extra "
@@ -746,7 +797,10 @@ class MoELoRAExperts(nn.Module):
         hidden_states, top_k_index, top_k_weights = (t.to_local() if hasattr(t, "to_local") else t
                                                      for t in (hidden_states, top_k_index, top_k_weights))
         x = hidden_states.reshape(num_tokens, hidden)
-        weights, ids = top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1)
+        if self.dense:
+            weights, ids = _dense_routing(x, self.num_experts)
+        else:
+            weights, ids = top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1)
         out = self.layer(x, weights, ids, batch if batch is not None and batch.has_lora else None)
         if self.identity_experts:  # the layer skips ids past its experts; they return their input
             out = out + _identity_term(x, ids, weights.to(out.dtype), self.num_experts)
