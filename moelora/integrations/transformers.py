@@ -146,6 +146,12 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
     for name, module in model.named_modules():
         if isinstance(module, MoELoRAExperts):
             raise ValueError(f"{name} is already a MoELoRAExperts: this model is attached; detach() first")
+        if "Mxfp4" in type(module).__name__:
+            raise UnsupportedModelError(
+                f"experts module {name!r} ({type(module).__name__}) holds MXFP4 weights packed for "
+                "transformers' hub kernels; load the model with quantization_config=Mxfp4Config("
+                "dequantize=True) (the experts in bfloat16: four times their MXFP4 bytes) and attach that"
+            )
         if not _is_fused_experts(module):
             continue
         ids = _LAYER_RE.findall(name)
