@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from moelora.activations import GatedActivation, as_gated_activation
 
 __all__ = ["MODELS", "BenchError", "ModelShape", "load_config", "run_bench"]
 
@@ -65,6 +66,9 @@ class ModelShape:
     top_k: int
     H: int
     I: int  # noqa: E741
+    # the experts' gated activation (a GatedActivation or a plain kind's name) and expert biases (gpt-oss)
+    activation: Any = "silu"
+    biases: bool = False
 
 
 MODELS: dict[str, ModelShape] = {
@@ -75,6 +79,8 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("deepseek-v3", 256, 8, 7168, 2048),
         ModelShape("qwen3-30b-a3b", 128, 8, 2048, 768),
         ModelShape("mixtral-8x7b", 8, 2, 4096, 14336),
+        ModelShape("gpt-oss-20b", 32, 4, 2880, 2880,
+                   activation=GatedActivation("clamped_swiglu", 7.0, 1.702, 1.0), biases=True),
     )
 }
 DRY_RUN_MODEL = ModelShape("tiny", 8, 2, 64, 48)
@@ -268,6 +274,16 @@ def make_weights(shape: ModelShape, dtype: torch.dtype, device: torch.device,
     return w13.mul_(shape.H**-0.5), w2.mul_(shape.I**-0.5)
 
 
+def make_biases(shape: ModelShape, dtype: torch.dtype, device: torch.device,
+                seed: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The experts' (E, 2I) and (E, H) biases of a shape that has them, else (None, None)."""
+    if not shape.biases:
+        return None, None
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    return (torch.randn(shape.E, 2 * shape.I, generator=gen, device=device, dtype=dtype).mul_(0.1),
+            torch.randn(shape.E, shape.H, generator=gen, device=device, dtype=dtype).mul_(0.1))
+
+
 def lora_inputs(buf: LoRABuffers, token_slots: torch.Tensor, n_slots: int, n_adapters: int, rank: int,
                 device: torch.device) -> Any:
     """The benchmark's ``MoELoRAInputs``: slots [0, n_adapters) hold rank-``rank`` adapters (scaling 2),
@@ -295,7 +311,8 @@ def dense_lora_inputs(lora: Any, buf: LoRABuffers) -> Any:
 
 
 def naive_moe_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, lora: Any = None) -> torch.Tensor:
+                   topk_ids: torch.Tensor, lora: Any = None, activation: Any = "silu",
+                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch loop over the routed experts (base GEMMs per expert), LoRA per (expert, adapter) group.
 
     ``lora`` is a ``triton_ops.fused_experts.MoELoRAInputs`` with dense buffers (``dense_lora_inputs``) or
@@ -303,6 +320,7 @@ def naive_moe_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     On CPU it computes in float32 (PyTorch's CPU half-precision GEMMs are very slow at these shapes).
     """
     cdt = torch.float32 if x.device.type == "cpu" else x.dtype
+    act = as_gated_activation(activation)
     m, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1).long()
@@ -329,6 +347,8 @@ def naive_moe_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         tok = flat_tok[idx]
         xe = x[tok].to(cdt)
         gu = xe @ w13[e].to(cdt).t()  # (n, 2I)
+        if w13_bias is not None:
+            gu += w13_bias[e].to(cdt)
         spans = []  # (rows, slot) of each adapter group of this expert
         if lora is not None:
             off = sizes[0]  # pairs without an adapter sort first
@@ -344,8 +364,10 @@ def naive_moe_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
             d_gate = (xg @ a[:r].t()) @ b[:inter, :r].t()
             d_up = (xg @ a[big_r : big_r + r].t()) @ b[inter:, :r].t()
             gu[rows] += torch.cat([d_gate, d_up], dim=1) * s
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        h = act(gu[:, :inter], gu[:, inter:])
         y = h @ w2[e].to(cdt).t()  # (n, H)
+        if w2_bias is not None:
+            y += w2_bias[e].to(cdt)
         for rows, slot in spans:
             r, s = ranks[slot], scalings[slot]
             da, db = lora.down_a[slot, e, :r].to(cdt), lora.down_b[slot, e, :, :r].to(cdt)
@@ -632,11 +654,13 @@ def bench_model(shape: ModelShape, ms: list[int], ranks: list[int], adapters: li
             return []
 
     w13, w2 = make_weights(shape, dtype, device, cfg.seed)
+    biases = make_biases(shape, dtype, device, cfg.seed)
     buffers = {r: make_lora_buffers(shape, max(r, cfg.pool_rank), n_slots, dtype, device, cfg.seed + r)
                for r in ranks}
     records: list[dict[str, Any]] = []
     for m in ms:
-        records += _bench_tokens(shape, m, w13, w2, buffers, n_slots, adapters, popularities, cfg, progress)
+        records += _bench_tokens(shape, m, w13, w2, biases, buffers, n_slots, adapters, popularities, cfg,
+                                 progress)
     del w13, w2, buffers
     gc.collect()
     if device.type == "cuda":
@@ -646,7 +670,8 @@ def bench_model(shape: ModelShape, ms: list[int], ranks: list[int], adapters: li
 
 
 def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor,
-                  buffers: dict[int, LoRABuffers], n_slots: int, adapters: list[int], popularities: list[str],
+                  biases: tuple[torch.Tensor | None, torch.Tensor | None], buffers: dict[int, LoRABuffers],
+                  n_slots: int, adapters: list[int], popularities: list[str],
                   cfg: Settings, progress: Progress) -> list[dict[str, Any]]:
     """Every record of one (model, M): the base once, then each rank x adapters x popularity x path."""
     from moelora.layer import AUTO_LORA_PATH
@@ -677,10 +702,11 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
         return time_call(moe)[0], *time_call(fn), None
 
     def moe(lora: Any = None, path: str = "fused") -> torch.Tensor:
-        return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path)
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora, lora_path=path,
+                             activation=shape.activation, w13_bias=biases[0], w2_bias=biases[1])
 
     def naive(lora: Any = None) -> torch.Tensor:
-        return naive_moe_lora(x, w13, w2, topk_weights, topk_ids, lora)
+        return naive_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, shape.activation, *biases)
 
     def eager(fn: Callable[[], Any]) -> float:
         return eager_time_us(fn, on_gpu, cfg.warmup_ms, cfg.rep_ms, cfg.cpu_reps, cfg.l2_flush)
