@@ -33,6 +33,7 @@ KINDS = {
     "swiglu_clamp": GatedActivation("clamped_swiglu", 1.25),  # DeepSeek-V4 / GLM-5-next / Hunyuan-V4
     "silu_clamp_after": GatedActivation("clamped_silu_after", 0.5),  # Step-3.7
     "relu": GatedActivation("relu"),  # ungated squared ReLU (Nemotron-H) with the up rows as the gate
+    "softcap": GatedActivation("softcapped_swiglu", 1.5, up_limit=0.75),  # Inkling-2
 }
 
 # family -> (experts class, config fields, extra init kwargs, the activation it must be recognised as)

@@ -99,10 +99,12 @@ ACTIVATION_GELU_TANH = 4
 ACTIVATION_CLAMPED_SWIGLU = 5
 ACTIVATION_CLAMPED_SILU_AFTER = 6
 ACTIVATION_RELU = 7
+ACTIVATION_SOFTCAPPED_SWIGLU = 8
 # kind -> code; the clamped kinds need their constants (moelora.activations.GatedActivation)
 _ACTIVATION_CODES = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU, "gelu_tanh": ACTIVATION_GELU_TANH,
                      "clamped_swiglu": ACTIVATION_CLAMPED_SWIGLU,
-                     "clamped_silu_after": ACTIVATION_CLAMPED_SILU_AFTER, "relu": ACTIVATION_RELU}
+                     "clamped_silu_after": ACTIVATION_CLAMPED_SILU_AFTER, "relu": ACTIVATION_RELU,
+                     "softcapped_swiglu": ACTIVATION_SOFTCAPPED_SWIGLU}
 _PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
@@ -120,6 +122,9 @@ def activation_args(activation: Any) -> dict[str, Any]:
     if kind not in _ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {_PLAIN_ACTIVATIONS} or a GatedActivation of a kind in "
                          f"{sorted(_ACTIVATION_CODES)}, got {activation!r}")
+    if kind == "softcapped_swiglu":  # the up cap rides in ACT_ALPHA (this kind has no alpha)
+        return dict(ACTIVATION=ACTIVATION_SOFTCAPPED_SWIGLU, ACT_LIMIT=float(activation.limit),
+                    ACT_ALPHA=float(activation.up_limit), ACT_UP_OFFSET=0.0)
     return dict(ACTIVATION=_ACTIVATION_CODES[kind], ACT_LIMIT=float(activation.limit),
                 ACT_ALPHA=float(activation.alpha), ACT_UP_OFFSET=float(activation.up_offset))
 
@@ -137,6 +142,10 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr, ACT_LIMIT: tl.constexp
         return gate * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z))) * up
     elif ACTIVATION == 7:  # with gate = up (ungated experts): relu(u)^2
         return tl.maximum(gate, 0.0) * up
+    elif ACTIVATION == 8:  # soft caps c * tanh(z / c), tanh(z) = 1 - 2 / (1 + exp(2z)); up cap in ACT_ALPHA
+        gate_cap = ACT_LIMIT * (1.0 - 2.0 / (1.0 + tl.exp(2.0 * gate / ACT_LIMIT)))
+        up_cap = ACT_ALPHA * (1.0 - 2.0 / (1.0 + tl.exp(2.0 * up / ACT_ALPHA)))
+        return gate_cap / (1.0 + tl.exp(-gate)) * up_cap
     elif ACTIVATION == 5:
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)

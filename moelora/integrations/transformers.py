@@ -225,13 +225,17 @@ def _gate_of(name: str, module: nn.Module, apply_gate: Any, width: int) -> Gated
             candidates += [GatedActivation("clamped_swiglu", limit, a, 1.0),
                            GatedActivation("clamped_swiglu", limit, a, 0.0)]
         candidates.append(GatedActivation("clamped_silu_after", limit))
-    if callable(getattr(module, "act_fn", None)):
+    caps = [_number_attr(getattr(getattr(module, "act_fn", None), part, None), ("softcap",))
+            for part in ("gate_softcap", "up_softcap")]
+    if all(c is not None and c > 0 for c in caps):  # Inkling-2's soft-capped SwiGLU module
+        candidates.append(GatedActivation("softcapped_swiglu", caps[0], up_limit=caps[1]))
+    elif callable(getattr(module, "act_fn", None)):
         try:
             candidates.append(GatedActivation(_activation_of(name, module)))
         except UnsupportedModelError:
             pass
     gen = torch.Generator().manual_seed(0)
-    scale = 2.0 * (limit if limit is not None and limit > 0 else 4.0)
+    scale = 2.0 * max([c for c in (limit, *caps) if c is not None and c > 0] or [4.0])
     probe = (torch.rand(64, width, generator=gen, dtype=torch.float32) * 2.0 - 1.0) * scale
     try:
         with torch.no_grad():
