@@ -275,6 +275,24 @@ def _transposed(module: nn.Module) -> bool:
     return bool(getattr(module, "is_transposed", False)) or _dense_form(module)
 
 
+def _post_expert_norm(module: nn.Module) -> nn.Module | None:
+    """The norm each expert's output goes through before its routing weight (MuSE-Spark), or None."""
+    norm = getattr(module, "post_expert_norm", None)
+    return norm if getattr(module, "has_post_expert_norm", False) and isinstance(norm, nn.Module) else None
+
+
+def _per_pair(run: Any, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              norm: nn.Module) -> torch.Tensor:
+    """``sum_k w_k * norm(y_k)``: ``run(rows, ones, ids)`` gives each routed pair's expert output ``y``
+    (the pairs as top-1 rows, token-major, weight 1); the norm runs on them, then the weighted top-k sum.
+    No host sync."""
+    m, top_k = ids.shape
+    rows = x.repeat_interleave(top_k, dim=0)
+    y = run(rows, torch.ones(m * top_k, 1, device=x.device, dtype=weights.dtype), ids.reshape(-1, 1))
+    y = norm(y).reshape(m, top_k, -1)
+    return (y * weights.to(y.dtype)[..., None]).sum(dim=1).to(x.dtype)
+
+
 def _identity_experts(module: nn.Module) -> int:
     """Router ids past the FFN experts that are identity experts (LongCat-Flash's zero-computation
     experts: ``out += w * x``): the extra experts ``gate_up_proj`` holds beyond ``down_proj``'s."""
@@ -293,6 +311,8 @@ def _storage_of(module: nn.Module) -> str:
         parts.append("biases")
     if _identity_experts(module):
         parts.append(f"{_identity_experts(module)} identity experts")
+    if _post_expert_norm(module) is not None:
+        parts.append("post-expert norm")
     return ", ".join(parts)
 
 
@@ -369,10 +389,10 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             f"{where} has parametrized tensors (a PEFT target_parameters LoRA?); attach to the plain base "
             "model"
         )
-    if getattr(module, "has_post_expert_norm", False):
+    if getattr(module, "has_post_expert_norm", False) and _post_expert_norm(module) is None:
         raise UnsupportedModelError(
-            f"{where} applies a norm after each expert: the MoE LoRA layer computes "
-            "sum_k w_k * down(act(gate x, up x)), nothing between an expert's down projection and its weight"
+            f"{where} applies a norm after each expert but holds no post_expert_norm module to run: the MoE "
+            "LoRA layer computes sum_k w_k * norm(down(act(gate x, up x)))"
         )
     ungated = _gate_up_name(module) == "up_proj"
     default_gate = _default_apply_gate()
@@ -391,7 +411,7 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             "plain gate (not an FP8 gate variant: soft caps, a clamped SwiGLU; not interleaved, transposed "
             "or ungated)"
         )
-    reshaped = copies or _transposed(module) or _identity_experts(module)
+    reshaped = copies or _transposed(module) or _identity_experts(module) or _post_expert_norm(module)
     if reshaped and any(type(t).__name__ == "DTensor" for t in (raw13, w2)):
         raise UnsupportedModelError(f"{where} stores its weights {_storage_of(module)} and is sharded by a "
                                   "parallel plan; moelora serves such experts unsharded")
@@ -565,8 +585,13 @@ def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation
     try:
         with torch.no_grad():
             got = module(x) if dense else module(x, ids, weights)
-            want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, activation=activation,
-                                          w13_bias=w13_bias, w2_bias=w2_bias)
+
+            def run(rows: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor) -> torch.Tensor:
+                return moe_lora_forward_torch(rows, w13, w2, w, pair_ids, None, None, activation=activation,
+                                              w13_bias=w13_bias, w2_bias=w2_bias)
+
+            norm = _post_expert_norm(module)
+            want = run(x, weights, ids) if norm is None else _per_pair(run, x, ids, weights, norm)
             want = want + _identity_term(x, ids, weights, e)
     except Exception as exc:
         call = "forward(hidden_states)" if dense else "forward(hidden_states, top_k_index, top_k_weights)"
@@ -603,7 +628,7 @@ class _Selection:
         self.names = names
         self.seq_lens = seq_lens
         self.any_adapter = any(n is not None for n in names)
-        self.batches: dict[int | tuple[int, int], MoELoRABatchInfo] = {}
+        self.batches: dict[int | tuple[int, int, int], MoELoRABatchInfo] = {}
         self.builds = 0
 
     def lens_for(self, num_tokens: int) -> tuple[int, ...]:
@@ -669,20 +694,22 @@ class _Selector:
         with self.lock:
             return self.stack[-1] if self.stack else self.default
 
-    def batch_for(self, num_tokens: int, copies: int = 1) -> MoELoRABatchInfo | None:
+    def batch_for(self, num_tokens: int, copies: int = 1, repeat: int = 1) -> MoELoRABatchInfo | None:
         """The batch info of the active choice for ``num_tokens`` tokens; None = every token base. With
         ``copies`` the batch covers that many copies of those tokens one after the other (the dense form's
-        rows of every expert)."""
+        rows of every expert); with ``repeat`` each token stands ``repeat`` times in a row (a row per
+        routed pair)."""
         with self.lock:
             sel = self.stack[-1] if self.stack else self.default
             if sel is None or not sel.any_adapter:
                 return None
-            key = num_tokens if copies == 1 else (num_tokens, copies)
+            key = num_tokens if copies == repeat == 1 else (num_tokens, copies, repeat)
             batch = sel.batches.get(key)
             if batch is None or not self.pool.is_current(batch):
                 # (Re)built: first use, or an adapter was unloaded or evicted since (rebuilt in place; an
                 # unloaded one that is not in the host tier is refused here, by name).
-                names, lens = sel.names * copies, sel.lens_for(num_tokens) * copies
+                names = sel.names * copies
+                lens = tuple(n * repeat for n in sel.lens_for(num_tokens)) * copies
                 if batch is None:
                     batch = sel.batches[key] = self.pool.prepare_batch(names, lens)
                 else:
@@ -739,9 +766,12 @@ class MoELoRAExperts(nn.Module):
         # same objects, so state_dict() keys and tensors are unchanged.
         for pname, param in original.named_parameters(recurse=False):
             self.register_parameter(pname, param)
+        for cname, child in original.named_children():  # e.g. a post-expert norm with its weight
+            self.add_module(cname, child)
         self.num_experts, two_i, self.hidden_dim = _expert_shape(original)
         self.identity_experts = _identity_experts(original)
         self.dense = _dense_form(original)
+        self.post_expert_norm = _post_expert_norm(original)  # the model's own module (a child, as there)
         self.intermediate_dim = two_i // 2
         self.layer_id = int(layer_id)
         # Not registered as submodules: the original stays out of the module tree (and state_dict), and
@@ -791,7 +821,9 @@ class MoELoRAExperts(nn.Module):
         if num_tokens % copies:
             raise ValueError(f"the dense experts module got {num_tokens} rows, not {copies} experts' rows of "
                              "the same tokens")
-        batch = self._selector.batch_for(num_tokens // copies, copies=copies)
+        # With a post-expert norm the layer runs each routed pair as a row of its own (its token's adapter).
+        repeat = top_k_index.shape[-1] if self.post_expert_norm is not None and top_k_index is not None else 1
+        batch = self._selector.batch_for(num_tokens // copies, copies=copies, repeat=repeat)
         if (batch is None or not batch.has_lora) and self.layer.fp8 is None:
             if self.dense:
                 return self.original(hidden_states, *args, **kwargs)
@@ -811,7 +843,14 @@ class MoELoRAExperts(nn.Module):
             weights, ids = _dense_routing(x, self.num_experts)
         else:
             weights, ids = top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1)
-        out = self.layer(x, weights, ids, batch if batch is not None and batch.has_lora else None)
+        lora_batch = batch if batch is not None and batch.has_lora else None
+        if self.post_expert_norm is not None:
+            def run(rows: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor) -> torch.Tensor:
+                return self.layer(rows, w, pair_ids, lora_batch)
+
+            out = _per_pair(run, x, ids, weights, self.post_expert_norm)
+        else:
+            out = self.layer(x, weights, ids, lora_batch)
         if self.identity_experts:  # the layer skips ids past its experts; they return their input
             out = out + _identity_term(x, ids, weights.to(out.dtype), self.num_experts)
         return out.reshape(hidden_states.shape)
