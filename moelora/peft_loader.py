@@ -141,8 +141,12 @@ _F1_MODULE = re.compile(
     r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$"
 )
 _F2_MODULE = re.compile(
-    r"^(?P<container>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?experts)(?P<wrap>(?:\.base_layer)*)$"
+    r"^(?P<container>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:(?:.+\.)?experts|mlp\.(?:input|output)_linear))"
+    r"(?P<wrap>(?:\.base_layer)*)$"
 )
+# JetMoE names its fused expert parameters ``mlp.input_linear.weight`` (E, 2I, H) and
+# ``mlp.output_linear.weight`` (E, H, I), one parameter per module: the parameter each container holds.
+_JETMOE_PARAMS = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
 
 _SHARED_SEGMENTS = ("shared_expert", "shared_experts", "shared_mlp", "shared_expert_gate")
 _SHARED_SET = frozenset(_SHARED_SEGMENTS)
@@ -465,7 +469,8 @@ def _parse_config(file: Path, layout: ExpertParamLayout | None = None) -> _LoraS
             )
         module, _, leaf = t.rpartition(".")
         is_router = leaf == "weight" and module.rpartition(".")[2] in _ROUTER_SEGMENTS
-        if leaf not in _F2_PARAMS and not is_router:
+        jetmoe = leaf == "weight" and module.rpartition(".")[2] in _JETMOE_PARAMS
+        if leaf not in _F2_PARAMS and not is_router and not jetmoe:
             raise _fail(
                 file,
                 f"unsupported target_parameters entry {t!r}: only the fused expert parameters "
@@ -1705,14 +1710,20 @@ def _resolve_f2(
     candidates: dict[tuple[str, int], set[bool]] = {}
     for (container, depth), p in sorted(f2.items()):
         assert p.a is not None and p.b is not None
-        targeted = [
-            prm
-            for prm in model_params
-            if any(
-                f"{container}.{prm}" == t or f"{container}.{prm}".endswith("." + t)
-                for t in settings.target_parameters
-            )
-        ]
+        leaf = container.rpartition(".")[2]
+        if leaf in _JETMOE_PARAMS:  # one parameter, ``weight``, per container
+            targeted = [_JETMOE_PARAMS[leaf]] if any(
+                f"{container}.weight" == t or f"{container}.weight".endswith("." + t)
+                for t in settings.target_parameters) else []
+        else:
+            targeted = [
+                prm
+                for prm in model_params
+                if any(
+                    f"{container}.{prm}" == t or f"{container}.{prm}".endswith("." + t)
+                    for t in settings.target_parameters
+                )
+            ]
         if not targeted:
             raise _fail(
                 w_file,

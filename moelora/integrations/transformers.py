@@ -132,6 +132,55 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3 and w2.dim() == 3
 
 
+class _RoutedBlockExperts(nn.Module):
+    """The experts of a MoE block that routes inside its own forward (JetMoE's ``JetMoeMoE``: a top-k
+    softmax router, ``input_linear`` / ``output_linear`` expert weights ``(E, 2I, H)`` / ``(E, H, I)`` and one
+    output bias), seen as a transformers-5 experts module: ``gate_up_proj``, ``down_proj``, ``act_fn``.
+    Not part of the model: the block itself is what ``attach`` swaps."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "block", block)  # not a child: the view owns nothing
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self.block.input_linear.weight
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self.block.output_linear.weight
+
+    @property
+    def act_fn(self) -> Any:
+        return self.block.activation
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_k_weights, top_k_index)`` of ``x (M, H)`` as the block's router computes them: a softmax
+        over the top-k of fp32 logits, in x's dtype."""
+        router = self.block.router
+        top_logits, top_index = router.layer(x).float().topk(router.top_k, dim=1)
+        return torch.softmax(top_logits, dim=1).type_as(x), top_index
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.block(*args, **kwargs)
+
+
+def _is_routed_block(module: nn.Module) -> bool:
+    """A JetMoE-style MoE block (``_RoutedBlockExperts``)."""
+    parts = [getattr(module, n, None) for n in ("input_linear", "output_linear")]
+    router = getattr(module, "router", None)
+    return (all(isinstance(getattr(p, "weight", None), torch.Tensor) and p.weight.dim() == 3 for p in parts)
+            and isinstance(getattr(router, "layer", None), nn.Linear)
+            and isinstance(getattr(router, "top_k", None), int)
+            and callable(getattr(module, "activation", None))
+            and isinstance(getattr(module, "bias", None), torch.Tensor))
+
+
+def _experts_view(module: nn.Module) -> nn.Module:
+    """What attach checks and serves: the module itself, or the experts of a routed block."""
+    return _RoutedBlockExperts(module) if _is_routed_block(module) else module
+
+
 def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
     """The fused routed-experts modules of ``model``: ``(qualified name, layer id, module)`` per MoE layer,
     in model order.
@@ -152,7 +201,7 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
                 "transformers' hub kernels; load the model with quantization_config=Mxfp4Config("
                 "dequantize=True) (the experts in bfloat16: four times their MXFP4 bytes) and attach that"
             )
-        if not _is_fused_experts(module):
+        if not _is_fused_experts(module) and not _is_routed_block(module):
             continue
         ids = _LAYER_RE.findall(name)
         if not ids:
@@ -566,6 +615,33 @@ def _dense_routing(x: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     return torch.ones(rows, 1, device=x.device, dtype=x.dtype), ids[:, None]
 
 
+def _verify_block(name: str, view: _RoutedBlockExperts, activation: str | GatedActivation,
+                  x: torch.Tensor) -> None:
+    """Refuses a routed block whose forward differs from its routing (``view.route``), the §1 experts and
+    its output bias on ``x``."""
+    w13, w2 = _expert_weights(view)
+    where = f"MoE block {name!r} ({type(view.block).__name__})"
+    try:
+        with torch.no_grad():
+            got = view.block(x[None])
+            weights, ids = view.route(x)
+            want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, activation=activation)
+            want = want + view.block.bias
+    except Exception as exc:
+        raise UnsupportedModelError(f"{where} could not be checked: its forward failed "
+                                    f"({type(exc).__name__}: {exc})") from exc
+    got = got[0] if isinstance(got, tuple) else got
+    if not isinstance(got, torch.Tensor) or got.numel() != want.numel():
+        raise UnsupportedModelError(f"{where} does not return the (1, M, H) hidden states")
+    got, want = got.reshape(want.shape).float(), want.float()
+    scale = float(want.abs().max()) + 1e-12
+    err = float((got - want).abs().max())
+    if err > (1e-4 if w13.dtype == torch.float32 else 3e-2) * scale:
+        raise UnsupportedModelError(f"{where} does not compute its top-k softmax routing, "
+                                    f"sum_k w_k * down(act(gate x) * up x) and its bias (max abs diff "
+                                    f"{err:.3g} vs output scale {scale:.3g}); not supported")
+
+
 def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation) -> None:
     """Runs ``module`` and the §1 formula (no LoRA, rsf 1) on a few random tokens and refuses the module
     if they differ: its forward does something else (weights on the input, a scaling, ...)."""
@@ -578,6 +654,9 @@ def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation
     x = torch.randn(n, h, generator=gen).to(device=w13.device, dtype=w13.dtype)
     ids = torch.rand(n, routed, generator=gen).topk(k, dim=1).indices.to(w13.device)
     weights = torch.rand(n, k, generator=gen).to(device=w13.device, dtype=w13.dtype)
+    if isinstance(module, _RoutedBlockExperts):  # the whole block: its router, experts and output bias
+        _verify_block(name, module, activation, x)
+        return
     dense = _dense_form(module)
     if dense:  # every expert's stacked inputs; a token's rows of experts it is not routed to are zero
         x = x.repeat(e, 1) * (torch.rand(e * n, 1, generator=gen) < 0.5).to(device=x.device, dtype=x.dtype)
@@ -764,10 +843,12 @@ class MoELoRAExperts(nn.Module):
         super().__init__()
         # The original's parameters under their own names (gate_up_proj or up_proj, down_proj, biases): the
         # same objects, so state_dict() keys and tensors are unchanged.
-        for pname, param in original.named_parameters(recurse=False):
+        source = original.block if isinstance(original, _RoutedBlockExperts) else original
+        for pname, param in source.named_parameters(recurse=False):
             self.register_parameter(pname, param)
-        for cname, child in original.named_children():  # e.g. a post-expert norm with its weight
+        for cname, child in source.named_children():  # e.g. a post-expert norm with its weight
             self.add_module(cname, child)
+        self.routed_block = isinstance(original, _RoutedBlockExperts)
         self.num_experts, two_i, self.hidden_dim = _expert_shape(original)
         self.identity_experts = _identity_experts(original)
         self.dense = _dense_form(original)
@@ -815,6 +896,8 @@ class MoELoRAExperts(nn.Module):
         """``sum_k w_k * W2'(act(W_gate' x) * W_up' x)`` with each token's adapter (DESIGN §1). The dense
         form (Llama-4) takes ``hidden_states`` alone, every expert's rows stacked, and returns each row's
         expert output."""
+        if self.routed_block:
+            return self._block_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         hidden = hidden_states.shape[-1]
         num_tokens = hidden_states.numel() // hidden if hidden else 0
         copies = self.num_experts if self.dense else 1
@@ -853,6 +936,22 @@ class MoELoRAExperts(nn.Module):
             out = self.layer(x, weights, ids, lora_batch)
         if self.identity_experts:  # the layer skips ids past its experts; they return their input
             out = out + _identity_term(x, ids, weights.to(out.dtype), self.num_experts)
+        return out.reshape(hidden_states.shape)
+
+    def _block_forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """A routed block's forward (JetMoE): its router, then the experts with each token's adapter, then
+        its output bias."""
+        block = self.original.block
+        hidden = hidden_states.shape[-1]
+        num_tokens = hidden_states.numel() // hidden if hidden else 0
+        batch = self._selector.batch_for(num_tokens)
+        if batch is None or not batch.has_lora:
+            return block(hidden_states, *(a for a in args if a is not None), **kwargs)
+        if any(a is not None for a in args) or kwargs:
+            raise TypeError(f"{type(block).__name__}.forward takes the hidden states alone")
+        x = hidden_states.reshape(num_tokens, hidden)
+        weights, ids = self.original.route(x)
+        out = self.layer(x, weights, ids, batch) + block.bias
         return out.reshape(hidden_states.shape)
 
     def extra_repr(self) -> str:
@@ -1101,9 +1200,11 @@ def attach(
     sites: list[tuple[str, int, nn.Module, nn.Module, str]] = []
     activations: dict[int, str | GatedActivation] = {}
     parallel: dict[int, tuple[int, int, object] | None] = {}
-    for name, lid, module in found:
+    views: dict[int, nn.Module] = {}
+    for name, lid, block in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        module = views[lid] = _experts_view(block)
         activations[lid] = _check_supported(name, module, parent)
         parallel[lid] = _sharding_of(name, module, model)
         if parallel[lid] is None and getattr(module, "_is_expert_parallel", False):
@@ -1113,13 +1214,14 @@ def attach(
         known = type(module).__name__ in KNOWN_EXPERTS_CLASSES or type(module).__name__ == _FP8_EXPERTS_CLASS
         if parallel[lid] is None and (verify or (verify is None and not known)):
             _verify_math(name, module, activations[lid])
-        sites.append((name, lid, parent, module, attr))
+        sites.append((name, lid, parent, block, attr))
     layouts = {p[0] if p else None for p in parallel.values()}
     if len(layouts) > 1:
         raise UnsupportedModelError(f"MoE layers sharded differently ({sorted(map(str, layouts))}); one pool "
                                   "holds one layout")
     sharding = next(iter(parallel.values()))
 
+    found = [(name, lid, views[lid]) for name, lid, _ in found]
     first = found[0][2]
     shape, dtype, device = _expert_shape(first), first.down_proj.dtype, first.down_proj.device
     layout = _expert_layout(first)
@@ -1176,9 +1278,9 @@ def attach(
 
     selector = _Selector(pool)
     modules: dict[int, MoELoRAExperts] = {}
-    for _name, lid, _parent, module, _attr in sites:  # build all before swapping any
+    for _name, lid, _parent, _module, _attr in sites:  # build all before swapping any
         modules[lid] = MoELoRAExperts(
-            module, pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector,
+            views[lid], pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector,
             cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens, process_group=group,
         )
     for _name, lid, parent, _module, attr in sites:
