@@ -2,8 +2,9 @@
 
 Sources (nothing here is typed in by hand but the column headings and short notes):
 
-* model families: ``moelora.integrations.KNOWN_EXPERTS_CLASSES`` (tested against PEFT), the expert dtypes
-  the integration and the pool accept, and the activations of the layer (``moelora.activations``);
+* model families: ``benchmarks/results/family_coverage.json`` (``benchmarks/family_coverage.py --json``:
+  every transformers MoE family, its expert storage and verdict), the expert dtypes the integration and the
+  pool accept, and the activations of the layer (``moelora.activations``);
 * benchmarked shapes: ``moelora.bench.MODELS`` and, per shape, the tuned launch-config files in
   ``triton_ops/configs/`` (``triton_ops.configs.config_file_name``);
 * adapter formats: the format names, projection names, fused-parameter order, LoRA dtypes and refused
@@ -21,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -35,17 +37,10 @@ from moelora.integrations import transformers as hf  # noqa: E402
 
 README = ROOT / "README.md"
 CONFIG_DIR = ROOT / "triton_ops" / "configs"
+COVERAGE = ROOT / "benchmarks" / "results" / "family_coverage.json"
 START = "<!-- supported-table:start -->"
 END = "<!-- supported-table:end -->"
 
-# Display names of the transformers-5 experts classes (a class missing here shows its own name).
-_FAMILY_LABELS = {
-    "DeepseekV3Experts": "DeepSeek-V3",
-    "MixtralExperts": "Mixtral",
-    "OlmoeExperts": "OLMoE",
-    "Qwen2MoeExperts": "Qwen2-MoE",
-    "Qwen3MoeExperts": "Qwen3-MoE",
-}
 _CONFIG_FILE = re.compile(
     r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>.+),dtype=(?P<dtype>\w+)\.json$"
 )
@@ -71,31 +66,40 @@ def _tuned_configs() -> dict[tuple[int, int], list[str]]:
     return found
 
 
-def families_table() -> list[str]:
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def families_table(coverage: Path = COVERAGE) -> list[str]:
+    """Every transformers MoE family with its expert storage and verdict, from the committed output of
+    ``benchmarks/family_coverage.py --json`` (``tests/test_family_coverage.py`` holds each verdict)."""
     dtypes = [d for d in hf._POOL_DTYPES if d in pool_module._POOL_DTYPES]
+    results = json.loads(coverage.read_text())
+    served = [r for r in results if r["category"] == "served"]
     rows = [
-        "**Model families** (transformers 5, `moelora.integrations.attach`)",
+        f"**Model families** (transformers {_coverage_versions(results)}, `moelora.integrations.attach`): "
+        f"{len(served)} of {len(results)} served and equal to PEFT",
         "",
-        "| experts module | family | how it is accepted |",
-        "|---|---|---|",
+        "| family | experts | storage | result |",
+        "|---|---|---|---|",
     ]
-    for cls in sorted(hf.KNOWN_EXPERTS_CLASSES, key=lambda c: _FAMILY_LABELS.get(c, c)):
-        label = _FAMILY_LABELS.get(cls, cls.removesuffix("Experts"))
-        rows.append(f"| `{cls}` | {label} | known class, tested against PEFT |")
-    rows.append("| other modules with `gate_up_proj (E, 2I, H)`, `down_proj (E, H, I)` | - | forward "
-                "checked numerically at attach time |")
-    rows.append("| `Gemma4TextExperts`, `DeepseekV4Experts`, `HYV4Experts`, `MiniMaxM3VLExperts`, "
-                "`AriaExperts` | Gemma-4 (tanh GELU), DeepSeek-V4, Hunyuan-V4, MiniMax-M3 (clamped SwiGLUs), "
-                "Aria (transposed storage) | forward checked at attach time; tested against PEFT |")
-    rows.append("| other classes whose `_apply_gate` is a clamped SwiGLU | GLM-5-next, Step-3.7 | gate found "
-                "by probing; their experts modules tested against their own forward |")
+    for r in sorted(results, key=lambda r: r["family"]):
+        verdict = "served" if r["category"] == "served" else f"{r['category']}: {_cell(r['detail'])}"
+        rows.append(f"| {r['family']} | `{r['experts_class']}` | {_cell(r['storage'])} | {verdict} |")
     rows += [
         "",
-        "Tested against PEFT: the logits of each row and the greedy continuation. Expert weights: "
-        f"{_dtype_names(dtypes)}; activations: {', '.join(activations.ACTIVATION_KINDS)} "
+        "Served means: a tiny random model of the family, two PEFT adapters on its routed experts (one "
+        "rsLoRA with a rank pattern) and a batch mixing them with a row of no adapter give PEFT's logits and "
+        "greedy tokens (`python benchmarks/family_coverage.py`; `tests/test_family_coverage.py`). Expert "
+        f"weights: {_dtype_names(dtypes)}; activations: {', '.join(activations.ACTIVATION_KINDS)} "
         "(`moelora.activations`). Anything else is refused at attach time, with the reason.",
     ]
     return rows
+
+
+def _coverage_versions(results: list[dict]) -> str:
+    versions = sorted({r.get("transformers", "") for r in results} - {""})
+    return ", ".join(versions) if versions else "5"
 
 
 def shapes_table() -> list[str]:

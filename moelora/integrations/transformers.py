@@ -211,10 +211,13 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
             )
         lid = int(ids[-1])
         if lid in seen:
+            same_stack = seen[lid].partition(f"layers.{lid}.")[0] == name.partition(f"layers.{lid}.")[0]
+            why = ("two expert sets in one layer (e.g. text and vision experts, ERNIE-4.5-VL) are not "
+                   "served: one pool holds one set of experts per layer index" if same_stack else
+                   "the adapter keys ('layers.<n>...experts') would be ambiguous; attach to the sub-model "
+                   "that holds one decoder stack")
             raise UnsupportedModelError(
-                f"experts modules {seen[lid]!r} and {name!r} share the layer index {lid}: the adapter keys "
-                "('layers.<n>.mlp.experts') would be ambiguous; attach to the sub-model that holds one "
-                "decoder stack"
+                f"experts modules {seen[lid]!r} and {name!r} share the layer index {lid}: {why}"
             )
         seen[lid] = name
         found.append((name, lid, module))
@@ -1192,10 +1195,18 @@ def attach(
             )
     found = find_experts_modules(model)
     if not found:
+        stacked = next((n for n, m in model.named_modules()
+                        if all(isinstance(getattr(m, w, None), torch.Tensor) and getattr(m, w).dim() == 2
+                               for w in ("w1", "v1", "w2"))), None)
+        if stacked is not None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} stores its experts as stacked 2-D matrices ({stacked!r}: w1, v1, w2 "
+                "(E*I, H), DBRX) that no fused routed-experts module holds; not supported")
         raise UnsupportedModelError(
             f"{type(model).__name__} has no fused routed-experts module (gate_up_proj (E, 2I, H) and "
-            "down_proj (E, H, I) parameters, transformers 5); per-expert nn.Linear experts (transformers 4) "
-            "and dense models are not supported"
+            "down_proj (E, H, I) parameters, transformers 5); experts as one module each (nn.Linear pairs, "
+            "transformers 4 and the encoder-decoder Switch Transformers / NLLB-MoE) and dense models are not "
+            "supported"
         )
     sites: list[tuple[str, int, nn.Module, nn.Module, str]] = []
     activations: dict[int, str | GatedActivation] = {}
