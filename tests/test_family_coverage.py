@@ -96,6 +96,14 @@ def test_family(family, tmp_path):
         assert REFUSED[family] in result.detail, result.detail
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", SERVED)
+def test_family_on_cuda(family, tmp_path):
+    """The same check with the models on CUDA in fp32: every family's layers on the Triton kernels."""
+    result = fc.check_family(family, budget_s=120, workdir=tmp_path, device="cuda")
+    assert result.category == "served", (family, result.category, result.detail)
+
+
 def test_committed_table_holds_these_verdicts():
     """The README's family table is rendered from benchmarks/results/family_coverage.json: it must say
     what the live checks above find."""
