@@ -70,6 +70,8 @@ REFUSED = {
     "switch_transformers": "no fused routed-experts module",
 }
 EXPECTED: dict[str, str] = {**dict.fromkeys(SERVED, "served"), **dict.fromkeys(REFUSED, "refused")}
+COMMITTED = json.loads((ROOT / "benchmarks" / "results" / "family_coverage.json").read_text())
+COMMITTED_TRANSFORMERS = COMMITTED[0]["transformers"]  # the version the verdicts above were found with
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,17 +101,24 @@ def test_family(family, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", SERVED)
 def test_family_on_cuda(family, tmp_path):
-    """The same check with the models on CUDA in fp32: every family's layers on the Triton kernels."""
+    """The same check with the models on CUDA in fp32: every family's layers on the Triton kernels give
+    the verdict the PyTorch path gives with the installed transformers (a GPU machine may have another
+    version, without some families or with another experts module: the CPU check says what it serves)."""
+    if family not in fc.discover_families():
+        pytest.skip(f"{family} is not a MoE family of transformers {transformers.__version__}")
+    on_cpu = fc.check_family(family, budget_s=120, workdir=tmp_path)
     result = fc.check_family(family, budget_s=120, workdir=tmp_path, device="cuda")
-    assert result.category == "served", (family, result.category, result.detail)
+    assert (result.category, on_cpu.category) == ("served", "served") or (
+        result.category == on_cpu.category == "refused"), (family, result.detail, on_cpu.detail)
+    if transformers.__version__ == COMMITTED_TRANSFORMERS:
+        assert result.category == "served", (family, result.detail)
 
 
 def test_committed_table_holds_these_verdicts():
     """The README's family table is rendered from benchmarks/results/family_coverage.json: it must say
     what the live checks above find."""
-    committed = json.loads((ROOT / "benchmarks" / "results" / "family_coverage.json").read_text())
-    assert {r["family"]: r["category"] for r in committed} == EXPECTED
-    for r in committed:
+    assert {r["family"]: r["category"] for r in COMMITTED} == EXPECTED
+    for r in COMMITTED:
         if r["category"] == "refused":
             assert REFUSED[r["family"]] in r["detail"], r
 
