@@ -26,18 +26,23 @@ the final routing weights: DeepSeek-V3's ``DeepseekV3TopkRouter`` already multip
 therefore the swapped layer, uses ``routed_scaling_factor = 1``: the same math as the original module.
 Other classes with the same structure are accepted after a numerical check of their forward against
 that formula at attach time. ``act`` is SiLU, exact or tanh GELU (probed from ``act_fn``), or, where the
-class overrides ``_apply_gate``, the clamped SwiGLU it computes (DeepSeek-V4, GLM-5-next, Hunyuan-V4,
-MiniMax-M3, Step-3.7: found by running it on probe values, :class:`moelora.activations.GatedActivation`).
-Experts stored transposed (``is_transposed``: ``(E, H, 2I)`` / ``(E, I, H)``, Aria) are read through
-transposed views on the CPU; on CUDA the layer holds one ``(E, 2I, H)`` copy made at attach. Refused,
-with an :class:`UnsupportedModelError` (a ``ValueError``) that
-says why: interleaved ``gate_up_proj`` columns (gpt-oss), expert biases, an ``_apply_gate`` of another
-form, experts without a gate (Nemotron-H), a norm after each expert, expert parallelism across ranks that
-hold different batches (transformers' all-to-all), other activations,
-quantised or meta-device expert weights, experts spread over several devices or dtypes, MoE layers of
-different shapes in one model, transformers-4 per-expert ``nn.Linear`` experts, and a model that PEFT
-already wraps (attach to the plain base model). A model loaded with transformers' tensor-parallel plan, or its
-expert-parallel plan over the tensor-parallel ranks, is served shard by shard (``_sharding_of``).
+class overrides ``_apply_gate``, the gated activation it computes (the clamped SwiGLUs of gpt-oss,
+DeepSeek-V4, GLM-5-next, Hunyuan-V4, MiniMax-M3, Step-3.7; Inkling-2's soft-capped SwiGLU: found by running
+it on probe values, :class:`moelora.activations.GatedActivation`). Other layouts are mapped onto the layer
+(docs/architecture.md, "Expert layouts"): transposed storage (Aria, gpt-oss, and Llama-4's unflagged one)
+through views, with one ``(E, 2I, H)`` copy on CUDA; interleaved gate/up columns (gpt-oss) and ungated
+squared-ReLU experts (Nemotron-H) through one copy of gate/up; expert biases (gpt-oss) in the GEMM
+epilogues; identity experts (LongCat-Flash) added by the wrapper; a norm after each expert (MuSE-Spark) run
+on each routed pair's output; Llama-4's dense form (every expert's input-scaled rows) as top-1 pairs; and
+JetMoE's self-routing block, swapped whole. ``benchmarks/family_coverage.py`` checks every family against
+PEFT. Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that says why: two expert sets in
+one layer (ERNIE-4.5-VL), stacked 2-D expert matrices (DBRX), experts as one module each (transformers 4,
+Switch Transformers, NLLB-MoE), an ``_apply_gate`` of another form, other activations, MXFP4 experts packed
+for transformers' hub kernels (load them dequantized), expert parallelism across ranks that hold different
+batches (transformers' all-to-all), quantised or meta-device expert weights, experts spread over several
+devices or dtypes, MoE layers of different shapes in one model, and a model that PEFT already wraps (attach
+to the plain base model). A model loaded with transformers' tensor-parallel plan, or its expert-parallel
+plan over the tensor-parallel ranks, is served shard by shard (``_sharding_of``).
 
 Adapter per token. Inside a ``handle.adapters(names)`` context the hidden states an experts module
 receives are the model's ``(B, S, H)`` activations flattened batch-major: ``B*S`` rows at prefill,
