@@ -555,6 +555,37 @@ def test_refused_models():
         attach(model, path="cuda")
 
 
+def test_interleaved_gate_up_adapters_need_their_layout(tmp_path):
+    """A gpt-oss adapter (gate_up columns interleaved, transposed parameters): a plain pool refuses it by
+    name; with ``gate_up_interleaved`` the B rows 0::2 are the gate's and 1::2 the up's, A shared."""
+    from moelora import AdapterLoadError, MoELoRAMemoryPool
+    from moelora.peft_loader import ExpertParamLayout, read_peft_adapter
+
+    pm = peft.get_peft_model(_fresh("gpt_oss"), peft.LoraConfig(target_modules=[], **ADAPTERS["a"]))
+    _fill_lora(pm, seed=5)
+    pm.save_pretrained(str(tmp_path / "a"))
+    sizes = dict(num_experts=8, hidden_size=32, intermediate_size=16, layer_ids=[0, 1])
+    plain = MoELoRAMemoryPool(**sizes, max_loras=1, max_rank=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(AdapterLoadError, match="gpt-oss interleaves gate and up columns"):
+        plain.load_adapter("a", tmp_path / "a")
+    assert plain.adapters() == []
+    layers, _ = read_peft_adapter(tmp_path / "a", **sizes, max_rank=4,
+                                  layout=ExpertParamLayout(gate_up_interleaved=True))
+    wrapper = pm.base_model.model.model.layers[1].mlp.experts.base_layer  # the gate_up_proj LoRA
+    a = wrapper.lora_A["default"].weight.reshape(8, 4, 32)  # (E*r, H) expert-major
+    b = wrapper.lora_B["default"].weight.reshape(32, 4, 8)  # (2I, r*E) rank-major, interleaved rows
+    for e in (0, 5):
+        gate, up = layers[1].gate[e], layers[1].up[e]
+        torch.testing.assert_close(gate.a, a[e])
+        torch.testing.assert_close(up.a, a[e])
+        torch.testing.assert_close(gate.b, b[0::2, :, e])
+        torch.testing.assert_close(up.b, b[1::2, :, e])
+    with pytest.raises(ValueError, match="gate_up_experts must be an int >= num_experts=8"):
+        read_peft_adapter(tmp_path / "a", **sizes, max_rank=4, layout=ExpertParamLayout(gate_up_experts=4))
+    with pytest.raises(TypeError, match="expert_layout must be a moelora.peft_loader.ExpertParamLayout"):
+        MoELoRAMemoryPool(**sizes, dtype=torch.float32, device="cpu", expert_layout={"interleaved": True})
+
+
 def test_given_pool_is_used_and_checked():
     model = mk.load_tiny_qwen3_moe()
     cfg = mk.TINY_QWEN3_MOE
