@@ -51,7 +51,9 @@ class FusedMoEWithLoRA(nn.Module):
     """Routed experts of one MoE layer with per-token LoRA adapters from a ``MoELoRAMemoryPool``.
 
     Args:
-        w13: (E, 2I, H) base gate (rows [0, I)) and up (rows [I, 2I)) weights; shared, not copied.
+        w13: (E, 2I, H) base gate (rows [0, I)) and up (rows [I, 2I)) weights, or a (E, 2, I, H) view whose
+            dim 1 picks the gate or up half (layouts no (E, 2I, H) view has: gpt-oss' interleaved columns,
+            an ungated up projection standing as both halves); shared, not copied; any strides.
         w2: (E, H, I) base down weights; shared, not copied.
         pool: the adapter pool; ``layer_id`` (the model's own layer index) must be one of its layers.
         routed_scaling_factor: rsf of DESIGN §1 (DeepSeek-V3: 2.5 unless the router already applied it).
@@ -118,9 +120,13 @@ class FusedMoEWithLoRA(nn.Module):
         for name, value in (("graph_max_tokens", graph_max_tokens), ("max_graphs", max_graphs)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        from triton_ops.moe_inputs import gate_up_dims, is_gate_up_halves
+
         expected = (pool.num_experts, 2 * pool.intermediate_size, pool.hidden_size)
-        if tuple(w13.shape) != expected:
-            raise ValueError(f"w13 must be (E, 2I, H) = {expected} to match the pool, got {tuple(w13.shape)}")
+        if not isinstance(w13, torch.Tensor) or (w13.dim() != 3 and not is_gate_up_halves(w13)) or \
+                gate_up_dims(w13) != expected:
+            raise ValueError(f"w13 must be (E, 2I, H) = {expected}, or its (E, 2, I, H) halves view, to "
+                             f"match the pool, got {tuple(getattr(w13, 'shape', ()))}")
         expected_w2 = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
         if tuple(w2.shape) != expected_w2:
             raise ValueError(f"w2 must be (E, H, I) = {expected_w2} to match the pool, got {tuple(w2.shape)}")
@@ -419,7 +425,9 @@ class FusedMoEWithLoRA(nn.Module):
                 self.w2_bias is not None)
 
     def extra_repr(self) -> str:
-        num_experts, two_i, hidden = self.w13.shape
+        from triton_ops.moe_inputs import gate_up_dims
+
+        num_experts, two_i, hidden = gate_up_dims(self.w13)
         return (f"layer_id={self.layer_id}, experts={num_experts}, hidden={hidden}, "
                 f"intermediate={two_i // 2}, rsf={self.routed_scaling_factor}, path={self.path}")
 

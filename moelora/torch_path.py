@@ -125,7 +125,7 @@ def _expert_weight(weight: torch.Tensor, e: int, fp8: BlockFp8Weights | None, sc
                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Expert ``e``'s weight in ``dtype`` on ``device``, dequantized when block-scaled."""
     if fp8 is None:
-        return weight[e].to(device=device, dtype=dtype)
+        return weight[e].to(device=device, dtype=dtype).reshape(-1, weight.shape[-1])  # halves view: (2I, H)
     scale = getattr(fp8, scale_name)[e]
     return dequantize_fp8_blocks(weight[e], scale, fp8.block_shape, dtype).to(device)
 
@@ -184,7 +184,8 @@ def moe_lora_forward_torch(
     base MoE. A pair whose expert id is outside ``[0, E)`` contributes nothing. Computed in float32
     (float64 if ``x`` is float64) on ``x``'s device; inputs are checked as on the Triton path.
 
-    Shapes: ``x (M, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H, I)``, ``topk_weights/topk_ids (M, k)``.
+    Shapes: ``x (M, H)``, ``w13 (E, 2I, H)`` (or its ``(E, 2, I, H)`` halves view), ``w2 (E, H, I)``,
+    ``topk_weights/topk_ids (M, k)``; any strides.
 
     ``fp8``: the block scales of float8_e4m3fn ``w13`` / ``w2``. The base products then use the
     dequantized weights and x and h as the Triton path quantizes them (per token and ``block_k`` group;
@@ -192,7 +193,7 @@ def moe_lora_forward_torch(
     """
     # Imported here: the triton_ops package loads its kernels, which must wait for TRITON_INTERPRET.
     from triton_ops.fp8 import FP8_DTYPE, check_block_fp8, uses_block_fp8
-    from triton_ops.moe_inputs import FLOAT_DTYPES, check_moe_inputs
+    from triton_ops.moe_inputs import FLOAT_DTYPES, check_moe_inputs, gate_up_dims
 
     block_scaled = fp8 is not None or uses_block_fp8(w13, w2)
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, float_dtypes=(*FLOAT_DTYPES, torch.float64),
@@ -200,7 +201,8 @@ def moe_lora_forward_torch(
     if block_scaled:
         check_block_fp8(w13, w2, fp8)
     m, hidden = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_experts, two_i, _ = gate_up_dims(w13)
+    inter = two_i // 2
     activation = as_gated_activation(activation)
 
     if batch is not None and (batch.num_tokens != m or batch.token_slots.numel() != m):

@@ -117,3 +117,76 @@ def test_bias_refusals():
         FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, w2_bias=torch.zeros(E, H, 1))
     with pytest.raises(TypeError, match="w2_bias must be a float tensor"):
         FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, w2_bias=torch.zeros(E, H, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights read in the family's own storage (no copy): strided and halves views of w13 / w2
+# --------------------------------------------------------------------------------------------------
+
+
+def _stored(layout: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w13``/``w2`` as a family stores them, and returned as the views the layer reads (same values)."""
+    e = w13.shape[0]
+    if layout == "transposed":  # Aria, Llama-4: (E, H, 2I) / (E, I, H)
+        stored13, stored2 = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+        return stored13.transpose(1, 2), stored2.transpose(1, 2)
+    if layout == "interleaved_transposed":  # gpt-oss: (E, H, 2I), columns gate0, up0, gate1, ...
+        raw = w13.view(e, 2, I, H).permute(0, 3, 2, 1).reshape(e, H, 2 * I).contiguous()
+        view = raw.transpose(1, 2).unflatten(1, (I, 2)).transpose(1, 2)
+        return view, w2.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "ungated":  # Nemotron-H: one up (E, I, H) read as both halves
+        up = w13[:, I:].contiguous()
+        return up.unsqueeze(1).expand(-1, 2, -1, -1), w2
+    raise ValueError(layout)
+
+
+def _views_against_copies(path: str, layout: str, dtype: torch.dtype, device: str, m: int, top_k: int,
+                          tol: float) -> None:
+    gen, w13, w2, b13, b2, x, weights, ids = _case(m, top_k, seed=3 * m + top_k)
+    if layout == "ungated":
+        w13[:, :I] = w13[:, I:]  # the gate rows are the up rows
+    activation = GatedActivation("relu") if layout == "ungated" else GPT_OSS_GATE
+    adapters = _adapters(gen, {"a": 8, "b": 3})
+    pool = MoELoRAMemoryPool(num_experts=E, hidden_size=H, intermediate_size=I, layer_ids=[2], max_loras=3,
+                             max_rank=8, dtype=dtype, device=device)
+    for name, lora in adapters.items():
+        pool.add_adapter_weights(name, {2: lora})
+    names = [("a", None, "b")[t % 3] for t in range(m)]
+    batch = pool.prepare_batch(names)
+    w13, w2 = w13.to(device, dtype), w2.to(device, dtype)
+    view13, view2 = _stored(layout, w13, w2)
+    assert view13.data_ptr() != w13.data_ptr()
+    outs = []
+    for a, b in ((w13, w2), (view13, view2)):
+        layer = FusedMoEWithLoRA(a, b, pool=pool, layer_id=2, activation=activation, path=path,
+                                 w13_bias=b13.to(device, dtype), w2_bias=b2.to(device, dtype))
+        outs.append(layer(x.to(device, dtype), weights.to(device), ids.to(device), batch).float().cpu())
+    rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
+    assert rel <= tol, f"{layout} {path} M={m}: relative L2 {rel:.3g} between the views and the copies"
+
+
+@pytest.mark.parametrize("layout", ["transposed", "interleaved_transposed", "ungated"])
+def test_torch_path_reads_stored_layouts(layout):
+    _views_against_copies("torch", layout, F32, "cpu", m=9, top_k=2, tol=1e-6)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["fused", "split", "staged"])
+@pytest.mark.parametrize("layout", ["transposed", "interleaved_transposed", "ungated"])
+def test_triton_paths_read_stored_layouts_interpreter(layout, path):
+    _views_against_copies(path, layout, F32, "cpu", m=7, top_k=2, tol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 37, 300])  # one decode token (direct pairs), an odd prefill, many blocks
+@pytest.mark.parametrize("path", ["fused", "split", "staged"])
+@pytest.mark.parametrize("layout", ["transposed", "interleaved_transposed", "ungated"])
+def test_triton_paths_read_stored_layouts_gpu(layout, path, m):
+    _views_against_copies(path, layout, BF16, "cuda", m=m, top_k=4, tol=1e-2)
+
+
+def test_halves_view_refusals():
+    pool = MoELoRAMemoryPool(num_experts=E, hidden_size=H, intermediate_size=I, layer_ids=[0], max_loras=1,
+                             max_rank=4, dtype=F32, device="cpu")
+    with pytest.raises(ValueError, match=r"w13 must be \(E, 2I, H\) = \(7, 40, 24\), or its \(E, 2, I, H\)"):
+        FusedMoEWithLoRA(torch.zeros(E, 3, I, H), torch.zeros(E, H, I), pool=pool, layer_id=0)

@@ -51,7 +51,7 @@ from triton_ops.hostmath import cdiv
 from triton_ops.launch import active_cache
 from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, max_padded_size, moe_align_block_size
-from triton_ops.moe_inputs import check_moe_inputs
+from triton_ops.moe_inputs import check_moe_inputs, gate_up_dims
 from triton_ops.moe_lora import (
     moe_lora_a,
     moe_lora_down_combine,
@@ -281,7 +281,8 @@ def fused_experts(
 
     Args:
         x: (M, H) float16/bfloat16/float32 activations.
-        w13: (E, 2I, H), rows [0, I) gate and [I, 2I) up; w2: (E, H, I); same dtype as x.
+        w13: (E, 2I, H), rows [0, I) gate and [I, 2I) up, or a (E, 2, I, H) halves view
+            (``moe_inputs.is_gate_up_halves``); w2: (E, H, I); same dtype as x; any strides.
         topk_weights: (M, top_k) routing weights (float32; other float dtypes are upcast).
         topk_ids: (M, top_k) int32/int64 expert ids in [0, E) (not checked on the device).
         inplace: write the result into x and return x.
@@ -335,7 +336,7 @@ def fused_experts(
         x = x.contiguous()
 
     num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
+    num_experts, two_i, _ = gate_up_dims(w13)
     intermediate = two_i // 2
     top_k = topk_ids.shape[1]
     if topk_weights.dtype != torch.float32:
@@ -527,7 +528,8 @@ def fused_experts(
 def _check_biases(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, w13_bias: torch.Tensor | None,
                   w2_bias: torch.Tensor | None) -> None:
     """Raises ValueError/TypeError unless the biases are (E, 2I) / (E, H) in x's dtype on x's device."""
-    for name, bias, expected in (("w13_bias", w13_bias, w13.shape[:2]), ("w2_bias", w2_bias, w2.shape[:2])):
+    for name, bias, expected in (("w13_bias", w13_bias, gate_up_dims(w13)[:2]),
+                                 ("w2_bias", w2_bias, w2.shape[:2])):
         if bias is None:
             continue
         if tuple(bias.shape) != tuple(expected) or bias.device != x.device:
@@ -775,7 +777,7 @@ def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, 
     """Checks ``lora`` against the layer; returns it with every buffer as :class:`LoRAWeights`."""
     if lora_path not in LORA_PATHS:
         raise ValueError(f"lora_path must be one of {LORA_PATHS}, got {lora_path!r}")
-    num_experts, two_i, hidden = w13.shape
+    num_experts, two_i, hidden = gate_up_dims(w13)
     weights = {name: lora_weights(getattr(lora, name), kind=kind) for name, kind in
                (("gate_up_a", "gated_a"), ("gate_up_b", "b"), ("down_a", "a"), ("down_b", "b"))}
     slots, max_rank = weights["gate_up_a"].num_slots, weights["gate_up_a"].max_rank

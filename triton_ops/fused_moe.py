@@ -83,6 +83,7 @@ from triton_ops.lora_epilogues import (
 from triton_ops.lora_tiles import _dot, lora_expand_slots
 from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS
+from triton_ops.moe_inputs import gate_up_dims, is_gate_up_halves
 from triton_ops.moe_sum import finish_topk_sum_if_last
 from triton_ops.pdl import (
     programmatic_launch,
@@ -301,6 +302,7 @@ def _fused_moe_kernel(
     stride_am, stride_ak,
     b_ptr,  # (E, N or 2N, K) same dtype: w13 for GEMM1 (gate rows then up rows), w2 for GEMM2
     stride_be, stride_bn, stride_bk,
+    stride_b_up,  # gated: offset of the up rows from the gate rows (N * stride_bn, or a halves view's)
     c_ptr,  # (numel, N) same dtype, row per routed pair (2N with the raw gated output)
     stride_cm, stride_cn,
     # Block-scaled FP8 (BLOCK_SCALED): a and b float8_e4m3fn, c in the activations' dtype
@@ -459,7 +461,7 @@ def _fused_moe_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up_ptrs, acc_up = b_ptrs, acc  # the up half's, when gated
     if GATED:
-        up_ptrs = b_base + (offs_n + N).to(tl.int64)[None, :] * stride_bn
+        up_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn + stride_b_up
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if LORA != LORA_FUSED:  # nothing rides along the loop: placeholders it passes through
         la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
@@ -874,14 +876,18 @@ def invoke_fused_moe_kernel(
     direct = direct_ids is not None
     gated = activation is not None
     out_n = c.shape[1] // 2 if activation == "gated_raw" else c.shape[1]
+    num_experts, b_rows, _ = gate_up_dims(b)  # b: (E, N or 2N, K), or GEMM1's (E, 2, N, K) halves view
+    if is_gate_up_halves(b) and (not gated or b.dtype == FP8_DTYPE):
+        raise ValueError("a (E, 2, I, H) halves view is GEMM1's gate/up weight in a float dtype: got it "
+                         f"{'for an ungated GEMM' if not gated else 'in float8_e4m3fn'}")
     if lora is not None:
         lora = _with_lora_weights(lora, gated=gated)
     _check_gemm_args(a, b, c, topk_weights, sorted_ids, expert_ids, num_post_padded, direct_ids, config,
                      activation, out_n, lora, zero_counters, topk_sum, late_wait)
     if bias is not None:
-        expected_bias = (b.shape[0], b.shape[1])
+        expected_bias = (num_experts, b_rows)
         if tuple(bias.shape) != expected_bias or bias.stride(1) != 1 or bias.device != c.device:
-            raise ValueError(f"bias must be (E, {b.shape[1]}) = {expected_bias} with contiguous rows on "
+            raise ValueError(f"bias must be (E, {b_rows}) = {expected_bias} with contiguous rows on "
                              f"{c.device}, got {tuple(bias.shape)} strides {bias.stride()} on {bias.device}")
     block_scaled = a.dtype == FP8_DTYPE or b.dtype == FP8_DTYPE
     if block_scaled:
@@ -902,7 +908,7 @@ def invoke_fused_moe_kernel(
     epilogue = None
     if lora is not None:
         epilogue = _lora_epilogue(lora, config, gated=gated, activation_code=activation_code, numel=numel,
-                                  num_experts=b.shape[0], K=K, out_n=out_n, a=a, direct=direct,
+                                  num_experts=num_experts, K=K, out_n=out_n, a=a, direct=direct,
                                   late_wait=late_wait, programs=grid[0])
     counters = zero_counters if zero_counters is not None else topk_sum
     num_counters = counters.counters.numel() if counters is not None else 0
@@ -919,7 +925,7 @@ def invoke_fused_moe_kernel(
         sum_counters_ptr=counters.counters if counters is not None else c,
         N=out_n,
         K=K,
-        num_experts=b.shape[0],
+        num_experts=num_experts,
         numel=numel,
         max_padded=max_padded,
         a_row_div=a_row_div,
@@ -932,8 +938,9 @@ def invoke_fused_moe_kernel(
         stride_am=a.stride(0),
         stride_ak=a.stride(1),
         stride_be=b.stride(0),
-        stride_bn=b.stride(1),
-        stride_bk=b.stride(2),
+        stride_bn=b.stride(-2),
+        stride_bk=b.stride(-1),
+        stride_b_up=b.stride(1) if b.dim() == 4 else out_n * b.stride(1),
         stride_cm=c.stride(0),
         stride_cn=c.stride(1),
         a_scale_ptr=a_scale if block_scaled else c,
@@ -1169,7 +1176,8 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
     if gated and not (isinstance(activation, str) and activation == "gated_raw"):
         activation_args(activation)  # raises for an unknown one
     expected_b_rows = 2 * out_n if gated else out_n
-    if b.shape[1] != expected_b_rows or b.shape[2] != a.shape[1]:
+    _, b_rows, b_cols = gate_up_dims(b)
+    if b_rows != expected_b_rows or b_cols != a.shape[1]:
         raise ValueError(
             f"weights of shape {tuple(b.shape)} do not match activations {tuple(a.shape)} and output "
             f"{tuple(c.shape)}: expected (E, {expected_b_rows}, {a.shape[1]})"
@@ -1186,10 +1194,10 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
             raise ValueError("topk_sum sums GEMM2's rows: it takes no activation")
     if lora is not None:
         la, lb, K = lora.lora_a, lora.lora_b, a.shape[1]
-        if la.max_rank != lb.max_rank or la.cols != K or lb.cols != b.shape[1]:
+        if la.max_rank != lb.max_rank or la.cols != K or lb.cols != b_rows:
             raise ValueError(
                 f"LoRA A (rank {la.max_rank}, {la.cols} columns) / B (rank {lb.max_rank}, {lb.cols} outputs) "
-                f"do not match the GEMM: expected one rank, A over K={K} and B over {b.shape[1]} outputs"
+                f"do not match the GEMM: expected one rank, A over K={K} and B over {b_rows} outputs"
             )
 
 

@@ -7,6 +7,26 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def is_gate_up_halves(w13: torch.Tensor) -> bool:
+    """``w13`` given as a ``(E, 2, I, H)`` view: dim 1 picks the gate (0) or up (1) half. It reads layouts
+    that no ``(E, 2I, H)`` view can (gpt-oss' interleaved columns, ``(E, H, 2I)`` storage: strides
+    ``(2IH, 1, 2, 2I)``; an ungated up projection read as both halves: stride 0 on dim 1) with no copy."""
+    return w13.dim() == 4 and w13.shape[1] == 2
+
+
+def gate_up_dims(w13: torch.Tensor) -> tuple[int, int, int]:
+    """``(E, 2I, H)`` of a gate/up weight: ``(E, 2I, H)`` itself or a ``(E, 2, I, H)`` halves view."""
+    if is_gate_up_halves(w13):
+        return int(w13.shape[0]), 2 * int(w13.shape[2]), int(w13.shape[3])
+    return tuple(int(d) for d in w13.shape)
+
+
+def expert_gate_up(w13: torch.Tensor, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s ``(2I, H)`` gate rows then up rows (a copy for a halves view)."""
+    w = w13[expert]
+    return w.reshape(-1, w.shape[-1]) if is_gate_up_halves(w13) else w
+
+
 def check_moe_inputs(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -26,11 +46,11 @@ def check_moe_inputs(
                          ("topk_ids", topk_ids)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if w13.dim() != 3 or w2.dim() != 3:
+    if (w13.dim() != 3 and not is_gate_up_halves(w13)) or w2.dim() != 3:
         raise ValueError(
             f"w13 must be (E, 2*I, H) and w2 (E, H, I); got {tuple(w13.shape)} and {tuple(w2.shape)}"
         )
-    num_experts, two_i, hidden = w13.shape
+    num_experts, two_i, hidden = gate_up_dims(w13)
     if x.dim() != 2 or x.shape[1] != hidden:
         raise ValueError(
             f"x must be (num_tokens, H={hidden}) to match the experts' w13 (E, 2I, H) = {tuple(w13.shape)}, "

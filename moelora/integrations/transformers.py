@@ -29,9 +29,9 @@ that formula at attach time. ``act`` is SiLU, exact or tanh GELU (probed from ``
 class overrides ``_apply_gate``, the gated activation it computes (the clamped SwiGLUs of gpt-oss,
 DeepSeek-V4, GLM-5-next, Hunyuan-V4, MiniMax-M3, Step-3.7; Inkling-2's soft-capped SwiGLU: found by running
 it on probe values, :class:`moelora.activations.GatedActivation`). Other layouts are mapped onto the layer
-(docs/architecture.md, "Expert layouts"): transposed storage (Aria, gpt-oss, and Llama-4's unflagged one)
-through views, with one ``(E, 2I, H)`` copy on CUDA; interleaved gate/up columns (gpt-oss) and ungated
-squared-ReLU experts (Nemotron-H) through one copy of gate/up; expert biases (gpt-oss) in the GEMM
+(docs/architecture.md, "Expert layouts"), every one read in place through views: transposed storage (Aria,
+gpt-oss, and Llama-4's unflagged one), interleaved gate/up columns (gpt-oss) and ungated squared-ReLU
+experts (Nemotron-H) as ``(E, 2, I, H)`` halves views; expert biases (gpt-oss) in the GEMM
 epilogues; identity experts (LongCat-Flash) added by the wrapper; a norm after each expert (MuSE-Spark) run
 on each routed pair's output; Llama-4's dense form (every expert's input-scaled rows) as top-1 pairs; and
 JetMoE's self-routing block, swapped whole. ``benchmarks/family_coverage.py`` checks every family against
@@ -388,8 +388,8 @@ def _canonical_gate_up(module: nn.Module, t: torch.Tensor, dim: int) -> torch.Te
     return t
 
 
-def _copies_gate_up(module: nn.Module) -> bool:
-    """Whether the layer's ``(E, 2I, H)`` gate/up weight is a copy made at attach (more memory)."""
+def _halves_view(module: nn.Module) -> bool:
+    """Whether the layer reads gate/up through a halves view (interleaved or ungated experts)."""
     return _gate_up_name(module) == "up_proj" or not getattr(module, "is_concatenated", True)
 
 
@@ -402,14 +402,21 @@ def _expert_shape(module: nn.Module) -> tuple[int, int, int]:
 
 
 def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up_proj`` and ``down_proj`` as ``(E, 2I, H)`` (gate rows, then up rows) and ``(E, H, I)``:
-    the parameters themselves; views for a module storing them transposed (``is_transposed``:
-    ``(E, H, 2I)`` / ``(E, I, H)``, Aria, gpt-oss) or holding identity experts (LongCat-Flash); a copy
-    of gate/up for interleaved columns (gpt-oss) and ungated experts (Nemotron-H)."""
+    """``gate_up_proj`` and ``down_proj`` as the layer reads them, without a copy: ``(E, 2I, H)`` (gate rows,
+    then up rows) or a ``(E, 2, I, H)`` halves view of it (``triton_ops.moe_inputs.is_gate_up_halves``), and
+    ``(E, H, I)``. Views of the parameters for every layout: transposed storage (``is_transposed``: Aria,
+    gpt-oss; or unflagged, Llama-4), identity experts' rows left out (LongCat-Flash), interleaved gate/up
+    columns (gpt-oss: a halves view with stride 2 along I) and an ungated up projection (Nemotron-H: both
+    halves read the same rows, stride 0)."""
     w13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
     if _transposed(module):
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
-    return _canonical_gate_up(module, w13, dim=1), w2
+    w13 = w13[: w2.shape[0]]  # LongCat-Flash: no rows of identity experts
+    if _gate_up_name(module) == "up_proj":
+        return w13.unsqueeze(1).expand(-1, 2, -1, -1), w2
+    if not getattr(module, "is_concatenated", True):
+        return w13.unflatten(1, (w13.shape[1] // 2, 2)).transpose(1, 2), w2
+    return w13, w2
 
 
 def _expert_biases(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -459,16 +466,16 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
     overridden = (default_gate is not None and custom_gate is not default_gate and not fp8_plain_gate
                   and not ungated)
     raw13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
-    copies = _copies_gate_up(module)
+    halves = _halves_view(module)
     biases = [b for b in _raw_biases(module) if b is not None]
     transposed = _transposed(module)
-    if cls == _FP8_EXPERTS_CLASS and (overridden or copies or biases or transposed):
+    if cls == _FP8_EXPERTS_CLASS and (overridden or halves or biases or transposed):
         raise UnsupportedModelError(
             f"{where}: FP8 experts are served with bias-free [gate; up] weights stored (E, 2I, H) and the "
             "plain gate (not an FP8 gate variant: soft caps, a clamped SwiGLU; not interleaved, transposed "
             "or ungated)"
         )
-    reshaped = copies or _transposed(module) or _identity_experts(module) or _post_expert_norm(module)
+    reshaped = halves or _transposed(module) or _identity_experts(module) or _post_expert_norm(module)
     if reshaped and any(type(t).__name__ == "DTensor" for t in (raw13, w2)):
         raise UnsupportedModelError(f"{where} stores its weights {_storage_of(module)} and is sharded by a "
                                   "parallel plan; moelora serves such experts unsharded")
@@ -655,7 +662,7 @@ def _verify_math(name: str, module: nn.Module, activation: str | GatedActivation
     if they differ: its forward does something else (weights on the input, a scaling, ...)."""
     w13, w2 = _expert_weights(module)
     w13_bias, w2_bias = _expert_biases(module)
-    e, _, h = w13.shape
+    e, h = w2.shape[0], w2.shape[1]
     routed = e + _identity_experts(module)  # identity experts' ids are routed too (LongCat-Flash)
     n, k = 8, min(2, routed)
     gen = torch.Generator().manual_seed(1234)
@@ -868,10 +875,6 @@ class MoELoRAExperts(nn.Module):
         object.__setattr__(self, "original", original)
         (w13, w2), parallel = _expert_weights(original), {}
         w13_bias, w2_bias = _expert_biases(original)
-        if _transposed(original) and w13.is_cuda:
-            # The PyTorch path reads the transposed views; the Triton kernels get one (E, 2I, H) copy made
-            # here (the expert weights once more in memory) until their strided reads are verified on a GPU.
-            w13, w2 = w13.contiguous(), w2.contiguous()
         if w13_bias is not None or w2_bias is not None:
             parallel.update(w13_bias=w13_bias, w2_bias=w2_bias)
         if process_group is not None:
