@@ -29,9 +29,10 @@ that formula at attach time. ``act`` is SiLU, exact or tanh GELU (probed from ``
 class overrides ``_apply_gate``, the gated activation it computes (the clamped SwiGLUs of gpt-oss,
 DeepSeek-V4, GLM-5-next, Hunyuan-V4, MiniMax-M3, Step-3.7; Inkling-2's soft-capped SwiGLU: found by running
 it on probe values, :class:`moelora.activations.GatedActivation`). Other layouts are mapped onto the layer
-(docs/architecture.md, "Expert layouts"), every one read in place through views: transposed storage (Aria,
-gpt-oss, and Llama-4's unflagged one), interleaved gate/up columns (gpt-oss) and ungated squared-ReLU
-experts (Nemotron-H) as ``(E, 2, I, H)`` halves views; expert biases (gpt-oss) in the GEMM
+(docs/architecture.md, "Expert layouts"): transposed storage (Aria, gpt-oss, and Llama-4's unflagged one)
+read in place through strides; ungated squared-ReLU experts (Nemotron-H) as a ``(E, 2, I, H)`` halves view
+of their up projection; interleaved gate/up columns (gpt-oss) through one de-interleaved copy of gate/up
+(the in-place halves view reads 6-8x slower); expert biases (gpt-oss) in the GEMM
 epilogues; identity experts (LongCat-Flash) added by the wrapper; a norm after each expert (MuSE-Spark) run
 on each routed pair's output; Llama-4's dense form (every expert's input-scaled rows) as top-1 pairs; and
 JetMoE's self-routing block, swapped whole. ``benchmarks/family_coverage.py`` checks every family against
@@ -389,7 +390,7 @@ def _canonical_gate_up(module: nn.Module, t: torch.Tensor, dim: int) -> torch.Te
 
 
 def _halves_view(module: nn.Module) -> bool:
-    """Whether the layer reads gate/up through a halves view (interleaved or ungated experts)."""
+    """Whether the layer reads gate/up other than as the parameter's own rows (interleaved or ungated)."""
     return _gate_up_name(module) == "up_proj" or not getattr(module, "is_concatenated", True)
 
 
@@ -402,20 +403,25 @@ def _expert_shape(module: nn.Module) -> tuple[int, int, int]:
 
 
 def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up_proj`` and ``down_proj`` as the layer reads them, without a copy: ``(E, 2I, H)`` (gate rows,
-    then up rows) or a ``(E, 2, I, H)`` halves view of it (``triton_ops.moe_inputs.is_gate_up_halves``), and
-    ``(E, H, I)``. Views of the parameters for every layout: transposed storage (``is_transposed``: Aria,
-    gpt-oss; or unflagged, Llama-4), identity experts' rows left out (LongCat-Flash), interleaved gate/up
-    columns (gpt-oss: a halves view with stride 2 along I) and an ungated up projection (Nemotron-H: both
-    halves read the same rows, stride 0)."""
+    """``gate_up_proj`` and ``down_proj`` as the layer reads them: ``(E, 2I, H)`` (gate rows, then up rows)
+    or a ``(E, 2, I, H)`` halves view of it (``triton_ops.moe_inputs.is_gate_up_halves``), and
+    ``(E, H, I)``. Views of the parameters for transposed storage (``is_transposed``: Aria, gpt-oss; or
+    unflagged, Llama-4), identity experts' rows left out (LongCat-Flash) and an ungated up projection
+    (Nemotron-H: both halves read the same rows, stride 0); interleaved gate/up columns (gpt-oss) are
+    de-interleaved into one copy of gate/up, in the storage's orientation."""
     w13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
+    if not getattr(module, "is_concatenated", True):
+        # A halves view of interleaved columns reads gate and up at stride 2: 6-8x the time of GEMM1's
+        # contiguous reads (benchmarks/results/bench_layouts_NVIDIA_H200.json). One copy with the gate
+        # columns (rows) first, in the storage's own orientation, costs the gate/up weights once more.
+        axis = 2 if _transposed(module) else 1
+        w13 = torch.cat((w13[:, :, 0::2], w13[:, :, 1::2]) if axis == 2 else (w13[:, 0::2], w13[:, 1::2]),
+                        dim=axis)
     if _transposed(module):
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
     w13 = w13[: w2.shape[0]]  # LongCat-Flash: no rows of identity experts
     if _gate_up_name(module) == "up_proj":
         return w13.unsqueeze(1).expand(-1, 2, -1, -1), w2
-    if not getattr(module, "is_concatenated", True):
-        return w13.unflatten(1, (w13.shape[1] // 2, 2)).transpose(1, 2), w2
     return w13, w2
 
 
