@@ -302,7 +302,7 @@ def _bad(name):
     elif name == "topk_ids_float":
         ti = ti.float()
     elif name == "activation":
-        kwargs["activation"] = "relu"
+        kwargs["activation"] = "tanh"
     return (x, w13, w2, tw, ti), kwargs
 
 

@@ -238,7 +238,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="entries"):
         reference_moe(x, w13, w2, weights, ids, adapters=[lora], token_adapter=[0] * (M - 1))
     with pytest.raises(ValueError, match="activation"):
-        reference_moe(x, w13, w2, weights, ids, activation="relu")
+        reference_moe(x, w13, w2, weights, ids, activation="tanh")
     bad = ReferenceLoRA(gate={0: make_proj(2, I, H, 1.0)})  # gate A/B with down's shapes
     with pytest.raises(ValueError, match="gate"):
         reference_moe(x, w13, w2, weights, ids, adapters=[bad], token_adapter=[0] * M)
