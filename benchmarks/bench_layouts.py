@@ -1,10 +1,12 @@
 """The layer reading a family's own expert storage against the `[gate; up]`, `(E, 2I, H)` copy of it.
 
-``attach`` serves every layout in place, through views: transposed storage (Aria, Llama-4, gpt-oss),
+The kernels can read every layout in place, through views: transposed storage (Aria, Llama-4, gpt-oss),
 gpt-oss' interleaved gate/up columns (a ``(E, 2, I, H)`` halves view with stride 2 along I) and an ungated
 up projection read as both halves (Nemotron-H). This times the base MoE and base + one rank-16 adapter on
 both forms of the same weights, interleaved in one run on one device (CUDA graphs, L2 flushed before each
-replay, the median of ``--rounds`` rounds), so the cost of reading in place is a same-run ratio.
+replay, the median of ``--rounds`` rounds), so the cost of reading in place is a same-run ratio. ``attach``
+follows what this measures: views where they are as fast as the copy, one copy of gpt-oss' interleaved
+gate/up (docs/performance.md, "Expert layouts").
 
     python benchmarks/bench_layouts.py --out benchmarks/results/bench_layouts_NVIDIA_H100.json
 """
