@@ -32,14 +32,15 @@ it on probe values, :class:`moelora.activations.GatedActivation`). Other layouts
 (docs/architecture.md, "Expert layouts"): transposed storage (Aria, gpt-oss, and Llama-4's unflagged one)
 read in place through strides; ungated squared-ReLU experts (Nemotron-H) as a ``(E, 2, I, H)`` halves view
 of their up projection; interleaved gate/up columns (gpt-oss) through one de-interleaved copy of gate/up
-(the in-place halves view reads 6-8x slower); expert biases (gpt-oss) in the GEMM
+(the in-place halves view reads 6-8x slower); MXFP4 experts packed for transformers' hub kernels (gpt-oss)
+dequantized once at attach, de-interleaved on the way; expert biases (gpt-oss) in the GEMM
 epilogues; identity experts (LongCat-Flash) added by the wrapper; a norm after each expert (MuSE-Spark) run
 on each routed pair's output; Llama-4's dense form (every expert's input-scaled rows) as top-1 pairs; and
 JetMoE's self-routing block, swapped whole. ``benchmarks/family_coverage.py`` checks every family against
 PEFT. Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that says why: two expert sets in
 one layer (ERNIE-4.5-VL), stacked 2-D expert matrices (DBRX), experts as one module each (transformers 4,
-Switch Transformers, NLLB-MoE), an ``_apply_gate`` of another form, other activations, MXFP4 experts packed
-for transformers' hub kernels (load them dequantized), expert parallelism across ranks that hold different
+Switch Transformers, NLLB-MoE), an ``_apply_gate`` of another form, other activations, MXFP4 experts whose
+packed tensors cannot be decoded (load them dequantized), expert parallelism across ranks that hold different
 batches (transformers' all-to-all), quantised or meta-device expert weights, experts spread over several
 devices or dtypes, MoE layers of different shapes in one model, and a model that PEFT already wraps (attach
 to the plain base model). A model loaded with transformers' tensor-parallel plan, or its expert-parallel
@@ -182,9 +183,91 @@ def _is_routed_block(module: nn.Module) -> bool:
             and isinstance(getattr(module, "bias", None), torch.Tensor))
 
 
-def _experts_view(module: nn.Module) -> nn.Module:
-    """What attach checks and serves: the module itself, or the experts of a routed block."""
+def _is_mxfp4_packed(module: nn.Module) -> bool:
+    """gpt-oss' experts as transformers loads them for its MXFP4 hub kernels (``Mxfp4GptOssExperts``)."""
+    return type(module).__name__ == "Mxfp4GptOssExperts"
+
+
+def _mxfp4_dequantized(name: str, packed: nn.Module, proj: str, dtype: torch.dtype) -> torch.Tensor:
+    """``packed``'s ``proj`` ("gate_up_proj" or "down_proj") in ``dtype``, stored as gpt-oss' bf16 experts
+    store it: ``(E, H, 2I)`` (gate/up columns interleaved) or ``(E, I, H)``. The hub tensors are unswizzled
+    and the FP4 values decoded by transformers' own conversion (what it runs to save such a model, and to
+    load one with ``Mxfp4Config(dequantize=True)``)."""
+    try:
+        from transformers.integrations.mxfp4 import Mxfp4ReverseDeserialize, convert_moe_packed_tensors
+
+        packed_tensors = Mxfp4ReverseDeserialize(None).convert({}, model=packed,
+                                                               full_layer_name=f"{proj}_blocks")
+        blocks, scales = packed_tensors[f"{proj}_blocks"], packed_tensors[f"{proj}_scales"]
+        with torch.no_grad():
+            return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+    except Exception as exc:  # plain uint8 tensors without their scales, another hub or transformers version
+        raise UnsupportedModelError(
+            f"experts module {name!r} ({type(packed).__name__}) holds MXFP4 weights that cannot be "
+            f"dequantized at attach ({type(exc).__name__}: {exc}); load the model with quantization_config="
+            "Mxfp4Config(dequantize=True) (the experts in bfloat16) and attach that"
+        ) from exc
+
+
+class _DequantizedMxfp4Experts(nn.Module):
+    """gpt-oss' MXFP4 experts (``Mxfp4GptOssExperts``, packed for transformers' hub kernels) dequantized
+    once, at attach, into the model's compute dtype: what the layer reads. Gate/up ``(E, H, 2I)`` with the
+    gate columns first (de-interleaved while dequantizing, so no second copy), down ``(E, I, H)``, both read
+    through transposed strides, and the biases in the same dtype and order. These bf16 copies hold about four
+    times the MXFP4 bytes (gpt-oss-20b: 38 GB beside 10 GB packed), beside the packed module, which stays the model's (its
+    ``state_dict`` and what :meth:`MoELoRAHandle.detach` restores). PEFT adapters of gpt-oss address the
+    interleaved columns of its bf16 storage: :func:`_expert_layout` reads them so."""
+
+    is_concatenated = True
+    is_transposed = True
+    has_bias = True
+    adapter_gate_up_interleaved = True
+
+    def __init__(self, name: str, packed: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        object.__setattr__(self, "packed", packed)  # not a child: the view owns nothing of the model's
+        self.alpha, self.limit = float(packed.alpha), float(packed.limit)
+        gate_up = _mxfp4_dequantized(name, packed, "gate_up_proj", dtype)
+        self.gate_up_proj = nn.Parameter(torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=-1),
+                                         requires_grad=False)
+        del gate_up
+        down = _mxfp4_dequantized(name, packed, "down_proj", dtype)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
+        bias = packed.gate_up_proj_bias.detach().to(dtype)
+        self.gate_up_proj_bias = nn.Parameter(torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=-1),
+                                              requires_grad=False)
+        self.down_proj_bias = nn.Parameter(packed.down_proj_bias.detach().to(dtype), requires_grad=False)
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss' own clamped SwiGLU (``GptOssExperts._apply_gate``) on ``[gate | up]`` columns."""
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        gate, up = gate_up.chunk(2, dim=-1)
+        return GptOssExperts._apply_gate(self, torch.stack((gate, up), dim=-1).flatten(-2))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``sum_k w_k * (W2 gpt_oss_swiglu(W13 x + b13) + b2)`` on the dequantized weights (PyTorch)."""
+        w13, w2 = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        activation = GatedActivation("clamped_swiglu", self.limit, self.alpha, 1.0)
+        return moe_lora_forward_torch(hidden_states, w13, w2, top_k_weights, top_k_index, None, None,
+                                      activation=activation, w13_bias=self.gate_up_proj_bias,
+                                      w2_bias=self.down_proj_bias)
+
+
+def _experts_view(name: str, module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """What attach checks and serves: the module itself, the experts of a routed block, or MXFP4 experts
+    dequantized into ``dtype``."""
+    if _is_mxfp4_packed(module):
+        return _DequantizedMxfp4Experts(name, module, dtype)
     return _RoutedBlockExperts(module) if _is_routed_block(module) else module
+
+
+def _model_module(view: nn.Module) -> nn.Module:
+    """The model's own module behind an experts view (its parameters and children stay the model's)."""
+    if isinstance(view, _RoutedBlockExperts):
+        return view.block
+    return view.packed if isinstance(view, _DequantizedMxfp4Experts) else view
 
 
 def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
@@ -201,13 +284,7 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
     for name, module in model.named_modules():
         if isinstance(module, MoELoRAExperts):
             raise ValueError(f"{name} is already a MoELoRAExperts: this model is attached; detach() first")
-        if "Mxfp4" in type(module).__name__:
-            raise UnsupportedModelError(
-                f"experts module {name!r} ({type(module).__name__}) holds MXFP4 weights packed for "
-                "transformers' hub kernels; load the model with quantization_config=Mxfp4Config("
-                "dequantize=True) (the experts in bfloat16: four times their MXFP4 bytes) and attach that"
-            )
-        if not _is_fused_experts(module) and not _is_routed_block(module):
+        if not _is_fused_experts(module) and not _is_routed_block(module) and not _is_mxfp4_packed(module):
             continue
         ids = _LAYER_RE.findall(name)
         if not ids:
@@ -361,7 +438,9 @@ def _identity_experts(module: nn.Module) -> int:
 def _storage_of(module: nn.Module) -> str:
     """The experts' storage in words, as the coverage table lists it."""
     parts = ["ungated up_proj" if _gate_up_name(module) == "up_proj" else "gate_up_proj"]
-    if not getattr(module, "is_concatenated", True):
+    if isinstance(module, _DequantizedMxfp4Experts):
+        parts.append("MXFP4 (dequantized at attach)")
+    if getattr(module, "adapter_gate_up_interleaved", not getattr(module, "is_concatenated", True)):
         parts.append("interleaved gate/up")
     if _transposed(module):
         parts.append("transposed")
@@ -437,7 +516,8 @@ def _expert_layout(module: nn.Module) -> ExpertParamLayout:
     """How the PEFT ``target_parameters`` LoRA of this module's parameters maps onto the pool's rows."""
     identity = _identity_experts(module)
     return ExpertParamLayout(
-        gate_up_interleaved=not getattr(module, "is_concatenated", True),
+        gate_up_interleaved=getattr(module, "adapter_gate_up_interleaved",
+                                    not getattr(module, "is_concatenated", True)),
         gate_up_experts=int(module.down_proj.shape[0]) + identity if identity else None,
         up_only=_gate_up_name(module) == "up_proj",
         unflagged_transposed=_transposed(module) and not getattr(module, "is_transposed", False),
@@ -864,12 +944,18 @@ class MoELoRAExperts(nn.Module):
         super().__init__()
         # The original's parameters under their own names (gate_up_proj or up_proj, down_proj, biases): the
         # same objects, so state_dict() keys and tensors are unchanged.
-        source = original.block if isinstance(original, _RoutedBlockExperts) else original
+        source = _model_module(original)
         for pname, param in source.named_parameters(recurse=False):
             self.register_parameter(pname, param)
         for cname, child in source.named_children():  # e.g. a post-expert norm with its weight
             self.add_module(cname, child)
         self.routed_block = isinstance(original, _RoutedBlockExperts)
+        # Dequantized MXFP4 experts: the packed module's forward needs the hub kernels, so the layer runs
+        # the base rows too; and transformers' Mxfp4GptOssMLP sends the routes through this module's
+        # forward (its router, then experts(hidden, indices, scores)) only when the experts are hooked.
+        self.dequantized = isinstance(original, _DequantizedMxfp4Experts)
+        if self.dequantized:
+            self._is_hooked = True
         self.num_experts, two_i, self.hidden_dim = _expert_shape(original)
         self.identity_experts = _identity_experts(original)
         self.dense = _dense_form(original)
@@ -924,7 +1010,7 @@ class MoELoRAExperts(nn.Module):
         # With a post-expert norm the layer runs each routed pair as a row of its own (its token's adapter).
         repeat = top_k_index.shape[-1] if self.post_expert_norm is not None and top_k_index is not None else 1
         batch = self._selector.batch_for(num_tokens // copies, copies=copies, repeat=repeat)
-        if (batch is None or not batch.has_lora) and self.layer.fp8 is None:
+        if (batch is None or not batch.has_lora) and self.layer.fp8 is None and not self.dequantized:
             if self.dense:
                 return self.original(hidden_states, *args, **kwargs)
             return self.original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -1229,14 +1315,15 @@ def attach(
     for name, lid, block in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        module = views[lid] = _experts_view(block)
+        module = views[lid] = _experts_view(name, block, _activation_dtype(model))
         activations[lid] = _check_supported(name, module, parent)
         parallel[lid] = _sharding_of(name, module, model)
         if parallel[lid] is None and getattr(module, "_is_expert_parallel", False):
             raise UnsupportedModelError(f"experts module {name!r} ({type(module).__name__}) is marked "
                                       "expert-parallel but its tensors are not DTensors moelora can read the "
                                       "shard of")
-        known = type(module).__name__ in KNOWN_EXPERTS_CLASSES or type(module).__name__ == _FP8_EXPERTS_CLASS
+        known = (type(module).__name__ in KNOWN_EXPERTS_CLASSES or type(module).__name__ == _FP8_EXPERTS_CLASS
+                 or isinstance(module, _DequantizedMxfp4Experts))  # its forward is the layer's torch path
         if parallel[lid] is None and (verify or (verify is None and not known)):
             _verify_math(name, module, activations[lid])
         sites.append((name, lid, parent, block, attr))

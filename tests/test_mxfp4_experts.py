@@ -1,0 +1,206 @@
+"""gpt-oss loaded with MXFP4 experts (transformers' ``Mxfp4GptOssExperts``, packed for its hub kernels):
+``attach`` dequantizes them once and serves the model, equal to PEFT on the same weights in bf16 storage.
+
+The hub kernels are not installed here, so the packed module holds stand-ins for the hub's tensors: the
+packed bytes and scales behind ``storage.data`` with a strided (identity) layout, as transformers'
+``swizzle_mxfp4_convertops`` leaves them and its ``Mxfp4ReverseDeserialize`` reads them back. The FP4 codes
+and the power-of-two scales are drawn at random and decoded here, independently of transformers, into
+the reference model's bf16-storage experts: every value is exact in fp32, so the check is to 1e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moelora.integrations import MoELoRAExperts, UnsupportedModelError, attach  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning:transformers",
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning",
+)
+
+# E2M1: codes 0-7 positive, 8-15 the same magnitudes negative.
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+ADAPTERS = {"a": dict(r=4, lora_alpha=8), "b": dict(r=8, lora_alpha=8, use_rslora=True)}
+ROWS = ["a", None, "b"]
+ROW_LENS = [6, 4, 6]  # left padded to 6
+REL_TOL = {"cpu": 1e-4, "cuda": 1e-3}  # fp32 on CUDA: the Triton kernels against PEFT's CUDA forward
+
+
+def _config():
+    # H and I multiples of MXFP4's 32-value blocks; E=8 (some experts no token picks), top-2.
+    return transformers.GptOssConfig(
+        vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4, swiglu_limit=1.0,
+        max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _random_mxfp4(rows: int, cols: int, experts: int, gen: torch.Generator):
+    """Packed ``(E, rows, cols/32, 16)`` uint8 blocks (low nibble = even column), ``(E, rows, cols/32)``
+    biased-127 exponents, and the values they encode, ``(E, rows, cols)`` fp32."""
+    codes = torch.randint(0, 16, (experts, rows, cols), generator=gen)
+    exponents = torch.randint(120, 125, (experts, rows, cols // 32), generator=gen)  # 2^-7 .. 2^-3
+    values = FP4[codes] * torch.exp2(exponents.float() - 127).repeat_interleave(32, dim=-1)
+    pairs = codes.reshape(experts, rows, cols // 32, 16, 2)
+    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return blocks, exponents.to(torch.uint8), values
+
+
+class _HubTensor:
+    """What transformers' reverse conversion reads of a hub tensor with a strided layout."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.storage = SimpleNamespace(data=data, layout=SimpleNamespace(unswizzle_data=lambda d: d))
+
+
+def _pack(experts: nn.Module, proj: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """Sets ``proj`` of an ``Mxfp4GptOssExperts`` as ``swizzle_mxfp4_convertops`` does: the hub tensor of the
+    blocks and scales (transposed, as the hub takes them) in place of the parameter."""
+    rows = blocks.shape[1]
+    del experts._parameters[proj]
+    setattr(experts, proj, _HubTensor(blocks.reshape(blocks.shape[0], rows, -1).transpose(-2, -1)))
+    setattr(experts, f"{proj}_precision_config",
+            SimpleNamespace(weight_scale=_HubTensor(scales.transpose(-2, -1))))
+
+
+def _models(device: str):
+    """(reference gpt-oss model with the decoded experts, the same model with MXFP4-packed experts)."""
+    cfg = _config()
+    torch.manual_seed(0)
+    ref = transformers.GptOssForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(5)
+    packed = copy.deepcopy(ref)
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    for layer_ref, layer_packed in zip(ref.model.layers, packed.model.layers, strict=True):
+        experts = layer_ref.mlp.experts
+        gu_blocks, gu_scales, gu = _random_mxfp4(2 * i, h, e, gen)  # (E, 2I, H): interleaved gate/up rows
+        d_blocks, d_scales, down = _random_mxfp4(h, i, e, gen)  # (E, H, I)
+        with torch.no_grad():
+            layer_ref.mlp.router.weight.copy_(torch.randn(e, h, generator=gen) * 0.5)
+            experts.gate_up_proj.copy_(gu.transpose(1, 2))
+            experts.down_proj.copy_(down.transpose(1, 2))
+            experts.gate_up_proj_bias.copy_(torch.randn(e, 2 * i, generator=gen) * 0.2)
+            experts.down_proj_bias.copy_(torch.randn(e, h, generator=gen) * 0.2)
+        hub = mxfp4.Mxfp4GptOssExperts(cfg)
+        _pack(hub, "gate_up_proj", gu_blocks, gu_scales)
+        _pack(hub, "down_proj", d_blocks, d_scales)
+        with torch.no_grad():
+            hub.gate_up_proj_bias.copy_(experts.gate_up_proj_bias)
+            hub.down_proj_bias.copy_(experts.down_proj_bias)
+        router = copy.deepcopy(layer_ref.mlp.router)
+        layer_packed.mlp = mxfp4.Mxfp4GptOssMLP(router, hub)
+    for model in (ref, packed):
+        model.generation_config.pad_token_id = 0
+        model.generation_config.eos_token_id = None
+    return ref.to(device), _move_packed(packed, device)
+
+
+def _move_packed(model: nn.Module, device: str) -> nn.Module:
+    model.to(device)  # the hub tensors are not parameters: moved by hand
+    for module in model.modules():
+        if isinstance(module, mxfp4.Mxfp4GptOssExperts):
+            for proj in ("gate_up_proj", "down_proj"):
+                data = getattr(module, proj).storage.data.to(device)
+                scales = getattr(module, f"{proj}_precision_config").weight_scale.storage.data.to(device)
+                setattr(module, proj, _HubTensor(data))
+                getattr(module, f"{proj}_precision_config").weight_scale = _HubTensor(scales)
+    return model
+
+
+def _inputs(device: str):
+    gen = torch.Generator().manual_seed(3)
+    s = max(ROW_LENS)
+    ids = torch.randint(2, 96, (len(ROW_LENS), s), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(ROW_LENS):
+        ids[row, : s - n] = 0
+        mask[row, s - n :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) / (float(want.abs().max()) + 1e-12)
+
+
+def _check_served(device: str, tmp_path: Path) -> None:
+    ref, packed = _models(device)
+    ids, mask = _inputs(device)
+    tol = REL_TOL[device]
+    oracles = {None: ref}
+    for seed, (name, cfg) in enumerate(ADAPTERS.items()):
+        pm = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
+            target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"], **cfg))
+        gen = torch.Generator().manual_seed(100 + seed)
+        with torch.no_grad():
+            for pname, p in sorted(pm.named_parameters()):
+                if ".lora_A." in pname or ".lora_B." in pname:
+                    p.copy_((torch.randn(p.shape, generator=gen) * 0.1).to(device))
+        pm.eval().save_pretrained(str(tmp_path / name))
+        oracles[name] = pm
+    keys_before = list(packed.state_dict())
+    hubs = [layer.mlp.experts for layer in packed.model.layers]
+
+    handle = attach(packed, max_loras=2, max_rank=8, path="torch" if device == "cpu" else "auto")
+    try:
+        assert list(packed.state_dict()) == keys_before  # the packed module's parameters, not the copies
+        assert all(isinstance(layer.mlp.experts, MoELoRAExperts) for layer in packed.model.layers)
+        for name in ADAPTERS:
+            handle.load_adapter(name, tmp_path / name)
+        with torch.no_grad():
+            base = packed(input_ids=ids, attention_mask=mask).logits
+            assert _close(base, ref(input_ids=ids, attention_mask=mask).logits) < tol
+            with handle.adapters(ROWS):
+                logits = packed(input_ids=ids, attention_mask=mask).logits
+                tokens = packed.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                                         do_sample=False)
+            for row, name in enumerate(ROWS):
+                real = slice(max(ROW_LENS) - ROW_LENS[row], None)
+                one = slice(row, row + 1)
+                want = oracles[name](input_ids=ids[one], attention_mask=mask[one]).logits[0, real]
+                assert _close(logits[row, real], want) < tol, (name, _close(logits[row, real], want))
+                if name is not None:  # the adapter changes this row
+                    assert _close(base[row, real], want) > 1e-2
+                want_tokens = oracles[name].generate(input_ids=ids[one], attention_mask=mask[one],
+                                                     max_new_tokens=4, do_sample=False)
+                assert tokens[row, ids.shape[1]:].tolist() == want_tokens[0, ids.shape[1]:].tolist(), name
+    finally:
+        handle.detach()
+    assert [layer.mlp.experts for layer in packed.model.layers] == hubs  # the packed modules are back
+    assert list(packed.state_dict()) == keys_before
+
+
+def test_mxfp4_experts_dequantized_at_attach_match_peft(tmp_path):
+    _check_served("cpu", tmp_path)
+
+
+@pytest.mark.gpu
+def test_mxfp4_experts_on_cuda_match_peft(tmp_path):
+    _check_served("cuda", tmp_path)
+
+
+def test_mxfp4_experts_without_their_scales_are_refused():
+    """Packed experts whose hub tensors are missing (plain uint8 parameters, no scales: the hub kernels
+    never loaded them) cannot be decoded: a refusal that says how to load the model, nothing swapped."""
+    cfg = _config()
+    model = transformers.GptOssForCausalLM(cfg)
+    for layer in model.model.layers:
+        layer.mlp = mxfp4.Mxfp4GptOssMLP(layer.mlp.router, mxfp4.Mxfp4GptOssExperts(cfg))
+    with pytest.raises(UnsupportedModelError, match=r"MXFP4.*Mxfp4Config\(dequantize=True\)"):
+        attach(model, path="torch")
+    assert not any(isinstance(m, MoELoRAExperts) for m in model.modules())
