@@ -85,12 +85,15 @@ __all__ = [
     "FORMAT_F1",
     "FORMAT_F2",
     "FORMAT_F2_SWAPPED",
+    "OTHER_EXPERT_SET",
     "WEIGHTS_NAME",
     "AdapterInputError",
     "AdapterLoadReport",
     "AdapterSummary",
     "check_adapter_path",
     "describe_peft_adapter",
+    "in_expert_set",
+    "lora_module_names",
     "read_peft_adapter",
 ]
 
@@ -125,12 +128,17 @@ class ExpertParamLayout:
         unflagged_transposed: the parameters are stored ``(E, in, out)`` without transformers'
             ``is_transposed`` flag (Llama-4), so PEFT writes their factors as ``A (E*r, out)``,
             ``B (in, E*r)``: what decides the orientation where the shapes cannot (``in == out``).
+        expert_set: the experts module's path inside its decoder layer (``"mlp.text_moe.experts"``) where
+            a layer holds several expert sets (ERNIE-4.5-VL: text and vision experts), one pool each: the
+            LoRA of the layer's other sets is left to their pools (listed as ignored, with that reason).
+            None: every expert LoRA of a layer is this pool's.
     """
 
     gate_up_interleaved: bool = False
     gate_up_experts: int | None = None
     up_only: bool = False
     unflagged_transposed: bool = False
+    expert_set: str | None = None
 _PROJ_ORDER = ("gate", "up", "down")
 _PROJ_RANK = {p: i for i, p in enumerate(_PROJ_ORDER)}
 
@@ -1427,7 +1435,7 @@ def _read(
         raise _fail(w_file, "the file holds no tensors: no expert LoRA weights at all")
 
     # ---- classify keys (refusing mixed layouts, no expert weights, lone factors, bad factor dtypes) ----
-    classified = _classify_keys(metas, settings, w_file)
+    classified = _classify_keys(metas, settings, w_file, layout.expert_set)
     ignored, f1, f1_module = classified.ignored, classified.f1, classified.f1_module
     f2, f2_layer = classified.f2, classified.f2_layer
 
@@ -1928,11 +1936,31 @@ class _Classified:
     factor_keys: list[str]
 
 
-def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_file: Path) -> _Classified:
+# The start of the reason an ignored key gets when it belongs to another expert set of its layer.
+OTHER_EXPERT_SET = "another expert set of the layer"
+
+
+def in_expert_set(module: str, expert_set: str) -> bool:
+    """Whether ``module`` (a LoRA key's module path) lies in the expert set ``expert_set`` of its layer."""
+    return re.search(r"(?:^|\.)layers\.\d+\." + re.escape(expert_set) + r"(?:\.|$)", module) is not None
+
+
+def lora_module_names(path: str | os.PathLike[str]) -> frozenset[str]:
+    """The module paths of the LoRA A/B weights of a PEFT adapter directory, from its safetensors header
+    alone (no tensor data read): what decides which expert sets an adapter touches. AdapterLoadError for a
+    directory or header that cannot be read."""
+    w_file = check_adapter_path(path) / WEIGHTS_NAME
+    names = (_lora_weight(key.removeprefix(_PEFT_PREFIX)) for key in _read_safetensors_header(w_file).tensors)
+    return frozenset(found[0] for found in names if found is not None)
+
+
+def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_file: Path,
+                   expert_set: str | None = None) -> _Classified:
     """Sorts a file's keys into per-expert (F1) and fused-parameter (F2) LoRA pairs and ignored keys, and
     refuses what no model could serve (DoRA, LoRA bias, unknown expert layouts, mixed layouts, no expert
     weights, lone factors, factor dtypes): the checks that need no model sizes, shared by :func:`_read`
-    and :func:`describe_peft_adapter`."""
+    and :func:`describe_peft_adapter`. With ``expert_set`` (``ExpertParamLayout.expert_set``) the expert
+    LoRA of a layer's other expert sets is ignored."""
     ignored: dict[str, str] = {}
     f1: dict[tuple[int, int, str], _Pair] = {}
     f1_module: dict[tuple[int, int, str], str] = {}
@@ -1979,6 +2007,9 @@ def _classify_keys(metas: Mapping[str, _TensorMeta], settings: _LoraSettings, w_
         if slot is None:
             if _is_shared(module):
                 ignored[key] = _non_expert_reason(module)
+                continue
+            if expert_set is not None and _is_expertish(module) and not in_expert_set(module, expert_set):
+                ignored[key] = f"{OTHER_EXPERT_SET}, not {expert_set!r}: read by that set's pool"
                 continue
             m1 = _F1_MODULE.match(module)
             if m1 is not None and m1.group("proj") in _F1_PROJ:

@@ -50,7 +50,7 @@ fc = _load_script()
 SERVED = [
     "afmoe", "aria", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2",
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "diffusion_gemma", "dots1",
-    "dots3_note", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "glm4_moe",
+    "dots3_note", "ernie4_5_moe", "ernie4_5_vl_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "glm4_moe",
     "glm4_moe_lite", "glm4v_moe", "glm5_next", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hy_v4_vl", "inkling",
     "inkling2", "inkling2_loop", "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini",
@@ -62,9 +62,6 @@ SERVED = [
 REFUSED = {
     # experts kept as flat (E*I, H) matrices w1 / v1 / w2 in one module: no fused 3-D experts
     "dbrx": "stacked 2-D matrices",
-    # text and vision experts in every MoE layer (mlp.text_moe.experts, mlp.vision_moe.experts): one layer
-    # index, two experts modules
-    "ernie4_5_vl_moe": "two expert sets in one layer",
     # seq2seq with per-expert nn.Linear experts (nn.ModuleDict of dense blocks)
     "nllb_moe": "no fused routed-experts module",
     "switch_transformers": "no fused routed-experts module",

@@ -36,9 +36,11 @@ of their up projection; interleaved gate/up columns (gpt-oss) through one de-int
 dequantized once at attach, de-interleaved on the way; expert biases (gpt-oss) in the GEMM
 epilogues; identity experts (LongCat-Flash) added by the wrapper; a norm after each expert (MuSE-Spark) run
 on each routed pair's output; Llama-4's dense form (every expert's input-scaled rows) as top-1 pairs; and
-JetMoE's self-routing block, swapped whole. ``benchmarks/family_coverage.py`` checks every family against
-PEFT. Refused, with an :class:`UnsupportedModelError` (a ``ValueError``) that says why: two expert sets in
-one layer (ERNIE-4.5-VL), stacked 2-D expert matrices (DBRX), experts as one module each (transformers 4,
+JetMoE's self-routing block, swapped whole; several expert sets per layer chosen by a token-type mask
+(ERNIE-4.5-VL's text and vision experts) from a pool per set (:attr:`MoELoRAHandle.pools`).
+``benchmarks/family_coverage.py`` checks every family against PEFT. Refused, with an
+:class:`UnsupportedModelError` (a ``ValueError``) that says why: expert sets chosen otherwise, stacked 2-D
+expert matrices (DBRX), experts as one module each (transformers 4,
 Switch Transformers, NLLB-MoE), an ``_apply_gate`` of another form, other activations, MXFP4 experts whose
 packed tensors cannot be decoded (load them dequantized), expert parallelism across ranks that hold different
 batches (transformers' all-to-all), quantised or meta-device expert weights, experts spread over several
@@ -69,13 +71,14 @@ name is ``None``) the original module runs: exactly the base model's output.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import re
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +89,7 @@ from moelora.activations import GatedActivation
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.layer import PATHS, FusedMoEWithLoRA, fp8_scales_of
 from moelora.parallel import MoEShard
-from moelora.peft_loader import ExpertParamLayout
+from moelora.peft_loader import OTHER_EXPERT_SET, ExpertParamLayout, in_expert_set, lora_module_names
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
 
@@ -214,9 +217,9 @@ class _DequantizedMxfp4Experts(nn.Module):
     once, at attach, into the model's compute dtype: what the layer reads. Gate/up ``(E, H, 2I)`` with the
     gate columns first (de-interleaved while dequantizing, so no second copy), down ``(E, I, H)``, both read
     through transposed strides, and the biases in the same dtype and order. These bf16 copies hold about four
-    times the MXFP4 bytes (gpt-oss-20b: 38 GB beside 10 GB packed), beside the packed module, which stays the model's (its
-    ``state_dict`` and what :meth:`MoELoRAHandle.detach` restores). PEFT adapters of gpt-oss address the
-    interleaved columns of its bf16 storage: :func:`_expert_layout` reads them so."""
+    times the MXFP4 bytes (gpt-oss-20b: 38 GB beside 10 GB packed), beside the packed module, which stays
+    the model's (its ``state_dict`` and what :meth:`MoELoRAHandle.detach` restores). PEFT adapters of
+    gpt-oss address the interleaved columns of its bf16 storage: :func:`_expert_layout` reads them so."""
 
     is_concatenated = True
     is_transposed = True
@@ -270,14 +273,68 @@ def _model_module(view: nn.Module) -> nn.Module:
     return view.packed if isinstance(view, _DequantizedMxfp4Experts) else view
 
 
+def _expert_set_of(name: str, lid: int) -> str:
+    """The experts module's path inside its decoder layer (``"mlp.experts"``, ``"mlp.text_moe.experts"``)."""
+    return name.rpartition(f"layers.{lid}.")[2]
+
+
+# Expert sets chosen per token by a token-type mask (ERNIE-4.5-VL): the sparse block's attribute name ->
+# whether it takes the tokens the mask marks (vision) or the others (text). The MoE block that holds them
+# takes the mask as this forward argument and, without a marked token, runs every token through the
+# unmarked set.
+_TOKEN_TYPE_SETS = {"text_moe": False, "vision_moe": True}
+_TOKEN_TYPE_ARG = "moe_mm_token_type_ids"
+
+
+class _TokenTypes:
+    """The token-type mask the MoE block of one layer got for its current forward (read by its expert
+    sets' modules). Set by a forward pre-hook on the block."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+
+    def record(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get(_TOKEN_TYPE_ARG, args[1] if len(args) > 1 else None)
+        self.mask = mask if isinstance(mask, torch.Tensor) else None
+
+    def rows_of(self, marked: bool) -> torch.Tensor | None:
+        """Which of the block's tokens (flattened, batch-major) the set taking the ``marked`` tokens gets:
+        a bool tensor, or None where it gets them all (no token marked: the block's text-only branch). The
+        block's own test of the mask reads it on the host too."""
+        if self.mask is None or not bool(self.mask.any()):
+            return None
+        marked_rows = self.mask.reshape(-1).bool()
+        return marked_rows if marked else ~marked_rows
+
+
+def _token_type_block(model: nn.Module, name: str) -> tuple[nn.Module, bool]:
+    """(the MoE block holding the expert set ``name`` among others, whether the set takes the marked
+    tokens); UnsupportedModelError where the layer's sets are not chosen by a token-type mask."""
+    sparse_name, _, _ = name.rpartition(".")
+    block_name, _, set_attr = sparse_name.rpartition(".")
+    block = model.get_submodule(block_name) if block_name else model
+    try:
+        takes_arg = _TOKEN_TYPE_ARG in inspect.signature(block.forward).parameters
+    except (TypeError, ValueError):
+        takes_arg = False
+    if set_attr not in _TOKEN_TYPE_SETS or not takes_arg:
+        raise UnsupportedModelError(
+            f"experts module {name!r} is one of several expert sets in its layer, chosen by something other "
+            f"than a token-type mask ({', '.join(_TOKEN_TYPE_SETS)} of a block taking {_TOKEN_TYPE_ARG}, "
+            "ERNIE-4.5-VL): moelora cannot tell which tokens each set gets"
+        )
+    return block, _TOKEN_TYPE_SETS[set_attr]
+
+
 def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
     """The fused routed-experts modules of ``model``: ``(qualified name, layer id, module)`` per MoE layer,
     in model order.
 
     A module qualifies when it has 3-D ``gate_up_proj`` and ``down_proj`` tensors (transformers 5). The
     layer id is the model's own decoder-layer index, the last ``layers.{n}`` in the module's name (as in
-    PEFT keys). Raises :class:`UnsupportedModelError` when a module has no layer index, two modules share
-    one, or the model is already wrapped by PEFT or attached.
+    PEFT keys); a layer with several expert sets (ERNIE-4.5-VL's text and vision experts) lists each.
+    Raises :class:`UnsupportedModelError` when a module has no layer index, modules of two decoder stacks
+    share one, or the model is already wrapped by PEFT or attached.
     """
     found: list[tuple[str, int, nn.Module]] = []
     seen: dict[int, str] = {}
@@ -293,16 +350,13 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
                 "layer index (as in PEFT keys) is unknown"
             )
         lid = int(ids[-1])
-        if lid in seen:
-            same_stack = seen[lid].partition(f"layers.{lid}.")[0] == name.partition(f"layers.{lid}.")[0]
-            why = ("two expert sets in one layer (e.g. text and vision experts, ERNIE-4.5-VL) are not "
-                   "served: one pool holds one set of experts per layer index" if same_stack else
-                   "the adapter keys ('layers.<n>...experts') would be ambiguous; attach to the sub-model "
-                   "that holds one decoder stack")
+        if lid in seen and seen[lid].partition(f"layers.{lid}.")[0] != name.partition(f"layers.{lid}.")[0]:
             raise UnsupportedModelError(
-                f"experts modules {seen[lid]!r} and {name!r} share the layer index {lid}: {why}"
+                f"experts modules {seen[lid]!r} and {name!r} share the layer index {lid}: the adapter keys "
+                "('layers.<n>...experts') would be ambiguous; attach to the sub-model that holds one decoder "
+                "stack"
             )
-        seen[lid] = name
+        seen.setdefault(lid, name)
         found.append((name, lid, module))
     return found
 
@@ -808,7 +862,7 @@ class _Selection:
         self.names = names
         self.seq_lens = seq_lens
         self.any_adapter = any(n is not None for n in names)
-        self.batches: dict[int | tuple[int, int, int], MoELoRABatchInfo] = {}
+        self.batches: dict[Any, MoELoRABatchInfo] = {}  # by token count (and set, copies, rows)
         self.builds = 0
 
     def lens_for(self, num_tokens: int) -> tuple[int, ...]:
@@ -841,8 +895,12 @@ class _Selector:
     innermost wins, and ``set_adapters`` gives the choice used outside any context.
     """
 
-    def __init__(self, pool: MoELoRAMemoryPool) -> None:
-        self.pool = pool
+    def __init__(self, pools: dict[str, MoELoRAMemoryPool]) -> None:
+        self.pools = pools  # expert set -> its pool; one set (the first is the primary) for most models
+        self.pool = next(iter(pools.values()))
+        # adapter name -> the expert sets it has LoRA in (recorded where a layer has several sets; an
+        # adapter not listed is every set's)
+        self.covers: dict[str, frozenset[str]] = {}
         self.lock = threading.RLock()
         self.stack: list[_Selection] = []
         self.default: _Selection | None = None
@@ -856,7 +914,8 @@ class _Selector:
         bad = [n for n in names_t if n is not None and not isinstance(n, str)]
         if bad:
             raise ValueError(f"adapter names must be str or None, got {bad!r}")
-        unknown = sorted({n for n in names_t if n is not None and n not in self.pool})
+        unknown = sorted({n for n in names_t
+                          if n is not None and not any(n in pool for pool in self.pools.values())})
         if unknown:
             raise ValueError(f"unknown adapter(s) {unknown}; loaded adapters: {self.pool.adapters()}")
         lens_t = None
@@ -874,26 +933,48 @@ class _Selector:
         with self.lock:
             return self.stack[-1] if self.stack else self.default
 
-    def batch_for(self, num_tokens: int, copies: int = 1, repeat: int = 1) -> MoELoRABatchInfo | None:
+    def batch_for(self, num_tokens: int, copies: int = 1, repeat: int = 1, *, expert_set: str | None = None,
+                  token_rows: torch.Tensor | None = None) -> MoELoRABatchInfo | None:
         """The batch info of the active choice for ``num_tokens`` tokens; None = every token base. With
         ``copies`` the batch covers that many copies of those tokens one after the other (the dense form's
         rows of every expert); with ``repeat`` each token stands ``repeat`` times in a row (a row per
-        routed pair)."""
+        routed pair). ``expert_set``: the batch of that set's pool (default the primary), where an adapter
+        without LoRA in the set runs its rows as base; ``token_rows``: the set gets only these of the
+        layer's tokens (a bool per token, :class:`_TokenTypes`), whose count per sequence is read on the
+        host."""
         with self.lock:
             sel = self.stack[-1] if self.stack else self.default
             if sel is None or not sel.any_adapter:
                 return None
-            key = num_tokens if copies == repeat == 1 else (num_tokens, copies, repeat)
+            pool = self.pool if expert_set is None else self.pools[expert_set]
+            names = sel.names
+            if expert_set is not None and self.covers:
+                names = tuple(n if n is None or expert_set in self.covers.get(n, (expert_set,)) else None
+                              for n in names)
+                if all(n is None for n in names):
+                    return None
+            if token_rows is None:
+                lens = sel.lens_for(num_tokens)
+                key: Any = num_tokens if copies == repeat == 1 else (num_tokens, copies, repeat)
+            else:
+                ends = torch.tensor(sel.lens_for(token_rows.numel()), device=token_rows.device).cumsum(0)
+                counts = token_rows.long().cumsum(0)[ends - 1] if token_rows.numel() else ends * 0
+                lens = tuple(int(n) for n in torch.diff(counts, prepend=counts.new_zeros(1)).tolist())
+                if sum(lens) != num_tokens:
+                    raise ValueError(f"the expert set {expert_set!r} got {num_tokens} tokens, its token-type "
+                                     f"mask marks {sum(lens)}")
+                key = ("rows", lens, copies, repeat)
+            if expert_set is not None and pool is not self.pool:
+                key = (expert_set, key)
             batch = sel.batches.get(key)
-            if batch is None or not self.pool.is_current(batch):
+            if batch is None or not pool.is_current(batch):
                 # (Re)built: first use, or an adapter was unloaded or evicted since (rebuilt in place; an
                 # unloaded one that is not in the host tier is refused here, by name).
-                names = sel.names * copies
-                lens = tuple(n * repeat for n in sel.lens_for(num_tokens)) * copies
+                lens = tuple(n * repeat for n in lens) * copies
                 if batch is None:
-                    batch = sel.batches[key] = self.pool.prepare_batch(names, lens)
+                    batch = sel.batches[key] = pool.prepare_batch(names * copies, lens)
                 else:
-                    self.pool.prepare_batch(names, lens, out=batch)
+                    pool.prepare_batch(names * copies, lens, out=batch)
                 sel.builds += 1
             return batch
 
@@ -940,8 +1021,15 @@ class MoELoRAExperts(nn.Module):
         cuda_graphs: bool = False,
         graph_max_tokens: int = 64,
         process_group: object | None = None,
+        expert_set: str | None = None,
+        token_types: _TokenTypes | None = None,
+        marked_tokens: bool = False,
     ) -> None:
         super().__init__()
+        # One of several expert sets of its layer (ERNIE-4.5-VL): its pool, and the tokens it gets.
+        self.expert_set = expert_set
+        object.__setattr__(self, "_token_types", token_types)
+        self.marked_tokens = marked_tokens
         # The original's parameters under their own names (gate_up_proj or up_proj, down_proj, biases): the
         # same objects, so state_dict() keys and tensors are unchanged.
         source = _model_module(original)
@@ -1009,7 +1097,9 @@ class MoELoRAExperts(nn.Module):
                              "the same tokens")
         # With a post-expert norm the layer runs each routed pair as a row of its own (its token's adapter).
         repeat = top_k_index.shape[-1] if self.post_expert_norm is not None and top_k_index is not None else 1
-        batch = self._selector.batch_for(num_tokens // copies, copies=copies, repeat=repeat)
+        token_rows = None if self._token_types is None else self._token_types.rows_of(self.marked_tokens)
+        batch = self._selector.batch_for(num_tokens // copies, copies=copies, repeat=repeat,
+                                         expert_set=self.expert_set, token_rows=token_rows)
         if (batch is None or not batch.has_lora) and self.layer.fp8 is None and not self.dequantized:
             if self.dense:
                 return self.original(hidden_states, *args, **kwargs)
@@ -1085,28 +1175,39 @@ class MoELoRAHandle:
 
     Attributes:
         model: the attached model.
-        pool: the :class:`moelora.MoELoRAMemoryPool` (created by ``attach`` unless one was given).
-        modules: layer id -> :class:`MoELoRAExperts` now in the model.
-        module_names: layer id -> qualified module name.
+        pool: the :class:`moelora.MoELoRAMemoryPool` (created by ``attach`` unless one was given); of the
+            first expert set where a layer holds several.
+        pools: expert set (the experts module's path in its layer, ``"mlp.experts"``) -> its pool: one
+            entry, ``pool``, unless a layer holds several expert sets (ERNIE-4.5-VL: text and vision).
+        modules: layer id -> :class:`MoELoRAExperts` now in the model (of the first expert set).
+        module_names: layer id -> qualified module name (of the first expert set).
+        expert_sets: expert set -> layer id -> its :class:`MoELoRAExperts`.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        pool: MoELoRAMemoryPool,
+        pools: dict[str, MoELoRAMemoryPool],
         sites: list[tuple[str, int, nn.Module, nn.Module, str]],
-        modules: dict[int, MoELoRAExperts],
+        modules: dict[str, MoELoRAExperts],
         selector: _Selector,
         owns_pool: bool,
+        hooks: Sequence[Any] = (),
     ) -> None:
         self.model = model
-        self.pool = pool
-        self.modules = modules
-        self.module_names = {lid: name for name, lid, *_ in sites}
+        self.pools = dict(pools)
+        self.pool = next(iter(self.pools.values()))
+        self.expert_sets: dict[str, dict[int, MoELoRAExperts]] = {name: {} for name in self.pools}
+        for name, lid, *_ in sites:
+            self.expert_sets[_expert_set_of(name, lid)][lid] = modules[name]
+        primary = next(iter(self.pools))
+        self.modules = dict(self.expert_sets[primary])
+        self.module_names = {lid: name for name, lid, *_ in sites if _expert_set_of(name, lid) == primary}
         self._sites = sites  # (name, layer id, parent, original, attribute in parent)
         self._selector = selector
         self._owns_pool = owns_pool
-        self._hook = model.register_forward_pre_hook(self._check_rows, with_kwargs=True)
+        self._hooks = [model.register_forward_pre_hook(self._check_rows, with_kwargs=True), *hooks]
+        self._loader: ThreadPoolExecutor | None = None  # loads into several pools, in the background
         self._attached = True
 
     # ---------------------------------------------------------------------------------------------- info
@@ -1137,28 +1238,71 @@ class MoELoRAHandle:
         """Loads a PEFT adapter directory into the pool (``MoELoRAMemoryPool.load_adapter``) and returns
         its report. Only the routed-expert LoRA is served: if the adapter also has LoRA weights elsewhere
         (attention, shared experts, dense MLPs, ``modules_to_save``) a warning names them, since outputs
-        will then differ from PEFT's for that adapter."""
-        report = self.pool.load_adapter(name, path)
-        ignored = getattr(report, "ignored_keys", None) or {}
-        if ignored:
-            keys = sorted(ignored)
+        will then differ from PEFT's for that adapter.
+
+        Where a layer holds several expert sets (:attr:`pools`), the adapter is loaded into the pool of
+        each set it has LoRA in (a set it has none in runs its rows as the base model) and the reports
+        come back as a dict by set; if one load fails, the others are undone (every pool as before)."""
+        if len(self.pools) == 1:
+            report = self.pool.load_adapter(name, path)
+            self._warn_ignored(name, [report])
+            return report
+        with self._selector.lock:
+            held = [set_name for set_name, pool in self.pools.items() if name in pool]
+            if held:
+                raise ValueError(f"adapter {name!r} is already loaded (expert sets {held}); unload it first")
+            modules = lora_module_names(path)
+            sets = [s for s in self.pools if any(in_expert_set(m, s) for m in modules)]
+            sets = sets or [next(iter(self.pools))]  # none: the first pool's load says what is wrong
+            reports: dict[str, object] = {}
+            try:
+                for set_name in sets:
+                    reports[set_name] = self.pools[set_name].load_adapter(name, path)
+            except BaseException:
+                for set_name in reports:
+                    self.pools[set_name].unload_adapter(name)
+                raise
+            self._selector.covers[name] = frozenset(sets)
+        self._warn_ignored(name, list(reports.values()))
+        return reports
+
+    def _warn_ignored(self, name: str, reports: Sequence[object]) -> None:
+        ignored: dict[str, str] = {}
+        for report in reports:
+            ignored.update(getattr(report, "ignored_keys", None) or {})
+        keys = sorted(k for k, why in ignored.items() if not str(why).startswith(OTHER_EXPERT_SET))
+        if keys:
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
             warnings.warn(
                 f"adapter {name!r}: {len(keys)} tensor(s) outside the routed experts are not applied "
                 f"({', '.join(keys[:3])}{more}); this adapter's outputs will differ from PEFT's",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return report
 
     def load_adapter_async(self, name: str, path: str | Path) -> Future:
-        """``MoELoRAMemoryPool.load_adapter_async``: loads in a background thread, returns a Future."""
-        return self.pool.load_adapter_async(name, path)
+        """``MoELoRAMemoryPool.load_adapter_async``: loads in a background thread, returns a Future. With
+        several expert sets, :meth:`load_adapter` runs in a background thread of the handle."""
+        if len(self.pools) == 1:
+            return self.pool.load_adapter_async(name, path)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moelora-sets-load")
+        return self._loader.submit(self.load_adapter, name, path)
 
     def unload_adapter(self, name: str) -> None:
-        """``MoELoRAMemoryPool.unload_adapter`` (refused for a pinned adapter). A selection that names it
-        is refused at its next forward, unless the adapter is still in the host tier."""
-        self.pool.unload_adapter(name)
+        """``MoELoRAMemoryPool.unload_adapter`` (refused for a pinned adapter), from every pool that holds
+        it. A selection that names it is refused at its next forward, unless the adapter is still in the
+        host tier."""
+        if len(self.pools) == 1:
+            self.pool.unload_adapter(name)
+            return
+        with self._selector.lock:
+            holding = [pool for pool in self.pools.values() if name in pool]
+            if not holding:
+                self.pool.unload_adapter(name)  # refuses the unknown name, worded as the pool words it
+            for pool in holding:
+                pool.unload_adapter(name)
+            self._selector.covers.pop(name, None)
 
     @contextlib.contextmanager
     def adapters(
@@ -1213,10 +1357,14 @@ class MoELoRAHandle:
         self._selector.clear()
         for _, _, parent, original, attr in self._sites:
             setattr(parent, attr, original)
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         self._attached = False
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self._owns_pool:
-            self.pool.close()
+            for pool in self.pools.values():
+                pool.close()
 
     def __enter__(self) -> MoELoRAHandle:
         return self
@@ -1309,74 +1457,132 @@ def attach(
             "supported"
         )
     sites: list[tuple[str, int, nn.Module, nn.Module, str]] = []
-    activations: dict[int, str | GatedActivation] = {}
-    parallel: dict[int, tuple[int, int, object] | None] = {}
-    views: dict[int, nn.Module] = {}
+    activations: dict[str, str | GatedActivation] = {}
+    parallel: dict[str, tuple[int, int, object] | None] = {}
+    views: dict[str, nn.Module] = {}
     for name, lid, block in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        module = views[lid] = _experts_view(name, block, _activation_dtype(model))
-        activations[lid] = _check_supported(name, module, parent)
-        parallel[lid] = _sharding_of(name, module, model)
-        if parallel[lid] is None and getattr(module, "_is_expert_parallel", False):
+        module = views[name] = _experts_view(name, block, _activation_dtype(model))
+        activations[name] = _check_supported(name, module, parent)
+        parallel[name] = _sharding_of(name, module, model)
+        if parallel[name] is None and getattr(module, "_is_expert_parallel", False):
             raise UnsupportedModelError(f"experts module {name!r} ({type(module).__name__}) is marked "
                                       "expert-parallel but its tensors are not DTensors moelora can read the "
                                       "shard of")
         known = (type(module).__name__ in KNOWN_EXPERTS_CLASSES or type(module).__name__ == _FP8_EXPERTS_CLASS
                  or isinstance(module, _DequantizedMxfp4Experts))  # its forward is the layer's torch path
-        if parallel[lid] is None and (verify or (verify is None and not known)):
-            _verify_math(name, module, activations[lid])
+        if parallel[name] is None and (verify or (verify is None and not known)):
+            _verify_math(name, module, activations[name])
         sites.append((name, lid, parent, block, attr))
     layouts = {p[0] if p else None for p in parallel.values()}
     if len(layouts) > 1:
         raise UnsupportedModelError(f"MoE layers sharded differently ({sorted(map(str, layouts))}); one pool "
                                   "holds one layout")
     sharding = next(iter(parallel.values()))
+    group = sharding[1] if sharding is not None else None
 
-    found = [(name, lid, views[lid]) for name, lid, _ in found]
-    first = found[0][2]
-    shape, dtype, device = _expert_shape(first), first.down_proj.dtype, first.down_proj.device
-    layout = _expert_layout(first)
-    fp8 = dtype == torch.float8_e4m3fn
-    if fp8 and sharding is not None:
-        raise UnsupportedModelError("FP8 experts sharded by a tensor- or expert-parallel plan are not served "
-                                  "yet (their block scales would need sharding too)")
-    for name, _, module in found[1:]:
-        w2 = module.down_proj
-        if _expert_shape(module) != shape:
-            raise UnsupportedModelError(
-                f"MoE layers of different shapes ({found[0][0]}: {shape}, {name}: {_expert_shape(module)}); "
-                "one pool holds one (E, H, I)"
-            )
-        if w2.dtype != dtype or w2.device != device:
-            raise UnsupportedModelError(
-                f"experts on different dtypes/devices ({found[0][0]}: {dtype} {device}, {name}: {w2.dtype} "
-                f"{w2.device}); the pool lives on one device with one dtype"
-            )
-        if _expert_layout(module) != layout:
-            raise UnsupportedModelError(
-                f"MoE layers stored differently ({found[0][0]}: {_storage_of(first)}, {name}: "
-                f"{_storage_of(module)}); one pool reads one adapter layout"
-            )
-    num_experts, two_i, hidden = shape
-    layer_ids = [lid for _, lid, _ in found]
+    # The expert sets: one for most models; a layer may hold several, chosen per token by a token-type mask
+    # (ERNIE-4.5-VL's text and vision experts), each served from a pool of its own (its own I).
+    expert_sets: dict[str, list[str]] = {}
+    for name, lid, _ in found:
+        expert_sets.setdefault(_expert_set_of(name, lid), []).append(name)
+    several = len(expert_sets) > 1
+    token_types: dict[int, tuple[nn.Module, _TokenTypes]] = {}
+    marked: dict[str, bool] = {}
+    if several:
+        if pool is not None:
+            raise ValueError(f"the model's layers hold {len(expert_sets)} expert sets "
+                             f"({', '.join(expert_sets)}) served from a pool each: attach creates them, give "
+                             "no pool")
+        if sharding is not None:
+            raise UnsupportedModelError("several expert sets per layer are served unsharded")
+        for name, lid, _ in found:
+            block, marked[name] = _token_type_block(model, name)
+            if lid not in token_types:
+                token_types[lid] = (block, _TokenTypes())
 
-    shard, group = sharding if sharding is not None else (None, None)
+    pools: dict[str, MoELoRAMemoryPool] = {}
     owns_pool = pool is None
-    if pool is None:
-        pool = MoELoRAMemoryPool(
-            num_experts=num_experts, hidden_size=hidden, intermediate_size=two_i // 2, layer_ids=layer_ids,
-            max_loras=max_loras, max_rank=max_rank, dtype=_activation_dtype(model) if fp8 else dtype,
-            device=device, max_cpu_loras=max_cpu_loras, shard=shard, expert_layout=layout,
-        )
-    else:
+    try:
+        _make_pools(pools, pool, expert_sets, views, found, several, sharding, model, max_loras, max_rank,
+                    max_cpu_loras)
+        selector = _Selector(pools)
+        modules: dict[str, MoELoRAExperts] = {}
+        for name, lid, _parent, _module, _attr in sites:  # build all before swapping any
+            set_name = _expert_set_of(name, lid)
+            modules[name] = MoELoRAExperts(
+                views[name], pool=pools[set_name], layer_id=lid, activation=activations[name], path=path,
+                selector=selector, cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens,
+                process_group=group, expert_set=set_name if several else None,
+                token_types=token_types[lid][1] if several else None, marked_tokens=marked.get(name, False),
+            )
+    except BaseException:
+        if owns_pool:
+            for created in pools.values():
+                created.close()
+        raise
+    for name, _lid, parent, _module, attr in sites:
+        setattr(parent, attr, modules[name])
+    hooks = [block.register_forward_pre_hook(types.record, with_kwargs=True)
+             for block, types in token_types.values()]
+    return MoELoRAHandle(model, pools, sites, modules, selector, owns_pool, hooks)
+
+
+def _shard_layout(shard: MoEShard | None) -> tuple | None:
+    return None if shard is None else (shard.tp_rank, shard.tp_size, shard.experts)
+
+
+def _make_pools(pools: dict[str, MoELoRAMemoryPool], pool: MoELoRAMemoryPool | None,
+                expert_sets: dict[str, list[str]], views: dict[str, nn.Module],
+                found: list[tuple[str, int, nn.Module]], several: bool,
+                sharding: tuple[MoEShard, object] | None, model: nn.Module, max_loras: int, max_rank: int,
+                max_cpu_loras: int) -> None:
+    """Fills ``pools`` (expert set -> pool): each set's experts checked for one shape, dtype, device and
+    layout; a pool created per set, or the given ``pool`` checked against the one set."""
+    shard = sharding[0] if sharding is not None else None
+    for set_name, names in expert_sets.items():
+        first = views[names[0]]
+        shape, dtype, device = _expert_shape(first), first.down_proj.dtype, first.down_proj.device
+        layout = _expert_layout(first)
+        if several:
+            layout = dataclasses.replace(layout, expert_set=set_name)
+        fp8 = dtype == torch.float8_e4m3fn
+        if fp8 and sharding is not None:
+            raise UnsupportedModelError("FP8 experts sharded by a tensor- or expert-parallel plan are not "
+                                        "served yet (their block scales would need sharding too)")
+        for name in names[1:]:
+            module = views[name]
+            w2 = module.down_proj
+            if _expert_shape(module) != shape:
+                raise UnsupportedModelError(
+                    f"MoE layers of different shapes ({names[0]}: {shape}, {name}: {_expert_shape(module)}); "
+                    "one pool holds one (E, H, I)"
+                )
+            if w2.dtype != dtype or w2.device != device:
+                raise UnsupportedModelError(
+                    f"experts on different dtypes/devices ({names[0]}: {dtype} {device}, {name}: {w2.dtype} "
+                    f"{w2.device}); the pool lives on one device with one dtype"
+                )
+            if _expert_layout(module) != _expert_layout(first):
+                raise UnsupportedModelError(
+                    f"MoE layers stored differently ({names[0]}: {_storage_of(first)}, {name}: "
+                    f"{_storage_of(module)}); one pool reads one adapter layout"
+                )
+        num_experts, two_i, hidden = shape
+        layer_ids = [lid for name, lid, _ in found if name in names]
+        if pool is None:
+            pools[set_name] = MoELoRAMemoryPool(
+                num_experts=num_experts, hidden_size=hidden, intermediate_size=two_i // 2,
+                layer_ids=layer_ids, max_loras=max_loras, max_rank=max_rank,
+                dtype=_activation_dtype(model) if fp8 else dtype, device=device, max_cpu_loras=max_cpu_loras,
+                shard=shard, expert_layout=layout,
+            )
+            continue
         got = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
         want = (num_experts, hidden, two_i // 2) if shard is None else (
             shard.local_num_experts, hidden, shard.local_intermediate_size)
-        def shard_layout(s: MoEShard | None) -> tuple | None:
-            return None if s is None else (s.tp_rank, s.tp_size, s.experts)
-
-        if got != want or shard_layout(pool.shard) != shard_layout(shard):
+        if got != want or _shard_layout(pool.shard) != _shard_layout(shard):
             raise ValueError(f"the pool has (E, H, I) = {got} (shard {pool.shard}), the model's experts on "
                              f"this rank {want} (shard {shard})")
         if pool.expert_layout != layout:
@@ -1387,14 +1593,4 @@ def attach(
             raise ValueError(
                 f"the pool has no buffers for MoE layers {missing} (pool layer_ids {list(pool.layer_ids)})"
             )
-
-    selector = _Selector(pool)
-    modules: dict[int, MoELoRAExperts] = {}
-    for _name, lid, _parent, _module, _attr in sites:  # build all before swapping any
-        modules[lid] = MoELoRAExperts(
-            views[lid], pool=pool, layer_id=lid, activation=activations[lid], path=path, selector=selector,
-            cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens, process_group=group,
-        )
-    for _name, lid, parent, _module, attr in sites:
-        setattr(parent, attr, modules[lid])
-    return MoELoRAHandle(model, pool, sites, modules, selector, owns_pool)
+        pools[set_name] = pool
