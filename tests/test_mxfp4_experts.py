@@ -27,6 +27,8 @@ from moelora.integrations import MoELoRAExperts, UnsupportedModelError, attach  
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+if not hasattr(mxfp4, "Mxfp4GptOssMLP"):  # older transformers route MXFP4 experts through hub kernels only
+    pytest.skip("this transformers has no Mxfp4GptOssMLP", allow_module_level=True)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::UserWarning:transformers",
@@ -204,3 +206,16 @@ def test_mxfp4_experts_without_their_scales_are_refused():
     with pytest.raises(UnsupportedModelError, match=r"MXFP4.*Mxfp4Config\(dequantize=True\)"):
         attach(model, path="torch")
     assert not any(isinstance(m, MoELoRAExperts) for m in model.modules())
+
+
+def test_mxfp4_experts_outside_their_mlp_are_refused():
+    """Packed experts under another MLP (older transformers patch GptOssMLP to route them through the hub
+    kernels): swapping them would not be called as an experts module, so attach says no."""
+    _, packed = _models("cpu")
+    layer = packed.model.layers[0]
+    plain = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(packed.config)
+    plain.router, plain.experts = layer.mlp.router, layer.mlp.experts
+    layer.mlp = plain
+    with pytest.raises(UnsupportedModelError, match="not transformers' Mxfp4GptOssMLP"):
+        attach(packed, path="torch")
+    assert not any(isinstance(m, MoELoRAExperts) for m in packed.modules())
