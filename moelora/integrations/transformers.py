@@ -591,8 +591,8 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
     if isinstance(module, _DequantizedMxfp4Experts) and type(parent).__name__ != "Mxfp4GptOssMLP":
         raise UnsupportedModelError(
             f"{where}: MXFP4 experts under a {type(parent).__name__}, not transformers' Mxfp4GptOssMLP "
-            "(which sends its routes through the experts' forward once they are swapped): this transformers runs "
-            "them through its hub kernels' routing; load the model with quantization_config=Mxfp4Config("
+            "(which sends its routes through the experts' forward once they are swapped): this transformers "
+            "runs them through its hub kernels' routing; load the model with quantization_config=Mxfp4Config("
             "dequantize=True) and attach that"
         )
     if torch.nn.utils.parametrize.is_parametrized(module):
