@@ -728,6 +728,11 @@ class MoELoRAMemoryPool(_AdapterStager):
         with self._lock:
             self._pinned.discard(name)
 
+    def is_pinned(self, name: str) -> bool:
+        """Whether ``name`` is pinned (``pin``)."""
+        with self._lock:
+            return name in self._pinned
+
     def users_of(self, name: str) -> int:
         """Live batches currently using adapter ``name``'s slot."""
         with self._lock:

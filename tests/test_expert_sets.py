@@ -140,6 +140,11 @@ def _check_served(device: str, tmp_path: Path) -> None:
                 want = oracles[name](input_ids=ids[one], attention_mask=mask[one]).last_hidden_state[0, real]
                 assert _close(text_only[row, real], want) < tol, name
 
+        handle.pools[VISION].pin("both")
+        with pytest.raises(ValueError, match="pinned"):
+            handle.unload_adapter("both")
+        assert all("both" in pool for pool in handle.pools.values())  # neither pool let it go
+        handle.pools[VISION].unpin("both")
         handle.unload_adapter("both")
         assert [sorted(p.adapters()) for p in handle.pools.values()] == [["text"], ["vision"]]
     finally:

@@ -1307,6 +1307,8 @@ class MoELoRAHandle:
             holding = [pool for pool in self.pools.values() if name in pool]
             if not holding:
                 self.pool.unload_adapter(name)  # refuses the unknown name, worded as the pool words it
+            if any(pool.is_pinned(name) for pool in holding):  # before any pool lets it go
+                raise ValueError(f"adapter {name!r} is pinned; unpin it before unloading")
             for pool in holding:
                 pool.unload_adapter(name)
             self._selector.covers.pop(name, None)
