@@ -701,10 +701,16 @@ def describe_storage(module: nn.Module) -> str:
 
 def describe_layer_storage(experts: Sequence[tuple[str, nn.Module]]) -> str:
     """:func:`describe_storage` of the first MoE layer's experts module, or of each of its experts modules
-    where the layer has several (JetMoE: ``input_linear`` and ``output_linear``)."""
+    where the layer has several (JetMoE: ``input_linear`` and ``output_linear``; ERNIE-4.5-VL's expert
+    sets, named by their block: ``text_moe`` and ``vision_moe``)."""
     parent = experts[0][0].rpartition(".")[0]
     siblings = [(n.rpartition(".")[2], m) for n, m in experts if n.rpartition(".")[0] == parent]
     if len(siblings) == 1:
+        layer = re.match(r"^(.*?layers\.\d+\.)", experts[0][0])
+        sets = [(n.rpartition(".")[0].rpartition(".")[2], m) for n, m in experts
+                if layer is not None and n.startswith(layer.group(1))]
+        if len(sets) > 1:
+            return "; ".join(f"{block}: {describe_storage(m)}" for block, m in sets)
         return describe_storage(experts[0][1])
     return "; ".join(f"{attr}: {describe_storage(m)}" for attr, m in siblings)
 
