@@ -210,8 +210,11 @@ def test_rounds_flag(tmp_path, capsys):
     assert "--rounds must be positive, got [0]" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
     out = tmp_path / "r.json"
-    assert main(["bench", "--dry-run", "--rounds", "2", "--out", str(out), "--no-progress"]) == 0
-    assert json.loads(out.read_text())["resolved"]["rounds"] == 2
+    # one token count, one adapter count and one LoRA path: what --rounds changes is in every cell alike
+    assert main(["bench", "--dry-run", "--rounds", "2", "--M", "8", "--adapters", "1", "--paths", "base",
+                 "split", "--out", str(out), "--no-progress"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["resolved"]["rounds"] == 2 and {r["path"] for r in payload["records"]} >= {"base", "split"}
 
 
 def _merge_results():

@@ -17,24 +17,25 @@ BF16 = torch.bfloat16
 H, INTER, E, TOP_K = 320, 200, 12, 6
 
 
-def _setup(device, *, path="split", graph_max_tokens=512, dtype=BF16):
-    pool = make_pool(dtype, max_loras=4, max_rank=16, num_experts=E, hidden=H, inter=INTER, layer_ids=(3,),
-                     device=device)
+def _setup(device, *, path="split", graph_max_tokens=512, dtype=BF16, sizes=(E, H, INTER)):
+    experts, hidden, inter = sizes
+    pool = make_pool(dtype, max_loras=4, max_rank=16, num_experts=experts, hidden=hidden, inter=inter,
+                     layer_ids=(3,), device=device)
     # Ranks that differ per adapter.
     for name, rank in (("a", 16), ("b", 7)):
-        pool.add_adapter_weights(name, make_adapter(rank, 2.0, dtype, layers=(3,), num_experts=E, hidden=H,
-                                                    inter=INTER))
-    w13, w2 = make_base(E, H, INTER, dtype, device)
+        pool.add_adapter_weights(name, make_adapter(rank, 2.0, dtype, layers=(3,), num_experts=experts,
+                                                    hidden=hidden, inter=inter))
+    w13, w2 = make_base(experts, hidden, inter, dtype, device)
     graphed = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, path=path, cuda_graphs=True,
                                graph_max_tokens=graph_max_tokens)
     eager = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=3, path=path)
     return pool, graphed, eager
 
 
-def _inputs(m, device, seed, dtype=BF16):
+def _inputs(m, device, seed, dtype=BF16, sizes=(E, H)):
     torch.manual_seed(seed)
-    weights, ids = make_routing(m, E, TOP_K, device=device)
-    return torch.randn(m, H, device=device).to(dtype), weights, ids
+    weights, ids = make_routing(m, sizes[0], TOP_K, device=device)
+    return torch.randn(m, sizes[1], device=device).to(dtype), weights, ids
 
 
 def test_graph_bounds_are_checked():
@@ -57,9 +58,11 @@ def test_least_recently_replayed_graph_is_dropped():
 
 
 def test_cpu_tensors_run_eagerly():
-    """No CUDA: the flag changes nothing (fp16: the interpreter's bf16 dot is not usable)."""
-    pool, graphed, eager = _setup("cpu", path="auto", dtype=torch.float16)
-    x, weights, ids = _inputs(5, "cpu", 0, dtype=torch.float16)
+    """No CUDA: the flag changes nothing (fp16: the interpreter's bf16 dot is not usable; sizes small for
+    the interpreter, odd and past no tile: what is checked is that nothing is captured)."""
+    sizes = (7, 40, 24)
+    pool, graphed, eager = _setup("cpu", path="auto", dtype=torch.float16, sizes=sizes)
+    x, weights, ids = _inputs(5, "cpu", 0, dtype=torch.float16, sizes=sizes[:2])
     batch = pool.prepare_batch(["a", None, "b", "a", "b"])
     for _ in range(3):
         assert torch.equal(graphed(x, weights, ids, batch), eager(x, weights, ids, batch))
