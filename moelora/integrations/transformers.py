@@ -588,13 +588,6 @@ def _check_supported(name: str, module: nn.Module, parent: nn.Module | None) -> 
             f"{where} is wrapped by PEFT ({type(parent).__name__}); attach to the plain base model and load "
             "the adapters with handle.load_adapter instead"
         )
-    if isinstance(module, _DequantizedMxfp4Experts) and type(parent).__name__ != "Mxfp4GptOssMLP":
-        raise UnsupportedModelError(
-            f"{where}: MXFP4 experts under a {type(parent).__name__}, not transformers' Mxfp4GptOssMLP "
-            "(which sends its routes through the experts' forward once they are swapped): this transformers "
-            "runs them through its hub kernels' routing; load the model with quantization_config=Mxfp4Config("
-            "dequantize=True) and attach that"
-        )
     if torch.nn.utils.parametrize.is_parametrized(module):
         raise UnsupportedModelError(
             f"{where} has parametrized tensors (a PEFT target_parameters LoRA?); attach to the plain base "
@@ -1472,6 +1465,13 @@ def attach(
     for name, lid, block in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        if _is_mxfp4_packed(block) and type(parent).__name__ != "Mxfp4GptOssMLP":  # before dequantizing
+            raise UnsupportedModelError(
+                f"experts module {name!r}: MXFP4 experts under a {type(parent).__name__}, not transformers' "
+                "Mxfp4GptOssMLP (which sends its routes through the experts' forward once they are swapped): "
+                "this transformers runs them through its hub kernels' routing; load the model with "
+                "quantization_config=Mxfp4Config(dequantize=True) and attach that"
+            )
         module = views[name] = _experts_view(name, block, _activation_dtype(model))
         activations[name] = _check_supported(name, module, parent)
         parallel[name] = _sharding_of(name, module, model)
