@@ -217,13 +217,13 @@ def _storm(pool, base, steps, *, seed, check_every=1, path="torch", triton_every
 
 
 def test_fragmentation_storm():
-    """1000 loads and unloads of adapters of rank 2-16 training random experts and layers, in an arena
+    """500 loads and unloads of adapters of rank 2-16 training random experts and layers, in an arena
     for about five full rank-16 adapters: blocks are freed and reused in every order. A forward every
-    fourth step (torch path; the Triton kernels in the interpreter every 200 steps; the GPU test checks
-    every step) matches the reference."""
+    fourth step (torch path; the Triton kernels in the interpreter every 125 steps; the GPU test runs
+    1000 steps and checks every one) matches the reference."""
     unit = MoELoRAMemoryPool.unit_bytes_for(H, I, F32)
     pool = make_pool(max_loras=12, max_rank=16, arena_bytes=5 * len(LAYERS) * E * 16 * unit)
-    _storm(pool, make_base(), 1000, seed=7, check_every=4, triton_every=200)
+    _storm(pool, make_base(), 500, seed=7, check_every=4, triton_every=125)
     assert pool.memory_report().used_bytes <= 5 * len(LAYERS) * E * 16 * unit
 
 
