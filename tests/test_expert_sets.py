@@ -20,6 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from peft_oracle import fill_lora, left_padded, rel_err  # noqa: E402
+
 from moelora.integrations import MoELoRAExperts, attach  # noqa: E402
 from moelora.peft_loader import OTHER_EXPERT_SET, AdapterLoadError  # noqa: E402
 
@@ -66,39 +68,26 @@ def _model(vision_inter: int = 16) -> torch.nn.Module:
 
 
 def _inputs(device: str):
-    gen = torch.Generator().manual_seed(3)
-    s = max(ROW_LENS)
-    ids = torch.randint(2, 96, (len(ROWS), s), generator=gen)
-    mask = torch.zeros_like(ids)
+    ids, mask = left_padded(ROW_LENS, 96)
     token_types = torch.zeros_like(ids)
-    for row, (n, (start, end)) in enumerate(zip(ROW_LENS, VISION_TOKENS, strict=True)):
-        ids[row, : s - n] = 0
-        mask[row, s - n :] = 1
+    for row, (start, end) in enumerate(VISION_TOKENS):
         token_types[row, start:end] = 1
     return ids.to(device), mask.to(device), token_types.to(device)
 
 
-def _save_adapters(model: torch.nn.Module, root: Path, device: str) -> dict:
+def _save_adapters(model: torch.nn.Module, root: Path) -> dict:
     oracles = {None: model}
     for seed, (name, cfg) in enumerate(ADAPTERS.items()):
         pm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(target_modules=[], **cfg))
-        gen = torch.Generator().manual_seed(100 + seed)
-        with torch.no_grad():
-            for pname, p in sorted(pm.named_parameters()):
-                if ".lora_A." in pname or ".lora_B." in pname:
-                    p.copy_((torch.randn(p.shape, generator=gen) * 0.1).to(device))
+        fill_lora(pm, seed=100 + seed)
         pm.eval().save_pretrained(str(root / name))
         oracles[name] = pm
     return oracles
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max()) / (float(want.abs().max()) + 1e-12)
-
-
 def _check_served(device: str, tmp_path: Path) -> None:
     model = _model().to(device)
-    oracles = _save_adapters(model, tmp_path, device)
+    oracles = _save_adapters(model, tmp_path)
     ids, mask, token_types = _inputs(device)
     tol = REL_TOL[device]
     with torch.no_grad():
@@ -134,11 +123,11 @@ def _check_served(device: str, tmp_path: Path) -> None:
                 real, one = slice(max(ROW_LENS) - ROW_LENS[row], None), slice(row, row + 1)
                 want = oracles[name](input_ids=ids[one], attention_mask=mask[one],
                                      moe_mm_token_type_ids=token_types[one]).last_hidden_state[0, real]
-                assert _close(got[row, real], want) < tol, (name, _close(got[row, real], want))
+                assert rel_err(got[row, real], want) < tol, (name, rel_err(got[row, real], want))
                 if name is not None:  # the adapter changes this row
-                    assert _close(base[row, real], want) > 1e-2, name
+                    assert rel_err(base[row, real], want) > 1e-2, name
                 want = oracles[name](input_ids=ids[one], attention_mask=mask[one]).last_hidden_state[0, real]
-                assert _close(text_only[row, real], want) < tol, name
+                assert rel_err(text_only[row, real], want) < tol, name
 
         handle.pools[VISION].pin("both")
         with pytest.raises(ValueError, match="pinned"):

@@ -21,6 +21,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from peft_oracle import fill_lora, left_padded, rel_err  # noqa: E402
+
 import adapters.make_adapters as mk  # noqa: E402
 import moelora.integrations as integrations  # noqa: E402
 from moelora.integrations import MoELoRAExperts, attach  # noqa: E402
@@ -196,30 +198,6 @@ def _fresh(family: str, state: dict | None = None) -> nn.Module:
     return model
 
 
-def _fill_lora(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if ".lora_A." in name or ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-
-
-def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    s = max(ROW_LENS)
-    ids = torch.randint(2, vocab, (len(ROW_LENS), s), generator=gen)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(ROW_LENS):
-        ids[i, : s - n] = 0
-        mask[i, s - n :] = 1
-    return ids, mask
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Max abs difference relative to the reference's scale."""
-    return float((got - want).abs().max()) / (float(want.abs().max()) + 1e-12)
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """A tiny model of one family, PEFT oracles of three adapters (saved as PEFT directories), the
@@ -227,12 +205,12 @@ def family(request, tmp_path_factory):
     name = request.param
     base = _fresh(name)
     state = {k: v.clone() for k, v in base.state_dict().items()}
-    ids, mask = _inputs(base.config.vocab_size)
+    ids, mask = left_padded(ROW_LENS, base.config.vocab_size)
     root = tmp_path_factory.mktemp(name)
     oracles: dict[str | None, nn.Module] = {None: base}
     for i, (adapter, cfg) in enumerate(_adapter_configs(name).items()):
         pm = peft.get_peft_model(_fresh(name, state), peft.LoraConfig(target_modules=[], **cfg))
-        _fill_lora(pm, seed=100 + i)
+        fill_lora(pm, seed=100 + i)
         pm.eval()
         pm.save_pretrained(str(root / adapter))
         oracles[adapter] = pm
@@ -291,10 +269,10 @@ def test_family_mixed_batch_matches_peft(family):
             assert builds == [(7, 7, 7, 7) * copies]  # one batch info for all layers
             for row in range(len(ROWS)):
                 want = family["logits"][row][_real(row)]
-                err = _close(logits[row, _real(row)], want)
+                err = rel_err(logits[row, _real(row)], want)
                 assert err < REL_TOL, (family["name"], ROWS[row], err)
                 if ROWS[row] is not None:  # the adapter does change this row
-                    assert _close(family["base_logits"][row, _real(row)], want) > 1e-2
+                    assert rel_err(family["base_logits"][row, _real(row)], want) > 1e-2
 
             builds.clear()
             with handle.adapters(ROWS):
@@ -359,7 +337,7 @@ def test_fixture_adapters_mixed_batch(qwen3_fixture):
         for row, name in enumerate(rows):
             ref = model if name is None else _peft_fixture(name)
             want = ref(input_ids=ids[row : row + 1]).logits[0]
-            assert _close(logits[row], want) < REL_TOL, name
+            assert rel_err(logits[row], want) < REL_TOL, name
             gen = ref.generate(input_ids=ids[row : row + 1], attention_mask=torch.ones_like(ids[:1]),
                                max_new_tokens=NEW_TOKENS, do_sample=False)
             assert out[row].tolist() == gen[0].tolist(), name
@@ -435,8 +413,8 @@ def test_packed_seq_lens_on_one_module(qwen3_fixture):
         got = handle.modules[2](x, ids, weights)
         want_a = oracle(x[:3], ids[:3], weights[:3])
         want_b = handle.modules[2].original(x[3:], ids[3:], weights[3:])
-    assert _close(got[:3], want_a) < REL_TOL
-    assert _close(got[3:], want_b) < REL_TOL
+    assert rel_err(got[:3], want_a) < REL_TOL
+    assert rel_err(got[3:], want_b) < REL_TOL
     with pytest.raises(ValueError, match="seq_lens"), torch.no_grad():
         with handle.adapters(["math", None], seq_lens=[3, 3]):
             handle.modules[2](x, ids, weights)
@@ -463,8 +441,8 @@ def test_triton_path_in_interpreter():
     with torch.no_grad():
         want_a = _peft_fixture("chat")(input_ids=ids[:1]).logits[0]
         want_b = model(input_ids=ids[1:]).logits[0]
-    assert _close(logits[0], want_a) < REL_TOL
-    assert _close(logits[1], want_b) < REL_TOL
+    assert rel_err(logits[0], want_a) < REL_TOL
+    assert rel_err(logits[1], want_b) < REL_TOL
 
 
 # --------------------------------------------------------------------------------------------------
@@ -555,7 +533,7 @@ def test_interleaved_gate_up_adapters_need_their_layout(tmp_path):
     from moelora.peft_loader import ExpertParamLayout, read_peft_adapter
 
     pm = peft.get_peft_model(_fresh("gpt_oss"), peft.LoraConfig(target_modules=[], **ADAPTERS["a"]))
-    _fill_lora(pm, seed=5)
+    fill_lora(pm, seed=5)
     pm.save_pretrained(str(tmp_path / "a"))
     sizes = dict(num_experts=8, hidden_size=32, intermediate_size=16, layer_ids=[0, 1])
     plain = MoELoRAMemoryPool(**sizes, max_loras=1, max_rank=4, dtype=torch.float32, device="cpu")
@@ -647,12 +625,12 @@ def test_cuda_mixed_batch_matches_peft(name, dtype, tmp_path):
     oracles: dict[str | None, nn.Module] = {}
     for i, (adapter, cfg) in enumerate(_adapter_configs(name).items()):
         pm = peft.get_peft_model(_fresh(name, state), peft.LoraConfig(target_modules=[], **cfg))
-        _fill_lora(pm, seed=100 + i)
+        fill_lora(pm, seed=100 + i)
         pm.save_pretrained(str(tmp_path / adapter))
         oracles[adapter] = pm.to("cuda", dtype).eval()
     oracles[None] = _fresh(name, state).to("cuda", dtype)
     model = base.to("cuda", dtype)
-    ids, mask = (t.cuda() for t in _inputs(base.config.vocab_size))
+    ids, mask = (t.cuda() for t in left_padded(ROW_LENS, base.config.vocab_size))
     seq, copies = ids.shape[1], DENSE_COPIES.get(name, 1)
     with attach(model, max_loras=4, max_rank=16) as handle, torch.no_grad():
         assert handle.pool.dtype == dtype and handle.pool.device.type == "cuda"
@@ -691,7 +669,7 @@ def test_cuda_mixed_batch_matches_peft(name, dtype, tmp_path):
                     peft_ids = theirs[n][0][0][1][real].sort(-1).values
                     flips += int((mine != peft_ids).any(-1).sum())
             assert flips <= (1 if dtype == torch.bfloat16 else 0), (name, adapter, flips)
-            err = _close(logits[row, _real(row)], want[_real(row)])
+            err = rel_err(logits[row, _real(row)], want[_real(row)])
             assert flips or err < GPU_TOL[dtype], (name, adapter, err)
             if dtype == torch.float32:
                 ref = oracle.generate(input_ids=ids[sl], attention_mask=mask[sl],

@@ -22,6 +22,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from peft_oracle import fill_lora, left_padded, rel_err  # noqa: E402
+
 from moelora.integrations import MoELoRAExperts, UnsupportedModelError, attach  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -125,34 +127,15 @@ def _move_packed(model: nn.Module, device: str) -> nn.Module:
     return model
 
 
-def _inputs(device: str):
-    gen = torch.Generator().manual_seed(3)
-    s = max(ROW_LENS)
-    ids = torch.randint(2, 96, (len(ROW_LENS), s), generator=gen)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(ROW_LENS):
-        ids[row, : s - n] = 0
-        mask[row, s - n :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max()) / (float(want.abs().max()) + 1e-12)
-
-
 def _check_served(device: str, tmp_path: Path) -> None:
     ref, packed = _models(device)
-    ids, mask = _inputs(device)
+    ids, mask = (t.to(device) for t in left_padded(ROW_LENS, 96))
     tol = REL_TOL[device]
     oracles = {None: ref}
     for seed, (name, cfg) in enumerate(ADAPTERS.items()):
         pm = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
             target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"], **cfg))
-        gen = torch.Generator().manual_seed(100 + seed)
-        with torch.no_grad():
-            for pname, p in sorted(pm.named_parameters()):
-                if ".lora_A." in pname or ".lora_B." in pname:
-                    p.copy_((torch.randn(p.shape, generator=gen) * 0.1).to(device))
+        fill_lora(pm, seed=100 + seed)
         pm.eval().save_pretrained(str(tmp_path / name))
         oracles[name] = pm
     keys_before = list(packed.state_dict())
@@ -166,7 +149,7 @@ def _check_served(device: str, tmp_path: Path) -> None:
             handle.load_adapter(name, tmp_path / name)
         with torch.no_grad():
             base = packed(input_ids=ids, attention_mask=mask).logits
-            assert _close(base, ref(input_ids=ids, attention_mask=mask).logits) < tol
+            assert rel_err(base, ref(input_ids=ids, attention_mask=mask).logits) < tol
             with handle.adapters(ROWS):
                 logits = packed(input_ids=ids, attention_mask=mask).logits
                 tokens = packed.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
@@ -175,9 +158,9 @@ def _check_served(device: str, tmp_path: Path) -> None:
                 real = slice(max(ROW_LENS) - ROW_LENS[row], None)
                 one = slice(row, row + 1)
                 want = oracles[name](input_ids=ids[one], attention_mask=mask[one]).logits[0, real]
-                assert _close(logits[row, real], want) < tol, (name, _close(logits[row, real], want))
+                assert rel_err(logits[row, real], want) < tol, (name, rel_err(logits[row, real], want))
                 if name is not None:  # the adapter changes this row
-                    assert _close(base[row, real], want) > 1e-2
+                    assert rel_err(base[row, real], want) > 1e-2
                 want_tokens = oracles[name].generate(input_ids=ids[one], attention_mask=mask[one],
                                                      max_new_tokens=4, do_sample=False)
                 assert tokens[row, ids.shape[1]:].tolist() == want_tokens[0, ids.shape[1]:].tolist(), name
