@@ -186,6 +186,15 @@ def _is_routed_block(module: nn.Module) -> bool:
             and isinstance(getattr(module, "bias", None), torch.Tensor))
 
 
+def _deinterleaved(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A copy of ``t`` with its alternating gate/up entries along ``dim`` (gpt-oss) as gate first, then
+    up."""
+    index = [slice(None)] * t.dim()
+    gate, up = list(index), list(index)
+    gate[dim], up[dim] = slice(0, None, 2), slice(1, None, 2)
+    return torch.cat((t[tuple(gate)], t[tuple(up)]), dim=dim)
+
+
 def _is_mxfp4_packed(module: nn.Module) -> bool:
     """gpt-oss' experts as transformers loads them for its MXFP4 hub kernels (``Mxfp4GptOssExperts``)."""
     return type(module).__name__ == "Mxfp4GptOssExperts"
@@ -231,14 +240,12 @@ class _DequantizedMxfp4Experts(nn.Module):
         object.__setattr__(self, "packed", packed)  # not a child: the view owns nothing of the model's
         self.alpha, self.limit = float(packed.alpha), float(packed.limit)
         gate_up = _mxfp4_dequantized(name, packed, "gate_up_proj", dtype)
-        self.gate_up_proj = nn.Parameter(torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=-1),
-                                         requires_grad=False)
+        self.gate_up_proj = nn.Parameter(_deinterleaved(gate_up, dim=2), requires_grad=False)
         del gate_up
         down = _mxfp4_dequantized(name, packed, "down_proj", dtype)
         self.down_proj = nn.Parameter(down, requires_grad=False)
         bias = packed.gate_up_proj_bias.detach().to(dtype)
-        self.gate_up_proj_bias = nn.Parameter(torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=-1),
-                                              requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(_deinterleaved(bias, dim=1), requires_grad=False)
         self.down_proj_bias = nn.Parameter(packed.down_proj_bias.detach().to(dtype), requires_grad=False)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -515,10 +522,7 @@ def _canonical_gate_up(module: nn.Module, t: torch.Tensor, dim: int) -> torch.Te
     if _gate_up_name(module) == "up_proj":
         return torch.cat((t, t), dim=dim)
     if not getattr(module, "is_concatenated", True):
-        index = [slice(None)] * t.dim()
-        gate, up = list(index), list(index)
-        gate[dim], up[dim] = slice(0, None, 2), slice(1, None, 2)
-        return torch.cat((t[tuple(gate)], t[tuple(up)]), dim=dim)
+        return _deinterleaved(t, dim)
     return t
 
 
@@ -547,9 +551,7 @@ def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         # A halves view of interleaved columns reads gate and up at stride 2: 6-8x the time of GEMM1's
         # contiguous reads (benchmarks/results/bench_layouts_NVIDIA_H200.json). One copy with the gate
         # columns (rows) first, in the storage's own orientation, costs the gate/up weights once more.
-        axis = 2 if _transposed(module) else 1
-        w13 = torch.cat((w13[:, :, 0::2], w13[:, :, 1::2]) if axis == 2 else (w13[:, 0::2], w13[:, 1::2]),
-                        dim=axis)
+        w13 = _deinterleaved(w13, dim=2 if _transposed(module) else 1)
     if _transposed(module):
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
     w13 = w13[: w2.shape[0]]  # LongCat-Flash: no rows of identity experts
