@@ -6,10 +6,10 @@ when a layer first runs on the Triton path, so ``TRITON_INTERPRET`` can still be
 
 from moelora.activations import GatedActivation
 from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
-from moelora.batch_info import MoELoRABatchInfo
+from moelora.batch_info import MoELoRABatchInfo, StaleBatchError
 from moelora.layer import FusedMoEWithLoRA
 from moelora.pool import LoRALayerBuffers, MoELoRAMemoryPool
-from moelora.pool_report import AdapterMemory, PoolMemoryReport
+from moelora.pool_report import AdapterMemory, PoolMemoryReport, PoolState
 
 __all__ = [
     "AdapterLoadError",
@@ -21,5 +21,7 @@ __all__ = [
     "MoELoRABatchInfo",
     "MoELoRAMemoryPool",
     "PoolMemoryReport",
+    "PoolState",
     "ReferenceLoRA",
+    "StaleBatchError",
 ]

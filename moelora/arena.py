@@ -95,6 +95,10 @@ class RankRowAllocator:
     def free_units(self) -> int:
         return self._total - self._reserved - self._used
 
+    def live_starts(self) -> frozenset[int]:
+        """First units of the blocks allocated and not freed."""
+        return frozenset(self._live)
+
     def largest_free_block(self) -> int:
         """Units of the largest aligned free block: any rank up to this fits with ``count=1``."""
         for order in range(len(self._free) - 1, -1, -1):

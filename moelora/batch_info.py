@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MoELoRABatchInfo"]
+__all__ = ["MoELoRABatchInfo", "StaleBatchError"]
+
+
+class StaleBatchError(ValueError):
+    """A batch's adapter was unloaded, evicted or replaced in its slot since the batch was built: running it
+    would use other weights, so layers refuse it. ``pool.refresh(batch)`` rebuilds it in place while its
+    adapters are still held."""
 
 
 @dataclass
@@ -71,4 +77,4 @@ class MoELoRABatchInfo:
         """
         finalizer = self.__dict__.get("_pool_finalizer")
         if finalizer is not None:
-            finalizer()
+            finalizer()  # queues the batch's hold; the pool's next operation drops it

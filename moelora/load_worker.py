@@ -31,7 +31,7 @@ import torch
 from moelora.adapter_weights import AdapterLoadError
 
 if TYPE_CHECKING:
-    from moelora.pool import _AdapterStager, _StagedAdapter
+    from moelora.stager import AdapterStager, StagedAdapter
 
 __all__ = ["LoadWorker"]
 
@@ -43,7 +43,7 @@ def _shared_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _stage_to_file(stager: _AdapterStager, name: str, path: str) -> tuple:
+def _stage_to_file(stager: AdapterStager, name: str, path: str) -> tuple:
     """In the worker: the staged adapter without its stacks, the shared file holding them and the layout
     (layer, key, dtype, shape, byte offset) to view them."""
     staged = stager._read_and_stage(name, Path(path))
@@ -110,7 +110,7 @@ class LoadWorker:
             if self._process is None or self._process.poll() is not None:
                 self._start()
 
-    def stage(self, stager: _AdapterStager, name: str, path: Path) -> _StagedAdapter:
+    def stage(self, stager: AdapterStager, name: str, path: Path) -> StagedAdapter:
         """``stager._read_and_stage(name, path)`` in the worker; its AdapterLoadError is raised here. A
         worker that died (killed, out of memory) raises AdapterLoadError naming the adapter, and is
         started again at the next call."""

@@ -34,36 +34,35 @@ from __future__ import annotations
 
 import array
 import copy
-import math
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from moelora.adapter_weights import AdapterLoadError, LoRAProjection, ReferenceLoRA
+from moelora.adapter_weights import AdapterLoadError, ReferenceLoRA
 from moelora.arena import RankRowAllocator
-from moelora.batch_info import MoELoRABatchInfo
+from moelora.batch_info import MoELoRABatchInfo, StaleBatchError
 from moelora.load_worker import LoadWorker
 from moelora.parallel import MoEShard
-from moelora.peft_loader import ExpertParamLayout, arena_bytes_of, check_adapter_path, read_peft_adapter
-from moelora.pool_report import AdapterMemory, PoolMemoryReport
+from moelora.peft_loader import ExpertParamLayout, arena_bytes_of, check_adapter_path
+from moelora.pool_report import AdapterMemory, PoolMemoryReport, PoolState
+from moelora.stager import AdapterStager, StagedAdapter, _check_positive_int, _dtype_name, _is_int
 from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
 
 if TYPE_CHECKING:  # imported where used: importing moelora does not import Triton
     from triton_ops.lora_weights import LoRAWeights
 
-__all__ = ["AdapterLoadError", "DenseLoRA", "LoRALayerBuffers", "MoELoRAMemoryPool"]
+__all__ = ["AdapterLoadError", "DenseLoRA", "LoRALayerBuffers", "MoELoRAMemoryPool", "StaleBatchError"]
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_PROJECTIONS = ("gate", "up", "down")
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-_STAGE_THREADS = 8
+# The token index of a batch is int32 on the device.
+_MAX_TOKENS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -126,33 +125,59 @@ class LoRALayerBuffers:
         )
 
 
-@dataclass
-class _StagedAdapter:
-    """A validated adapter on the host, rank-sized: what a slot write copies, and the host tier keeps.
-
-    ``layers[lid]`` holds the stacks present of ``gate_a``/``up_a`` (E, r, H), ``gate_b``/``up_b``
-    (E, I, r), ``down_a`` (E, r, I), ``down_b`` (E, H, r), zero where an expert has no module, in the pool
-    dtype, with every B already rescaled to the slot scaling. B keeps PEFT's orientation on the host (a
-    contiguous cast); the slot write transposes it into the arena's rank rows on the device.
-    ``experts[lid]`` lists the experts of layer ``lid`` with a module of rank > 0: the only ones that take
-    arena rows, ``layer_ranks[lid]`` (<= ``rank``) rows each: its largest module rank there.
-    """
-
-    name: str
-    rank: int
-    scaling: float
-    layers: dict[int, dict[str, torch.Tensor]]
-    experts: dict[int, list[int]] = field(default_factory=dict)
-    layer_ranks: dict[int, int] = field(default_factory=dict)
-    source: str | None = None
-    report: object | None = None
-    nbytes: int = 0
-
-
 _LOADING = object()  # marks a slot reserved by an asynchronous load that is not visible yet
 
 
 _NAME_TYPES = frozenset((str, type(None)))
+
+
+class _Hold:
+    """A live batch's claim on its slots: LRU eviction passes over a slot while a hold records its current
+    generation. ``names`` are the batch's adapters in the order a step touches them (first use first)."""
+
+    __slots__ = ("every_name_held", "generations", "names", "slots")
+
+    def __init__(self, slots: tuple[int, ...], generations: tuple[int, ...], names: tuple[str, ...],
+                 every_name_held: bool) -> None:
+        self.slots, self.generations, self.names = slots, generations, names
+        self.every_name_held = every_name_held  # no adapter of the batch is named with zero tokens
+
+
+class _PendingLoad:
+    """An asynchronous load from its call to its end: ``slot`` once reserved, ``cancelled`` by an unload."""
+
+    __slots__ = ("cancelled", "name", "slot")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.slot, self.cancelled = name, None, False
+
+
+class _Transaction:
+    """``with pool._transaction:`` holds the pool's lock; the outermost one first drops the holds of
+    batches released or garbage collected since (their finalizers only queue them, so a collection that
+    runs inside a transition never changes the state under it) and, in debug mode, checks the invariants
+    on the way out."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: MoELoRAMemoryPool) -> None:
+        self._pool = pool
+
+    def __enter__(self) -> None:
+        pool = self._pool
+        pool._lock.acquire()
+        pool._depth += 1
+        if pool._depth == 1 and pool._released:
+            pool._drop_released_holds()
+
+    def __exit__(self, *exc: object) -> None:
+        pool = self._pool
+        try:
+            if pool._depth == 1 and pool.debug_invariants:
+                pool.check_invariants()
+        finally:
+            pool._depth -= 1
+            pool._lock.release()
 
 
 def _alloc_blocks(units: RankRowAllocator, needs: dict[int, int]) -> dict[int, list[int]] | None:
@@ -180,291 +205,7 @@ def _block_runs(starts: Sequence[int], rank: int) -> list[tuple[int, int, int, i
     return runs
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_positive_int(name: str, v: object) -> int:
-    if not _is_int(v) or v <= 0:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-class _AdapterStager:
-    """Validates an adapter and converts it into rank-sized host stacks in the pool dtype: everything a
-    pool does to an adapter before touching a slot. Needs only the pool's sizes (``num_experts``,
-    ``hidden_size``, ``intermediate_size``, ``layer_ids``, ``max_rank``, ``dtype``, ``shard``), so a
-    copy of them (``sizes_of``) stages in another process."""
-
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    layer_ids: tuple[int, ...]
-    max_rank: int
-    dtype: torch.dtype
-    shard: MoEShard | None
-    expert_layout: ExpertParamLayout
-
-    @classmethod
-    def sizes_of(cls, pool: _AdapterStager) -> _AdapterStager:
-        """A stager with ``pool``'s sizes and nothing else (picklable)."""
-        stager = cls()
-        for attr in ("num_experts", "hidden_size", "intermediate_size", "layer_ids", "max_rank", "dtype",
-                     "shard", "expert_layout"):
-            setattr(stager, attr, getattr(pool, attr))
-        return stager
-
-    def _read_and_stage(self, name: str, path: Path) -> _StagedAdapter:
-        """Reads and validates the PEFT directory ``path`` (checked) and stages it as ``name``."""
-        shard = self.shard
-        layers, report = read_peft_adapter(
-            path, num_experts=shard.num_experts if shard else self.num_experts, hidden_size=self.hidden_size,
-            intermediate_size=shard.intermediate_size if shard else self.intermediate_size,
-            layer_ids=self.layer_ids, max_rank=self.max_rank,
-            dtype=torch.float32, pool_dtype=self.dtype,  # one rounding, after any per-module rescale
-            layout=self.expert_layout,
-        )
-        if shard is not None:
-            layers = shard.split_adapter(name, layers)
-        staged = self._stage(name, layers)
-        report.pool_bytes = self._arena_bytes(staged)
-        staged.source = str(path.resolve())
-        report.dtype = str(self.dtype).removeprefix("torch.")  # the staged tensors are in the pool dtype
-        staged.report = report
-        return staged
-
-    def _layer_blocks(self, staged: _StagedAdapter) -> list[tuple[int, int]]:
-        """(rank, block count) ``staged`` takes in each of the pool's layers, in layer order; (0, 0) where it
-        trains nothing."""
-        blocks = []
-        for lid in self.layer_ids:
-            rank, count = staged.layer_ranks.get(lid, 0), len(staged.experts.get(lid, ()))
-            blocks.append((rank, count) if rank and count else (0, 0))
-        return blocks
-
-    def _arena_bytes(self, staged: _StagedAdapter) -> int:
-        """Device bytes ``staged`` takes in the pool's arena."""
-        return sum(arena_bytes_of(count, rank, self.hidden_size, self.intermediate_size, self.dtype)
-                   for rank, count in self._layer_blocks(staged))
-
-    def _stack_shapes(self, rank: int) -> dict[str, tuple[int, int, int]]:
-        """The shape of each host stack of one layer at ``rank``: A (E, rank, in), B (E, out, rank)."""
-        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        return {"gate_a": (e, rank, h), "up_a": (e, rank, h), "down_a": (e, rank, i),
-                "gate_b": (e, i, rank), "up_b": (e, i, rank), "down_b": (e, h, rank)}
-
-    def _stage(self, name: str, layers: Mapping[int, ReferenceLoRA]) -> _StagedAdapter:
-        """Validates the adapter and converts it on the host; raises AdapterLoadError, touches nothing."""
-        if not isinstance(layers, Mapping):
-            raise AdapterLoadError(
-                f"adapter {name!r}: layers must be a dict layer id -> ReferenceLoRA, "
-                f"got {type(layers).__name__}"
-            )
-        for lid, lora in layers.items():
-            if not _is_int(lid) or lid not in self.layer_ids:
-                raise AdapterLoadError(
-                    f"adapter {name!r}: layer {lid!r} is not a MoE layer of this pool "
-                    f"(layer_ids {list(self.layer_ids)})"
-                )
-            if not isinstance(lora, ReferenceLoRA):
-                raise AdapterLoadError(
-                    f"adapter {name!r} layer {lid}: expected a ReferenceLoRA, got {type(lora).__name__}"
-                )
-
-        h, i = self.hidden_size, self.intermediate_size
-        dims = {"gate": (h, i), "up": (h, i), "down": (i, h)}  # (in, out)
-        raw: list[tuple[int, int, str, LoRAProjection]] = []
-        for lid in sorted(layers):
-            lora = layers[lid]
-            projs = {p: getattr(lora, p) for p in _PROJECTIONS}
-            experts: set[int] = set()
-            for p, d in projs.items():
-                if not isinstance(d, Mapping):
-                    raise AdapterLoadError(
-                        f"adapter {name!r} layer {lid} {p}: expected a dict expert -> LoRAProjection, "
-                        f"got {type(d).__name__}"
-                    )
-                for e in d:
-                    if not _is_int(e) or not 0 <= e < self.num_experts:
-                        raise AdapterLoadError(
-                            f"adapter {name!r} layer {lid} {p}: expert {e!r} out of range "
-                            f"[0, num_experts={self.num_experts})"
-                        )
-                experts.update(d)
-            for e in sorted(experts):
-                for p in _PROJECTIONS:
-                    if e in projs[p]:
-                        raw.append((lid, e, p, projs[p][e]))
-
-        staged = self._stage_stacked(name, raw, dims)
-        if staged is not None:
-            return staged
-
-        # Module by module: the reference path, and the one that names the first problem exactly.
-        for lid, e, p, proj in raw:
-            self._check_module(name, lid, e, p, proj, *dims[p])
-
-        live = [m for m in raw if m[3].a.shape[0] > 0]
-        rank = max((m[3].a.shape[0] for m in live), default=0)
-        scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
-
-        shapes = self._stack_shapes(rank)
-        stacks: dict[int, dict[str, torch.Tensor]] = {}
-        for lid, e, p, proj in live:
-            where = f"adapter {name!r} layer {lid} expert {e} {p}"
-            a = proj.a.detach().to(device="cpu", dtype=torch.float32)
-            b = proj.b.detach().to(device="cpu", dtype=torch.float32)
-            s = float(proj.scaling)
-            if s != scaling:
-                b = b * (s / scaling)
-            a_c, b_c = a.to(self.dtype), b.to(self.dtype)
-            for what, t in (("A", a_c), ("B", b_c)):
-                if not bool(torch.isfinite(t).all()):
-                    extra = f" after rescaling by scaling {s} / slot scaling {scaling}" if what == "B" else ""
-                    raise AdapterLoadError(
-                        f"{where}: LoRA {what} overflows the pool dtype {_dtype_name(self.dtype)}{extra}"
-                    )
-            layer = stacks.setdefault(lid, {})
-            r = int(a.shape[0])
-            for key, t in ((f"{p}_a", a_c), (f"{p}_b", b_c)):
-                if key not in layer:
-                    layer[key] = torch.zeros(shapes[key], dtype=self.dtype)
-                if key.endswith("_a"):
-                    layer[key][e, :r] = t
-                else:
-                    layer[key][e, :, :r] = t
-        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
-        experts = {lid: sorted({e for m_lid, e, _, _ in live if m_lid == lid}) for lid in stacks}
-        layer_ranks = {lid: max(m[3].a.shape[0] for m in live if m[0] == lid) for lid in stacks}
-        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, experts=experts,
-                              layer_ranks=layer_ranks, nbytes=nbytes)
-
-    def _stage_stacked(
-        self,
-        name: str,
-        raw: list[tuple[int, int, str, LoRAProjection]],
-        dims: Mapping[str, tuple[int, int]],
-    ) -> _StagedAdapter | None:
-        """:meth:`_stage` with a few tensor ops per (layer, projection) stack instead of per module.
-
-        Gives exactly the stacks of the module-by-module path, or ``None`` when that path must run: a
-        problem anywhere (it then raises the first one, in its order, with its message), or tensors off
-        the CPU. Values are checked once, on the final stacks in the pool dtype: a non-finite input stays
-        non-finite through the float32 cast, the rescale and the pool-dtype cast, and an overflow shows
-        as an infinity, so a stack is finite exactly when every module check of that path passes.
-        """
-        try:
-            for lid, e, p, proj in raw:
-                self._check_module(name, lid, e, p, proj, *dims[p], values=False)
-        except AdapterLoadError:
-            return None
-        std = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-        if any(t.device.type != "cpu" or t.dtype not in std for m in raw for t in (m[3].a, m[3].b)):
-            return None
-
-        live = [m for m in raw if m[3].a.shape[0] > 0]
-        rank = max((m[3].a.shape[0] for m in live), default=0)
-        scaling = next((float(m[3].scaling) for m in live if float(m[3].scaling) != 0.0), 0.0)
-
-        e_count, f32 = self.num_experts, torch.float32
-        shapes = self._stack_shapes(rank)
-        groups: dict[int, dict[str, list[tuple[int, LoRAProjection]]]] = {}
-        for lid, e, p, proj in live:
-            groups.setdefault(lid, {}).setdefault(p, []).append((e, proj))
-
-        def build(lid: int, p: str, key: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-            mods = groups[lid][p]
-            ratios = [float(proj.scaling) / scaling if float(proj.scaling) != scaling else 1.0
-                      for _, proj in mods]
-            full = len(mods) == e_count and all(proj.a.shape[0] == rank for _, proj in mods)
-            is_b = key.endswith("_b")
-            ts = [proj.b if is_b else proj.a for _, proj in mods]
-            ts = [t if t.dtype == f32 else t.to(f32) for t in ts]
-            with torch.no_grad():
-                if full:  # every expert at the slot rank: one pass (a rescale first where needed)
-                    dst = torch.empty(shapes[key], dtype=self.dtype)
-                    if is_b and any(r != 1.0 for r in ratios):
-                        ratio = torch.tensor(ratios, dtype=torch.float64).to(f32).view(-1, 1, 1)
-                        dst.copy_(torch.stack(ts).mul_(ratio))
-                    else:  # cast as copied: no float32 stack in between
-                        torch._foreach_copy_(list(dst.unbind(0)), ts)
-                else:  # missing experts or lower ranks: zeros, then module by module
-                    dst = torch.zeros(shapes[key], dtype=self.dtype)
-                    for (e, _), t, ratio_e in zip(mods, ts, ratios, strict=True):
-                        r = t.shape[1] if is_b else t.shape[0]
-                        if is_b and ratio_e != 1.0:
-                            t = t * ratio_e
-                        (dst[e, :, :r] if is_b else dst[e, :r]).copy_(t)
-            return dst, torch.aminmax(dst)
-
-        # The stacks are independent and their copies release the interpreter lock: built side by side.
-        wanted = [(lid, p, f"{p}{ab}") for lid, projs in groups.items() for p in _PROJECTIONS if p in projs
-                  for ab in ("_a", "_b")]
-        with ThreadPoolExecutor(max_workers=_STAGE_THREADS, thread_name_prefix="moelora-stage") as threads:
-            built = list(threads.map(lambda job: build(*job), wanted))
-        stacks: dict[int, dict[str, torch.Tensor]] = {}
-        for (lid, _, key), (dst, _) in zip(wanted, built, strict=True):
-            stacks.setdefault(lid, {})[key] = dst
-        ranges = [bound for _, bounds in built for bound in bounds]
-        if ranges and not bool(torch.isfinite(torch.stack(ranges)).all()):
-            return None  # NaN propagates through aminmax; the module path names the problem
-        nbytes = sum(t.nbytes for st in stacks.values() for t in st.values())
-        experts = {lid: sorted({e for mods in projs.values() for e, _ in mods})
-                   for lid, projs in groups.items()}
-        layer_ranks = {lid: max(proj.a.shape[0] for mods in projs.values() for _, proj in mods)
-                       for lid, projs in groups.items()}
-        return _StagedAdapter(name=name, rank=rank, scaling=scaling, layers=stacks, experts=experts,
-                              layer_ranks=layer_ranks, nbytes=nbytes)
-
-    def _check_module(
-        self, name: str, lid: int, e: int, p: str, proj: object, in_f: int, out_f: int, *, values: bool = True
-    ) -> None:
-        where = f"adapter {name!r} layer {lid} expert {e} {p}"
-        if not isinstance(proj, LoRAProjection):
-            raise AdapterLoadError(f"{where}: expected a LoRAProjection, got {type(proj).__name__}")
-        for what, t in (("A", proj.a), ("B", proj.b)):
-            if not isinstance(t, torch.Tensor):
-                raise AdapterLoadError(f"{where}: LoRA {what} must be a torch.Tensor, got {type(t).__name__}")
-            if not t.is_floating_point():
-                raise AdapterLoadError(f"{where}: LoRA {what} must be a float tensor, got dtype {t.dtype}")
-            if t.dim() != 2:
-                raise AdapterLoadError(f"{where}: LoRA {what} must be 2-D, got shape {tuple(t.shape)}")
-        r = int(proj.a.shape[0])
-        if proj.a.shape[1] != in_f:
-            raise AdapterLoadError(
-                f"{where}: LoRA A has wrong shape {tuple(proj.a.shape)}, expected (r, {in_f})"
-            )
-        if proj.b.shape[0] != out_f:
-            raise AdapterLoadError(
-                f"{where}: LoRA B has wrong shape {tuple(proj.b.shape)}, expected ({out_f}, r)"
-            )
-        if proj.b.shape[1] != r:
-            raise AdapterLoadError(
-                f"{where}: rank mismatch: A has rank {r} ({tuple(proj.a.shape)}) but B has rank "
-                f"{proj.b.shape[1]} ({tuple(proj.b.shape)})"
-            )
-        if r > self.max_rank:
-            raise AdapterLoadError(f"{where}: rank {r} exceeds the pool's max_rank {self.max_rank}")
-        s = proj.scaling
-        if isinstance(s, torch.Tensor):
-            s = s.item() if s.numel() == 1 else None
-        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
-            raise AdapterLoadError(f"{where}: scaling must be a finite number, got {proj.scaling!r}")
-        if abs(s) > _FLOAT32_MAX:  # the slot table is float32: it would overflow there
-            raise AdapterLoadError(f"{where}: scaling {s!r} does not fit float32 (|s| <= {_FLOAT32_MAX:.4g})")
-        if not values:
-            return
-        for what, t in (("A", proj.a), ("B", proj.b)):
-            if not bool(torch.isfinite(t).all()):
-                bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-                raise AdapterLoadError(f"{where}: LoRA {what} holds non-finite values ({bad})")
-
-
-class MoELoRAMemoryPool(_AdapterStager):
+class MoELoRAMemoryPool(AdapterStager):
     """GPU (or CPU) memory pool holding up to ``max_loras`` LoRA adapters of one MoE model.
 
     Args:
@@ -512,6 +253,8 @@ class MoELoRAMemoryPool(_AdapterStager):
         adapter_slots: adapter name -> slot.
         slot_adapters: slot -> adapter name, ``None`` for a free slot.
     """
+
+    debug_invariants: bool = False  # check_invariants after every transaction (the tests turn it on)
 
     def __init__(
         self,
@@ -624,15 +367,23 @@ class MoELoRAMemoryPool(_AdapterStager):
             widest = self.max_rank * max(h, i) * torch.empty((), dtype=dtype).element_size()
             self._staging = PinnedStaging(staging_bytes or DEFAULT_STAGING_BYTES, widest_row=widest,
                                           what=f"a rank-{self.max_rank} LoRA stack")
+        # The pool's state (docs/architecture.md, "Pool state"): changed only under ``_lock``, inside a
+        # ``_Transaction``, by the functions of the "State" section below.
         self._lock = threading.RLock()
+        self._depth = 0  # transactions open in the thread holding the lock
+        self._transaction = _Transaction(self)
         self._recent: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recent first
         self._pinned: set[str] = set()
-        self._slot_users = [0] * n_slots  # live batches using each slot's current adapter
+        self._slot_users = [0] * n_slots  # holds of live batches on each slot's current content
         # Bumped whenever a slot is emptied or gets new content: a batch records the generations of its
         # slots, and a layer refuses it once they differ (its adapter was unloaded or replaced).
         self._slot_generation = [0] * n_slots
-        self._host_tier: OrderedDict[str, _StagedAdapter] = OrderedDict()
-        self._staged: dict[str, _StagedAdapter] = {}  # resident adapters' host copies (reports, re-loads)
+        self._holds: set[_Hold] = set()  # live batches' holds
+        self._released: deque[_Hold] = deque()  # holds of released or collected batches, not yet dropped
+        self._pending: dict[str, _PendingLoad] = {}  # asynchronous loads by name, until published or ended
+        self._loading: dict[int, _PendingLoad] = {}  # slots reserved by asynchronous loads
+        self._host_tier: OrderedDict[str, StagedAdapter] = OrderedDict()
+        self._staged: dict[str, StagedAdapter] = {}  # resident adapters' host copies (reports, re-loads)
         self._executor: ThreadPoolExecutor | None = None
         self._load_worker = LoadWorker() if (on_cuda if load_process is None else load_process) else None
 
@@ -659,36 +410,45 @@ class MoELoRAMemoryPool(_AdapterStager):
                 "down_a": self._arena["down_a"], "down_b": self._arena["down_b"]}[key]
 
     # ----------------------------------------------------------------------------------------------
-    # Queries
+    # Queries (each answers from one consistent state: taken under the lock)
     # ----------------------------------------------------------------------------------------------
 
     def __contains__(self, name: object) -> bool:
         """True for an adapter in a GPU slot or in the host tier (a batch may name either)."""
-        with self._lock:
+        with self._transaction:
             return name in self.adapter_slots or name in self._host_tier
 
     def is_resident(self, name: str) -> bool:
         """True when ``name`` is in a slot (no copy needed before a batch can use it)."""
-        with self._lock:
+        with self._transaction:
             return name in self.adapter_slots
 
     def host_adapters(self) -> list[str]:
         """Adapters held in the host tier, least recently used first."""
-        with self._lock:
+        with self._transaction:
             return list(self._host_tier)
+
+    def state(self) -> PoolState:
+        """One consistent picture of which adapters are where: resident ones in LRU order, the host tier,
+        loads under way, pins and live-batch holds (:class:`PoolState`)."""
+        with self._transaction:
+            return PoolState(
+                resident=tuple(self._recent), host=tuple(self._host_tier), loading=tuple(self._pending),
+                pinned=frozenset(self._pinned), slots=dict(self.adapter_slots),
+                users={n: self._slot_users[s] for n, s in self.adapter_slots.items()})
 
     def report(self, name: str) -> object | None:
         """The load report of a resident or host-tier adapter (``None`` for ``add_adapter_weights``)."""
-        with self._lock:
+        with self._transaction:
             staged = self._staged.get(name) or self._host_tier.get(name)
             if staged is None:
-                raise ValueError(f"adapter {name!r} is not held; loaded adapters: {self.adapters()}")
+                raise ValueError(f"adapter {name!r} is not held; {self._known()}")
             return staged.report
 
     def memory_report(self) -> PoolMemoryReport:
         """Bytes per adapter, arena use and fragmentation, slot use, the host tier and the pinned staging
         buffer, with each adapter's tier, pin and live-batch count (:class:`PoolMemoryReport`)."""
-        with self._lock:
+        with self._transaction:
             adapters = []
             for slot, name in enumerate(self.slot_adapters):
                 if not isinstance(name, str):
@@ -720,22 +480,23 @@ class MoELoRAMemoryPool(_AdapterStager):
 
     def pin(self, name: str) -> None:
         """Never evict ``name`` (until ``unpin``); it must be resident."""
-        with self._lock:
-            self.slot_of(name)
+        with self._transaction:
+            if not isinstance(name, str) or name not in self.adapter_slots:
+                self._refuse_not_loaded(name)
             self._pinned.add(name)
 
     def unpin(self, name: str) -> None:
-        with self._lock:
+        with self._transaction:
             self._pinned.discard(name)
 
     def is_pinned(self, name: str) -> bool:
         """Whether ``name`` is pinned (``pin``)."""
-        with self._lock:
+        with self._transaction:
             return name in self._pinned
 
     def users_of(self, name: str) -> int:
-        """Live batches currently using adapter ``name``'s slot."""
-        with self._lock:
+        """Live batches (neither released nor garbage collected) holding adapter ``name``'s slot."""
+        with self._transaction:
             return self._slot_users[self.slot_of(name)]
 
     @property
@@ -751,9 +512,10 @@ class MoELoRAMemoryPool(_AdapterStager):
             gens[s] == g for s, g in zip(batch.slots_used, batch.slot_generations, strict=True))
 
     def check_batch(self, batch: MoELoRABatchInfo) -> None:
-        """Refuses a batch that would run with weights other than its own: one built by another pool, or
-        one whose adapter was unloaded, evicted or replaced in its slot since it was built. Host-side
-        comparisons only (no device read)."""
+        """Refuses a batch that would run with weights other than its own: one built by another pool
+        (ValueError), or one whose adapter was unloaded, evicted or replaced in its slot since it was built
+        (:class:`StaleBatchError`; :meth:`refresh` rebuilds it in place). Host-side comparisons only (no
+        device read)."""
         if not isinstance(batch, MoELoRABatchInfo):
             raise TypeError(
                 f"batch must be a MoELoRABatchInfo from pool.prepare_batch, got {type(batch).__name__}")
@@ -769,9 +531,10 @@ class MoELoRAMemoryPool(_AdapterStager):
             if gens[slot] != gen:
                 now = self.slot_adapters[slot]
                 now = f"now holds {now!r}" if isinstance(now, str) else "is now empty"
-                raise ValueError(
+                raise StaleBatchError(
                     f"stale batch: adapter {name!r} was unloaded or evicted since this batch was built (its "
-                    f"slot {slot} {now}); call pool.prepare_batch(..., out=batch) again before this forward"
+                    f"slot {slot} {now}); call pool.refresh(batch) (or pool.prepare_batch(..., out=batch)) "
+                    "before this forward"
                 )
 
     def __repr__(self) -> str:
@@ -783,14 +546,28 @@ class MoELoRAMemoryPool(_AdapterStager):
 
     def adapters(self) -> list[str]:
         """Names of the adapters in GPU slots, in slot order."""
-        return [n for n in self.slot_adapters if isinstance(n, str)]
+        with self._transaction:
+            return [n for n in self.slot_adapters if isinstance(n, str)]
 
     def slot_of(self, name: str) -> int:
         """The slot holding adapter ``name``; ValueError naming the loaded adapters if none does."""
-        try:
-            return self.adapter_slots[name]
-        except (KeyError, TypeError):
-            raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: {self.adapters()}") from None
+        with self._transaction:
+            if isinstance(name, str) and name in self.adapter_slots:
+                return self.adapter_slots[name]
+            return self._refuse_not_loaded(name)
+
+    def _refuse_not_loaded(self, name: object) -> int:
+        where = " (it is in the host tier)" if name in self._host_tier else ""
+        raise ValueError(f"adapter {name!r} is not loaded{where}; {self._known()}")
+
+    def _known(self) -> str:
+        """What the pool holds, for a refusal's message. Caller holds the lock."""
+        text = f"loaded adapters: {[n for n in self.slot_adapters if isinstance(n, str)]}"
+        if self._host_tier:
+            text += f", host tier: {list(self._host_tier)}"
+        if self._pending:
+            text += f", loading: {list(self._pending)}"
+        return text
 
     @property
     def free_slots(self) -> list[int]:
@@ -842,7 +619,7 @@ class MoELoRAMemoryPool(_AdapterStager):
         if self.shard is not None:
             layers = self.shard.split_adapter(name, layers)
         staged = self._stage(name, layers)
-        with self._lock:
+        with self._transaction:
             return self._place(staged)
 
     def load_adapter(self, name: str, path: str | Path) -> object:
@@ -851,20 +628,36 @@ class MoELoRAMemoryPool(_AdapterStager):
         pool bytes). The files are read and validated on the host before any slot is touched: on
         :class:`AdapterLoadError` the pool is unchanged. An adapter of the same name and path in the
         host tier is served from there, without reading the disk."""
+        with self._transaction:
+            refusal = self._refuse_load(name)  # before reading: a name already taken is refused at once
+        if refusal is not None:
+            raise refusal
         staged = self._stage_from(name, path)
-        with self._lock:
+        with self._transaction:
             self._place(staged)
         return staged.report
 
     def load_adapter_async(self, name: str, path: str | Path) -> Future:
-        """Like ``load_adapter``, in a background thread: reads and validates on the host, copies into a
-        reserved slot on a side CUDA stream while forwards keep running, and makes ``name`` visible to
-        ``prepare_batch`` only once its copy has completed. Returns a Future of the load report (its
-        exception is the AdapterLoadError, with the pool unchanged)."""
-        with self._lock:
+        """Like ``load_adapter``, in the background: reads and validates on the host (in the load process on
+        CUDA), copies into a reserved slot on a side CUDA stream while forwards keep running, and makes
+        ``name`` visible to ``prepare_batch`` only once its copy has completed. Returns a Future of the load
+        report; its exception is the AdapterLoadError, with the pool unchanged. From this call until the
+        load ends, ``name`` is loading (:meth:`state`): another load of it is refused, and
+        ``unload_adapter(name)`` cancels it (the future then raises AdapterLoadError)."""
+        with self._transaction:
+            refusal = self._refuse_load(name)
+            if refusal is not None:
+                done: Future = Future()
+                done.set_exception(refusal)
+                return done
+            pending = self._pending[name] = _PendingLoad(name)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moelora-load")
-            return self._executor.submit(self._load_async_job, name, path)
+            try:
+                return self._executor.submit(self._load_async_job, pending, path)
+            except BaseException:
+                del self._pending[name]
+                raise
 
     def start_load_process(self) -> None:
         """Starts the load process of asynchronous loads now (it otherwise starts at the first
@@ -877,21 +670,37 @@ class MoELoRAMemoryPool(_AdapterStager):
 
     def unload_adapter(self, name: str) -> None:
         """Frees adapter ``name``'s slot (its rank and scaling become 0); a host-tier copy stays when
-        the host tier is enabled; an adapter only in the host tier is dropped from it.
+        the host tier is enabled; an adapter only in the host tier is dropped from it; an asynchronous load
+        of ``name`` under way is cancelled (its future raises AdapterLoadError, nothing of it is published).
 
         Refused only for a pinned adapter. Batches built before the unload that use ``name`` become stale:
-        layers refuse them until ``prepare_batch(..., out=batch)`` rebuilds them. Forwards already queued
-        on the device still run with the adapter: the slot writes that follow are queued after them."""
-        with self._lock:
-            if name not in self.adapter_slots and name in self._host_tier:
-                del self._host_tier[name]
+        layers refuse them until :meth:`refresh` (or ``prepare_batch(..., out=batch)``) rebuilds them.
+        Forwards already queued on the device still run with the adapter: the slot writes that follow are
+        queued after them."""
+        with self._transaction:
+            pending = self._pending.pop(name, None) if isinstance(name, str) else None
+            if pending is not None:
+                pending.cancelled = True
                 return
-            slot = self.slot_of(name)
+            if name not in self.adapter_slots:
+                if isinstance(name, str) and name in self._host_tier:
+                    del self._host_tier[name]
+                    return
+                self._refuse_not_loaded(name)
             if name in self._pinned:
                 raise ValueError(f"adapter {name!r} is pinned; unpin it before unloading")
-            self._evict_slot(slot)
+            self._evict_slot(self.adapter_slots[name])
 
-    def _stage_from(self, name: str, path: str | Path, *, in_worker: bool = False) -> _StagedAdapter:
+    def close(self) -> None:
+        """Stops the background loader thread and the load process (pending loads finish first)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        if self._load_worker is not None:
+            self._load_worker.close()
+
+    def _stage_from(self, name: str, path: str | Path, *, in_worker: bool = False) -> StagedAdapter:
         """Host-tier copy of the same adapter if there is one, else read + validate the files (in the load
         process with ``in_worker``)."""
         if not isinstance(name, str) or not name:
@@ -899,40 +708,186 @@ class MoELoRAMemoryPool(_AdapterStager):
         # Before resolving: Path("") is the current directory (and would match a host-tier copy read from it).
         path = check_adapter_path(path)
         source = str(path.resolve())
-        with self._lock:
+        with self._transaction:
             cached = self._host_tier.get(name)
             if cached is not None and cached.source == source:
                 self._host_tier.move_to_end(name)
                 return cached
 
         if in_worker:
-            return self._load_worker.stage(_AdapterStager.sizes_of(self), name, path)
+            return self._load_worker.stage(AdapterStager.sizes_of(self), name, path)
         return self._read_and_stage(name, path)
 
-    def _place(self, staged: _StagedAdapter, *, stream: torch.cuda.Stream | None = None) -> int:
-        """Takes a slot for ``staged`` (free, else LRU eviction) and writes it. Caller holds the lock."""
-        name = staged.name
+    def _load_async_job(self, pending: _PendingLoad, path: str | Path) -> object:
+        """The background half of :meth:`load_adapter_async`: stage, reserve, copy outside the lock,
+        publish (or give the slot back when the load was cancelled or failed)."""
+        name = pending.name
+        try:
+            staged = self._stage_from(name, path, in_worker=self._load_worker is not None)
+            with self._transaction:
+                self._check_not_cancelled(pending)
+                slot = self._reserve(staged, pending=pending)
+        except BaseException:
+            with self._transaction:
+                self._end_pending(pending)
+            raise
+        try:
+            if self.device.type == "cuda":
+                stream = torch.cuda.Stream(device=self.device)
+                # Kernels already queued may still read this slot (a batch released before its work
+                # ran): the copy waits for them; forwards queued later never see the slot until publish.
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._write_slot(slot, staged, stream=stream)
+                done = torch.cuda.Event()
+                done.record(stream)
+                done.synchronize()  # in this background thread only: publish after the copy
+            else:
+                self._write_slot(slot, staged)
+            with self._transaction:
+                self._check_not_cancelled(pending)
+                self._publish(slot, staged)
+                self._end_pending(pending)
+        except BaseException:
+            with self._transaction:
+                self._abort(slot)
+                self._end_pending(pending)
+            raise
+        return staged.report
+
+    @staticmethod
+    def _check_not_cancelled(pending: _PendingLoad) -> None:
+        if pending.cancelled:
+            raise AdapterLoadError(f"the load of adapter {pending.name!r} was cancelled: "
+                                   f"unload_adapter({pending.name!r}) was called while it loaded")
+
+    # ----------------------------------------------------------------------------------------------
+    # State: the only functions that change which adapter is where. Caller holds the lock (inside a
+    # transaction); each leaves the invariants of docs/architecture.md ("Pool state") true.
+    # ----------------------------------------------------------------------------------------------
+
+    def _refuse_load(self, name: object, pending: _PendingLoad | None = None) -> AdapterLoadError | None:
+        """Why ``name`` cannot be loaded now (by ``pending``, or a new load), or None."""
+        if not isinstance(name, str) or not name:
+            return AdapterLoadError(f"adapter name must be a non-empty str, got {name!r}")
         if name in self.adapter_slots:
-            raise AdapterLoadError(
-                f"adapter {name!r} is already loaded (slot {self.adapter_slots[name]}); unload it first"
-            )
-        slot = self._take_slot(staged)
+            return AdapterLoadError(
+                f"adapter {name!r} is already loaded (slot {self.adapter_slots[name]}); unload it first")
+        if self._pending.get(name, pending) is not pending:
+            return AdapterLoadError(f"adapter {name!r} is already being loaded (load_adapter_async); wait "
+                                    "for that load, or unload_adapter it to cancel the load")
+        return None
+
+    def _place(self, staged: StagedAdapter, *, protected: frozenset[int] | set[int] = frozenset()) -> int:
+        """Reserves a slot for ``staged``, writes it and publishes it (a synchronous load)."""
+        slot = self._reserve(staged, protected=protected)
         try:
             self._write_slot(slot, staged)
         except BaseException:
-            # A device-side failure mid-write (e.g. out of memory): leave the slot empty and clean.
-            self._clear_slot(slot)
-            self.slot_adapters[slot] = None
+            self._abort(slot)  # a device-side failure mid-write (e.g. out of memory): the slot is free again
             raise
         self._publish(slot, staged)
         return slot
 
-    def _take_slot(self, staged: _StagedAdapter) -> int:
+    def _reserve(self, staged: StagedAdapter, *, pending: _PendingLoad | None = None,
+                 protected: frozenset[int] | set[int] = frozenset()) -> int:
+        """A slot and its arena blocks for ``staged`` (free, else by LRU eviction: :meth:`_take_slot`),
+        reserved: neither free nor visible nor evictable until :meth:`_publish` or :meth:`_abort`."""
+        refusal = self._refuse_load(staged.name, pending)
+        if refusal is not None:
+            raise refusal
+        slot = self._take_slot(staged, protected)
+        self.slot_adapters[slot] = _LOADING
+        if pending is not None:
+            pending.slot = slot
+            self._loading[slot] = pending
+        return slot
+
+    def _publish(self, slot: int, staged: StagedAdapter) -> None:
+        """Makes a reserved, written slot the resident copy of ``staged`` (most recently used)."""
+        self._loading.pop(slot, None)
+        self._slot_generation[slot] += 1
+        self._slot_users[slot] = 0
+        self.adapter_slots[staged.name] = slot
+        self.slot_adapters[slot] = staged.name
+        self.slot_rank_host[slot] = staged.rank if any(self._slot_units[slot]) else 0
+        self.slot_scaling_host[slot] = staged.scaling if any(self._slot_units[slot]) else 0.0
+        self._recent[staged.name] = None
+        self._recent.move_to_end(staged.name)
+        self._staged[staged.name] = staged
+        self._host_tier.pop(staged.name, None)
+
+    def _abort(self, slot: int) -> None:
+        """Gives a reserved slot back, its blocks freed and its tables zero."""
+        self._loading.pop(slot, None)
+        self.slot_adapters[slot] = None
+        self._clear_slot(slot)
+
+    def _end_pending(self, pending: _PendingLoad) -> None:
+        if self._pending.get(pending.name) is pending:
+            del self._pending[pending.name]
+
+    def _evict_slot(self, slot: int) -> None:
+        """Empties a resident slot; its adapter goes to the host tier (if enabled, most recently used there,
+        the least recently used host copy dropped past ``max_cpu_loras``)."""
+        self._slot_generation[slot] += 1
+        self._slot_users[slot] = 0  # batches still holding the old adapter are stale now, not users
+        name = self.slot_adapters[slot]
+        del self.adapter_slots[name]
+        del self._recent[name]
+        self._pinned.discard(name)
+        staged = self._staged.pop(name)
+        if self.max_cpu_loras:
+            self._host_tier[name] = staged
+            self._host_tier.move_to_end(name)
+            while len(self._host_tier) > self.max_cpu_loras:
+                self._host_tier.popitem(last=False)
+        self.slot_adapters[slot] = None
+        self._clear_slot(slot)
+
+    def _touch(self, names: Iterable[str]) -> None:
+        """Marks resident ``names`` most recently used, in that order."""
+        recent = self._recent
+        for name in names:
+            recent.move_to_end(name)
+
+    def _hold(self, batch: MoELoRABatchInfo, slots: tuple[int, ...], generations: tuple[int, ...],
+              names: tuple[str, ...], every_name_held: bool) -> None:
+        """Makes ``batch`` a live user of ``slots`` (at ``generations``) until it is released, garbage
+        collected, or rebuilt in place (which moves the hold)."""
+        hold = batch.__dict__.get("_pool_hold")
+        if hold is not None and hold in self._holds:  # rebuilt in place: the batch's hold moves
+            self._count_hold(hold, -1)
+            hold.slots, hold.generations, hold.names = slots, generations, names
+            hold.every_name_held = every_name_held
+        else:
+            hold = _Hold(slots, generations, names, every_name_held)
+            self._holds.add(hold)
+            batch.__dict__["_pool_hold"] = hold
+            # The finalizer only queues the hold: the next transaction drops it.
+            batch.__dict__["_pool_finalizer"] = weakref.finalize(batch, self._released.append, hold)
+        self._count_hold(hold, +1)
+
+    def _count_hold(self, hold: _Hold, sign: int) -> None:
+        gens = self._slot_generation
+        for slot, gen in zip(hold.slots, hold.generations, strict=True):
+            if gens[slot] == gen:  # a slot emptied or rewritten since no longer counts this hold
+                self._slot_users[slot] += sign
+
+    def _drop_released_holds(self) -> None:
+        released = self._released
+        while released:
+            hold = released.popleft()
+            if hold in self._holds:
+                self._holds.discard(hold)
+                self._count_hold(hold, -1)
+
+    def _take_slot(self, staged: StagedAdapter, protected: frozenset[int] | set[int] = frozenset()) -> int:
         """A free slot and arena blocks for ``staged`` (for each (layer, expert) it trains, a block of that
-        layer's rank), evicting least recently used adapters that are neither pinned nor used by a live
-        batch as long as either is missing. All or nothing: where evicting every such adapter would still
-        not make room, AdapterLoadError and nothing is evicted. The blocks are recorded as the slot's.
-        Caller holds the lock."""
+        layer's rank), evicting least recently used adapters that are neither pinned, nor used by a live
+        batch, nor in a slot of ``protected``, as long as either is missing. All or nothing: where evicting
+        every such adapter would still not make room, AdapterLoadError and nothing is evicted. The blocks
+        are recorded as the slot's."""
         needs = self._block_needs(staged)
         if self.free_slots:
             got = _alloc_blocks(self._units, needs)
@@ -942,7 +897,7 @@ class MoELoRAMemoryPool(_AdapterStager):
         victims: list[int] = []
         for victim in self._recent:
             slot = self.adapter_slots[victim]
-            if victim in self._pinned or self._slot_users[slot]:
+            if victim in self._pinned or self._slot_users[slot] or slot in protected:
                 continue
             victims.append(slot)
             if trial is not None:
@@ -950,13 +905,13 @@ class MoELoRAMemoryPool(_AdapterStager):
             if trial is None or _alloc_blocks(trial, needs) is not None:
                 break
         else:
-            raise AdapterLoadError(self._no_room(staged.name, needs))
+            raise AdapterLoadError(self._no_room(staged.name, needs, protected))
         for slot in victims:
             self._evict_slot(slot)
         got = _alloc_blocks(self._units, needs)  # the trial's state: it fits
         return self._assign(self.free_slots[0], staged, got)
 
-    def _block_needs(self, staged: _StagedAdapter) -> dict[int, int]:
+    def _block_needs(self, staged: StagedAdapter) -> dict[int, int]:
         """Blocks ``staged`` takes: rank -> count over its layers."""
         needs: dict[int, int] = {}
         for rank, count in self._layer_blocks(staged):
@@ -964,7 +919,7 @@ class MoELoRAMemoryPool(_AdapterStager):
                 needs[rank] = needs.get(rank, 0) + count
         return needs
 
-    def _assign(self, slot: int, staged: _StagedAdapter, got: dict[int, list[int]]) -> int:
+    def _assign(self, slot: int, staged: StagedAdapter, got: dict[int, list[int]]) -> int:
         """Records ``got``'s blocks as ``slot``'s, layer by layer in the order ``_block_needs`` counted."""
         taken = dict.fromkeys(got, 0)
         per_layer = []
@@ -975,10 +930,11 @@ class MoELoRAMemoryPool(_AdapterStager):
         self._slot_units[slot] = per_layer
         return slot
 
-
-    def _no_room(self, name: str, needs: dict[int, int]) -> str:
-        held = f"pinned {sorted(self._pinned)}, used by live batches " + str(
-            [n for n in self.adapters() if self._slot_users[self.adapter_slots[n]]])
+    def _no_room(self, name: str, needs: dict[int, int], protected: frozenset[int] | set[int]) -> str:
+        in_use = [n for n, s in self.adapter_slots.items() if self._slot_users[s] or s in protected]
+        held = f"pinned {sorted(self._pinned)}, used by live batches {sorted(in_use)}"
+        if self._loading:
+            held += f", being loaded {sorted(p.name for p in self._loading.values())}"
         if self.free_slots:
             stats = self._units.stats()
             blocks = ", ".join(f"{count} of rank {rank}" for rank, count in sorted(needs.items()))
@@ -991,7 +947,7 @@ class MoELoRAMemoryPool(_AdapterStager):
             )
         return (
             f"cannot load adapter {name!r}: all {self.max_loras} slots hold adapters that are pinned or "
-            f"used by live batches ({self.adapters()}; {held}); release a batch, unpin or unload one first"
+            f"used by live batches ({held}); release a batch, unpin or unload one first"
         )
 
     def _clear_slot(self, slot: int) -> None:
@@ -1001,85 +957,81 @@ class MoELoRAMemoryPool(_AdapterStager):
         self._slot_units[slot] = []
         self.blocks[:, slot].zero_()
         self.layer_ranks[:, slot].zero_()
-        self._set_slot_tables(slot, 0, 0.0)
+        self.slot_rank_host[slot] = 0
+        self.slot_scaling_host[slot] = 0.0
+        self._fill_slot_tables(slot, 0, 0.0)
 
-    def _evict_slot(self, slot: int) -> None:
-        """Empties ``slot``; its adapter goes to the host tier (if enabled). Caller holds the lock."""
-        self._slot_generation[slot] += 1
-        self._slot_users[slot] = 0  # batches still holding the old adapter are stale now, not users
-        name = self.slot_adapters[slot]
-        if isinstance(name, str):
-            del self.adapter_slots[name]
-            self._recent.pop(name, None)
-            self._pinned.discard(name)
-            staged = self._staged.pop(name, None)
-            if staged is not None and self.max_cpu_loras:
-                self._host_tier[name] = staged
-                self._host_tier.move_to_end(name)
-                while len(self._host_tier) > self.max_cpu_loras:
-                    self._host_tier.popitem(last=False)
-        self.slot_adapters[slot] = None
-        self._clear_slot(slot)
-
-    def _publish(self, slot: int, staged: _StagedAdapter) -> None:
-        """Makes a written slot visible to prepare_batch. Caller holds the lock."""
-        self._slot_generation[slot] += 1
-        self._slot_users[slot] = 0
-        self.adapter_slots[staged.name] = slot
-        self.slot_adapters[slot] = staged.name
-        self.slot_rank_host[slot] = staged.rank
-        self.slot_scaling_host[slot] = staged.scaling
-        self._recent[staged.name] = None
-        self._recent.move_to_end(staged.name)
-        self._staged[staged.name] = staged
-        self._host_tier.pop(staged.name, None)
-
-    def _load_async_job(self, name: str, path: str | Path) -> object:
-        staged = self._stage_from(name, path, in_worker=self._load_worker is not None)
-        on_cuda = self.device.type == "cuda"
-        with self._lock:
-            if name in self.adapter_slots:
-                raise AdapterLoadError(
-                    f"adapter {name!r} is already loaded (slot {self.adapter_slots[name]})"
-                )
-            slot = self._take_slot(staged)
-            self.slot_adapters[slot] = _LOADING  # reserved: not free, not evictable, not visible
-        try:
-            if on_cuda:
-                stream = torch.cuda.Stream(device=self.device)
-                # Kernels already queued may still read this slot (a batch released before its work
-                # ran): the copy waits for them; forwards queued later never see the slot until publish.
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._write_slot(slot, staged, stream=stream)
-                done = torch.cuda.Event()
-                done.record(stream)
-                done.synchronize()  # in this background thread only: publish after the copy
-            else:
-                self._write_slot(slot, staged)
-        except BaseException:
-            with self._lock:
-                self.slot_adapters[slot] = None
-                self._clear_slot(slot)
-            raise
-        with self._lock:
-            self._publish(slot, staged)
-        return staged.report
-
-    def _set_slot_tables(self, slot: int, rank: int, scaling: float) -> None:
-        self.slot_rank_host[slot] = int(rank)
-        self.slot_scaling_host[slot] = float(scaling)
+    def _fill_slot_tables(self, slot: int, rank: int, scaling: float) -> None:
         # In place, one element (a device fill, no host round trip): kernels and captured CUDA graphs
         # hold these exact tensors.
         self.slot_ranks[slot].fill_(int(rank))
         self.slot_scalings[slot].fill_(float(scaling))
 
-    def _write_slot(self, slot: int, staged: _StagedAdapter, *, stream: torch.cuda.Stream | None = None
+    def check_invariants(self) -> None:
+        """Asserts the invariants of the pool's state (docs/architecture.md, "Pool state"); AssertionError
+        naming the first one broken. Reads the device tables (a sync): for tests and debugging. Run after
+        every transaction when ``MoELoRAMemoryPool.debug_invariants`` is true (the test suite sets it)."""
+        with self._lock:
+            self._check_invariants()
+
+    def _check_invariants(self) -> None:
+        def expect(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"pool invariant broken: {what}")
+
+        resident = {n: s for s, n in enumerate(self.slot_adapters) if isinstance(n, str)}
+        loading = {s for s, n in enumerate(self.slot_adapters) if n is _LOADING}
+        expect(resident == self.adapter_slots, f"slot_adapters {self.slot_adapters} and adapter_slots "
+               f"{self.adapter_slots} disagree")
+        expect(all(n is None or n is _LOADING or isinstance(n, str) for n in self.slot_adapters),
+               "a slot holds something other than a name, None or a reservation")
+        expect(loading == set(self._loading), f"reserved slots {sorted(loading)} are not the loads' "
+               f"{sorted(self._loading)}")
+        expect(all(p.slot == s for s, p in self._loading.items()), "a load's slot is not the one it reserved")
+        expect(not set(self._pending) & set(resident), f"adapters both loading and resident: "
+               f"{sorted(set(self._pending) & set(resident))}")
+        expect(list(self._recent) == sorted(resident, key=list(self._recent).index)
+               and set(self._recent) == set(resident), f"LRU order {list(self._recent)} is not the resident "
+               f"adapters {sorted(resident)}")
+        expect(set(self._staged) == set(resident), "host copies of resident adapters do not match them")
+        expect(self._pinned <= set(resident), f"pinned adapters not resident: {self._pinned - set(resident)}")
+        expect(not set(self._host_tier) & set(resident), "an adapter is both resident and in the host tier")
+        expect(len(self._host_tier) <= self.max_cpu_loras, "host tier over max_cpu_loras")
+        users = [0] * self.max_loras
+        for hold in self._holds:  # a hold queued by a finalizer still counts until the next transaction
+            for slot, gen in zip(hold.slots, hold.generations, strict=True):
+                users[slot] += self._slot_generation[slot] == gen
+        expect(users == self._slot_users, f"live-batch counts {self._slot_users} are not the holds' {users}")
+        expect(all(users[s] == 0 for s in range(self.max_loras) if s not in resident.values()),
+               "an empty or reserved slot counts live batches")
+        occupied = set(resident.values()) | loading
+        starts = [u for s in range(self.max_loras) for layer in self._slot_units[s] for u in layer]
+        expect(all(not self._slot_units[s] for s in range(self.max_loras) if s not in occupied),
+               "an empty slot owns arena blocks")
+        expect(len(starts) == len(set(starts)) and set(starts) == self._units.live_starts(),
+               "the slots' arena blocks are not the allocator's live blocks")
+        for s in range(self.max_loras):
+            if s not in resident.values():
+                expect(self.slot_rank_host[s] == 0 and self.slot_scaling_host[s] == 0.0,
+                       f"empty slot {s} has a rank or scaling")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # the device tables cannot be read while a CUDA graph is being captured
+        settled = [s for s in range(self.max_loras) if s not in loading]  # a load writes its slot unlocked
+        expect(self.slot_ranks[settled].tolist() == [self.slot_rank_host[s] for s in settled],
+               f"device slot ranks {self.slot_ranks.tolist()} are not the host's {self.slot_rank_host}")
+        free = [s for s in range(self.max_loras) if s not in occupied]
+        if free:
+            expect(not bool(self.blocks[:, free].any()) and not bool(self.layer_ranks[:, free].any()),
+                   "an empty slot's block table or layer ranks are not zero")
+
+    def _write_slot(self, slot: int, staged: StagedAdapter, *, stream: torch.cuda.Stream | None = None
                     ) -> None:
         """Writes ``staged`` into the arena blocks :meth:`_take_slot` gave ``slot`` (each layer's rank rows
-        of each block, zeros where the adapter has no module), then the slot's block table entries, ranks
-        and scaling. Only the adapter's own rows cross the bus, through the pinned staging buffer on CUDA.
-        Queued on ``stream`` (default: the current stream)."""
+        of each block, zeros where the adapter has no module), then the slot's block table entries and the
+        device rank and scaling tables (the host mirrors change at :meth:`_publish`). Only the adapter's own
+        rows cross the bus, through the pinned staging buffer on CUDA. Queued on ``stream`` (default: the
+        current stream). Touches only ``slot``'s rows and entries, so it may run outside the lock while
+        the slot is reserved."""
         if self._staging is not None and stream is None:
             stream = torch.cuda.current_stream(self.device)
         table = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.int32)
@@ -1116,7 +1068,7 @@ class MoELoRAMemoryPool(_AdapterStager):
         self.blocks[:, slot].copy_(table.to(self.device))
         self.layer_ranks[:, slot].copy_(ranks.to(self.device))
         live = any(self._slot_units[slot])
-        self._set_slot_tables(slot, staged.rank if live else 0, staged.scaling if live else 0.0)
+        self._fill_slot_tables(slot, staged.rank if live else 0, staged.scaling if live else 0.0)
 
     # ----------------------------------------------------------------------------------------------
     # Batches
@@ -1138,9 +1090,13 @@ class MoELoRAMemoryPool(_AdapterStager):
             out: an earlier batch info to update in place (same total token count required): its
                 ``token_slots`` tensor keeps its address, e.g. for CUDA-graph replay.
 
-        The slot ids are built on the host and sent with a single non-blocking host->device copy;
-        nothing is read back from the device. With ``out=`` and the same names and lengths as ``out`` was
-        built with, while its slots still hold the same adapters, ``out`` is returned as it is.
+        Adapters named that are in the host tier are brought back into slots first (never evicting
+        another adapter of this batch). The batch is a live user of its adapters' slots until it is
+        released, garbage collected or rebuilt (LRU eviction passes over them), and its adapters become
+        the most recently used, in the order of their first use. The slot ids are built on the host and
+        sent with a single non-blocking host->device copy; nothing is read back from the device. With
+        ``out=`` and the same names and lengths as ``out`` was built with, while its slots still hold the
+        same adapters, ``out`` is returned as it is.
         """
         if isinstance(adapter_names, (str, bytes)):
             raise ValueError("adapter_names must be a sequence with one entry per sequence, not a str")
@@ -1168,6 +1124,9 @@ class MoELoRAMemoryPool(_AdapterStager):
                 raise ValueError(f"seq_lens must be non-negative ints, got {bad!r}")
             lens = tuple(int(n) for n in lens)
             num_tokens = sum(lens)
+        if num_tokens > _MAX_TOKENS:
+            raise ValueError(f"a batch of {num_tokens} tokens is more than the {_MAX_TOKENS} a batch's int32 "
+                             "token index can address; split it into steps")
         if out is not None:
             if not isinstance(out, MoELoRABatchInfo):
                 raise TypeError(
@@ -1182,55 +1141,65 @@ class MoELoRAMemoryPool(_AdapterStager):
             if out.token_slots.device != self.slot_ranks.device:
                 raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
 
-        with self._lock:
+        with self._transaction:
             return self._prepare_batch_locked(names, lens, num_tokens, out, one_token_each=seq_lens is None)
+
+    def refresh(self, batch: MoELoRABatchInfo) -> bool:
+        """Makes a stale ``batch`` current again, in place, when every adapter it names is still held
+        (resident, or in the host tier: brought back): what a serving loop calls when an unload or an
+        eviction landed between its ``prepare_batch`` and its forward, so the step is not lost. Returns
+        False (and changes nothing) for a current batch, True after a rebuild; ValueError naming the
+        adapters that are gone when one is. Its tokens then use the same adapters' weights, in whatever
+        slots they now occupy; ``token_slots`` keeps its tensor (CUDA-graph replay)."""
+        if not isinstance(batch, MoELoRABatchInfo):
+            raise TypeError(f"batch must be a MoELoRABatchInfo from pool.prepare_batch, got "
+                            f"{type(batch).__name__}")
+        with self._transaction:
+            if self.is_current(batch):
+                return False
+            self.prepare_batch(batch.adapter_names, batch.seq_lens, out=batch)
+            return True
 
     def _prepare_batch_locked(
         self, names: tuple[str | None, ...], lens: tuple[int, ...], num_tokens: int,
         out: MoELoRABatchInfo | None, *, one_token_each: bool = False
     ) -> MoELoRABatchInfo:
-        if out is not None and out.adapter_names == names and out.seq_lens == lens and self._still_holds(out):
-            # The same mapping as when ``out`` was built, and each of its slots still holds the same
-            # adapter (a decode step whose rows did not change): token_slots already says it all.
-            for name in out.slot_adapters:
-                self._recent.move_to_end(name)
-            return out
+        if out is not None and out.adapter_names == names and out.seq_lens == lens:
+            hold = out.__dict__.get("_pool_hold")
+            # Unless a name has no tokens: it holds no slot, so only the full check below sees it is gone.
+            if hold is not None and hold in self._holds and hold.every_name_held and self.is_current(out):
+                # The same mapping as when ``out`` was built, and each of its slots still holds the same
+                # adapter (a decode step whose rows did not change): token_slots already says it all.
+                self._touch(hold.names)
+                return out
         distinct = dict.fromkeys(names)
         distinct.pop(None, None)
-        unknown = [n for n in distinct if n not in self.adapter_slots and n not in self._host_tier]
+        # An adapter being loaded asynchronously is not usable until published, host copy or not.
+        unknown = [n for n in distinct if n in self._pending
+                   or (n not in self.adapter_slots and n not in self._host_tier)]
         if unknown:
-            raise ValueError(
-                f"unknown adapter(s) {sorted(unknown)}; loaded adapters: {self.adapters()}, "
-                f"host tier: {list(self._host_tier)}"
-            )
+            loading = sorted(n for n in unknown if n in self._pending)
+            gone = sorted(n for n in unknown if n not in self._pending)
+            what = [f"unknown adapter(s) {gone}"] if gone else []
+            what += [f"adapter(s) {loading} still loading (load_adapter_async)"] if loading else []
+            raise ValueError(f"{'; '.join(what)}; {self._known()}")
         # A name with no tokens takes no slot (it may stay in the host tier).
         every_sequence_has_tokens = one_token_each or min(lens, default=1) > 0
         if every_sequence_has_tokens:
-            wanted = list(distinct)
+            wanted = tuple(distinct)
         else:
-            wanted = list(dict.fromkeys(n for n, k in zip(names, lens, strict=True)
-                                        if n is not None and k > 0))
-        # Taken out of the host tier before anything is placed: placing one can evict a resident adapter
-        # into the host tier, which may push another wanted one out of it.
-        missing = [self._host_tier[n] for n in wanted if n not in self.adapter_slots]
-        # Slots of this batch's resident adapters are held while missing ones are brought back from the
-        # host tier, so bringing one back can never evict another adapter of the same batch.
-        if missing:
-            held: list[int] = []
-            try:
-                for n in wanted:
-                    if n in self.adapter_slots:
-                        held.append(self.adapter_slots[n])
-                        self._slot_users[held[-1]] += 1
-                for staged in missing:
-                    held.append(self._place(staged))
-                    self._slot_users[held[-1]] += 1
-            finally:
-                for slot in held:
-                    self._slot_users[slot] -= 1
-        for n in wanted:
-            self._recent.move_to_end(n)
+            wanted = tuple(dict.fromkeys(n for n, k in zip(names, lens, strict=True)
+                                         if n is not None and k > 0))
         slot_of = self.adapter_slots
+        # Taken out of the host tier before anything is placed: placing one can evict a resident adapter
+        # into the host tier, which may push another wanted one out of it. The batch's resident adapters
+        # and those brought back are protected, so bringing one back never evicts another of the batch.
+        missing = [self._host_tier[n] for n in wanted if n not in slot_of]
+        if missing:
+            protected = {slot_of[n] for n in wanted if n in slot_of}
+            for staged in missing:
+                protected.add(self._place(staged, protected=protected))
+        self._touch(wanted)
         if every_sequence_has_tokens:
             table = {n: slot_of[n] for n in wanted}
             table[None] = -1
@@ -1253,9 +1222,8 @@ class MoELoRAMemoryPool(_AdapterStager):
         on_cuda = self.device.type == "cuda"
 
         if out is None:
-            device_slots = host.to(self.device, non_blocking=on_cuda)
             batch = MoELoRABatchInfo(
-                token_slots=device_slots,
+                token_slots=host.to(self.device, non_blocking=on_cuda),
                 slot_ranks=self.slot_ranks,
                 slot_scalings=self.slot_scalings,
                 num_tokens=num_tokens,
@@ -1268,17 +1236,10 @@ class MoELoRAMemoryPool(_AdapterStager):
                 slot_generations=generations,
                 slot_adapters=slot_names,
             )
-            self._hold(batch, used)
+            self._hold(batch, used, generations, wanted, len(wanted) == len(distinct))
             return batch
 
         out.token_slots.copy_(host, non_blocking=on_cuda)
-        # out's slots are this batch's, unchanged since out was built (its generations are the current
-        # ones), and out still counts as their user: its hold stays.
-        finalizer = out.__dict__.get("_pool_finalizer")
-        holds_same_slots = (out.slots_used == used and out.slot_generations == generations
-                            and finalizer is not None and finalizer.alive)
-        if not holds_same_slots:
-            out.release()
         out.slot_ranks = self.slot_ranks
         out.slot_scalings = self.slot_scalings
         out.has_lora = bool(used)
@@ -1288,34 +1249,5 @@ class MoELoRAMemoryPool(_AdapterStager):
         out.seq_lens = lens
         out.slot_generations = generations
         out.slot_adapters = slot_names
-        if not holds_same_slots:
-            self._hold(out, used)
+        self._hold(out, used, generations, wanted, len(wanted) == len(distinct))
         return out
-
-    def _still_holds(self, batch: MoELoRABatchInfo) -> bool:
-        """Whether ``batch`` still counts as a user of its slots and none of them changed since."""
-        finalizer = batch.__dict__.get("_pool_finalizer")
-        return finalizer is not None and finalizer.alive and self.is_current(batch)
-
-    def _hold(self, batch: MoELoRABatchInfo, slots: tuple[int, ...]) -> None:
-        """Counts ``batch`` as a user of ``slots`` until it is released or garbage collected."""
-        for slot in slots:
-            self._slot_users[slot] += 1
-        batch.__dict__["_pool_finalizer"] = weakref.finalize(
-            batch, self._release_slots, slots, batch.slot_generations)
-
-    def _release_slots(self, slots: tuple[int, ...], generations: tuple[int, ...]) -> None:
-        with self._lock:
-            for slot, gen in zip(slots, generations, strict=True):
-                # A slot emptied or rewritten since no longer counts this batch (its count was reset).
-                if self._slot_generation[slot] == gen:
-                    self._slot_users[slot] = max(0, self._slot_users[slot] - 1)
-
-    def close(self) -> None:
-        """Stops the background loader thread and the load process (pending loads finish first)."""
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
-        if self._load_worker is not None:
-            self._load_worker.close()

@@ -4,7 +4,32 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["AdapterMemory", "PoolMemoryReport"]
+__all__ = ["AdapterMemory", "PoolMemoryReport", "PoolState"]
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Which adapters a pool holds where, at one moment (``pool.state()``, taken under the pool's lock).
+
+    Attributes:
+        resident: adapters in slots, least recently used first (the order LRU eviction considers them in).
+        host: adapters in the host tier only, least recently used first.
+        loading: adapters with an asynchronous load under way (not usable until it ends).
+        pinned: resident adapters LRU eviction never takes.
+        slots: resident adapter -> slot.
+        users: resident adapter -> live batches holding its slot (LRU eviction passes over it while > 0).
+    """
+
+    resident: tuple[str, ...]
+    host: tuple[str, ...]
+    loading: tuple[str, ...]
+    pinned: frozenset[str]
+    slots: dict[str, int]
+    users: dict[str, int]
+
+    def evictable(self) -> tuple[str, ...]:
+        """Resident adapters LRU eviction may take, in the order it would."""
+        return tuple(n for n in self.resident if n not in self.pinned and not self.users[n])
 
 
 @dataclass(frozen=True)

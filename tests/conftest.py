@@ -60,6 +60,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _pool_invariants():
+    """Every pool of the test suite checks its invariants after each of its transactions."""
+    from moelora.pool import MoELoRAMemoryPool
+
+    MoELoRAMemoryPool.debug_invariants = True
+    yield
+    MoELoRAMemoryPool.debug_invariants = False
+
+
 @pytest.fixture(autouse=True)
 def _release_cuda_cache(request):
     """After a GPU test, hand the caching allocator's free blocks back to the driver: parallel pytest

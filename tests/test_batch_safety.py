@@ -8,9 +8,6 @@ oracle fed the adapters' own tensors, so a batch that ran with another adapter's
 from __future__ import annotations
 
 import gc
-import random
-import threading
-import time
 
 import pytest
 import torch
@@ -222,66 +219,6 @@ def test_torch_path_expert_ids_outside_range_contribute_nothing(with_lora):
     kept = weights.masked_fill(bad != ids, 0.0)  # the same pairs with weight 0 contribute nothing
     torch.testing.assert_close(out, oracle(adapters, names, x, kept, ids, w13, w2), **TOL)
     torch.testing.assert_close(oracle(adapters, names, x, weights, bad, w13, w2), out, **TOL)
-
-
-_ALLOWED = ("stale batch", "unknown adapter", "is not loaded", "pinned or used by live batches",
-            "already loaded")
-
-
-def test_three_threads_load_unload_prepare_and_forward_for_20_seconds():
-    """Three threads each load, unload, prepare and run forwards at random for 20 s; every output is
-    checked against the oracle of the adapters its batch names, and the only errors are clean refusals."""
-    x, w13, w2 = make_base(4)
-    pool = make_pool(max_loras=3)
-    pool.max_cpu_loras = 2
-    names = [f"ad{i}" for i in range(6)]
-    adapters = {n: make_adapter(2 + 2 * i, 0.5 + 0.25 * i) for i, n in enumerate(names)}
-    stop_at = time.monotonic() + 20.0
-    errors: list[BaseException] = []
-    counts = {"forwards": 0, "refused": 0}
-    lock = threading.Lock()
-
-    def worker(seed):
-        rng = random.Random(seed)
-        kept = None  # a batch kept across steps, as a server keeps last step's batch
-        while time.monotonic() < stop_at and not errors:
-            op = rng.random()
-            n = rng.choice(names)
-            try:
-                if op < 0.25:
-                    pool.add_adapter_weights(n, {LAYER: adapters[n]})
-                elif op < 0.4:
-                    pool.unload_adapter(n)
-                else:
-                    batch_names = [rng.choice([*names, None]) for _ in range(4)]
-                    if kept is not None and rng.random() < 0.5:
-                        batch = pool.prepare_batch(batch_names, out=kept)
-                    else:
-                        batch = pool.prepare_batch(batch_names)
-                    weights, ids = make_routing(4, top_k=2)
-                    if rng.random() < 0.3:
-                        time.sleep(0.001)  # give the others time to unload/replace its adapters
-                    out = run(pool, batch, x, weights, ids, w13, w2)
-                    want = oracle(adapters, batch_names, x, weights, ids, w13, w2)
-                    torch.testing.assert_close(out, want, **TOL)
-                    kept = batch if rng.random() < 0.5 else None
-                    with lock:
-                        counts["forwards"] += 1
-            except (AdapterLoadError, ValueError) as err:
-                if not any(a in str(err) for a in _ALLOWED):
-                    errors.append(err)
-                with lock:
-                    counts["refused"] += 1
-            except BaseException as err:  # noqa: BLE001 - a raw error or a wrong output fails the test
-                errors.append(err)
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[:3]
-    assert counts["forwards"] >= 100 and counts["refused"] >= 10, counts
 
 
 @pytest.mark.interpreter

@@ -580,12 +580,12 @@ def test_prepare_batch_out_unchanged_mapping():
     pool = _pool_with_abc()
     batch = pool.prepare_batch(["a", None, "c", "a"])
     tensor = batch.token_slots
-    state = (tensor.tolist(), batch.slots_used, batch.slot_generations, pool._slot_users[:])
+    state = (tensor.tolist(), batch.slots_used, batch.slot_generations, pool.state().users)
     pool.prepare_batch(["b"], [1])  # b becomes the most recent
     again = pool.prepare_batch(["a", None, "c", "a"], out=batch)
     assert again is batch and (tensor.tolist(), batch.slots_used, batch.slot_generations,
-                                pool._slot_users[:]) == state
-    assert list(pool._recent)[-2:] == ["a", "c"], "the batch's adapters were touched"
+                                pool.state().users) == state
+    assert pool.state().resident[-2:] == ("a", "c"), "the batch's adapters were touched"
     # c unloaded and loaded again (another slot generation, maybe another slot): the same names rebuild.
     pool.unload_adapter("c")
     pool.add_adapter_weights("c", three_adapters()["c"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_pool import LAYERS, make_adapter, make_base, make_pool, make_routing
 
-from moelora import FusedMoEWithLoRA, MoELoRAMemoryPool
+from moelora import FusedMoEWithLoRA, MoELoRAMemoryPool, StaleBatchError
 from moelora.pool import AdapterLoadError
 from moelora.reference import reference_moe
 
@@ -155,7 +155,7 @@ def test_storm_of_loads_and_evictions_while_forwarding():
 
 def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
     """The async API on a CPU pool (the CUDA side-stream copy is covered by the GPU test)."""
-    import moelora.pool as pool_module
+    import moelora.stager as stager_module
 
     pool = make_pool(max_loras=2)
     pool.max_cpu_loras = 2
@@ -166,7 +166,7 @@ def test_async_load_on_cpu_publishes_when_done(tmp_path, monkeypatch):
         calls.append(path)
         return adapter, types.SimpleNamespace(path=str(path), dtype="float32")
 
-    monkeypatch.setattr(pool_module, "read_peft_adapter", fake_read)
+    monkeypatch.setattr(stager_module, "read_peft_adapter", fake_read)
     future = pool.load_adapter_async("a", tmp_path)
     report = future.result(timeout=30)
     assert report.path == str(tmp_path) and report.dtype == "float32"  # the pool's dtype (fp32 here)
@@ -230,11 +230,11 @@ def test_async_load_in_the_load_process(tmp_path):
         import pickle
 
         from moelora.parallel import MoEShard
-        from moelora.pool import _AdapterStager
+        from moelora.stager import AdapterStager
 
         sharded = MoELoRAMemoryPool(**{**kw, "max_loras": 1}, shard=MoEShard(
             cfg["num_experts"], cfg["moe_intermediate_size"], ep_rank=1, ep_size=2))
-        sent = pickle.loads(pickle.dumps(_AdapterStager.sizes_of(sharded)))
+        sent = pickle.loads(pickle.dumps(AdapterStager.sizes_of(sharded)))
         assert (sent.shard, sent.num_experts, sent.layer_ids) == (sharded.shard, sharded.num_experts,
                                                                   sharded.layer_ids)
         pool._load_worker._process.kill()  # a worker that died is started again
@@ -405,3 +405,110 @@ def test_gpu_staging_chunks_write_the_same_slots():
         for got, want in zip(staged.layer(lid).dense().tensors(), pageable.layer(lid).dense().tensors(),
                              strict=True):
             assert torch.equal(got, want)
+
+
+def _slow_reads(monkeypatch, adapters):
+    """Makes the stager's reads wait for ``gate`` (set it to let them finish); returns the gate."""
+    import moelora.stager as stager_module
+
+    gate = threading.Event()
+
+    def read(path, **kw):
+        assert gate.wait(timeout=30)
+        return {LAYER: adapters[path.name]}, types.SimpleNamespace(path=str(path), dtype="float32")
+
+    monkeypatch.setattr(stager_module, "read_peft_adapter", read)
+    return gate
+
+
+def test_a_name_is_loaded_once_even_while_an_async_load_runs(tmp_path, monkeypatch):
+    """Was: a sync load of a name while its async load ran published it twice (two slots, one name), after
+    which the pool listed an adapter it then called not loaded."""
+    adapters = {"a": make_adapter(4, 1.0)}
+    (tmp_path / "a").mkdir()
+    gate = _slow_reads(monkeypatch, adapters)
+    pool = make_pool(max_loras=2)
+    future = pool.load_adapter_async("a", tmp_path / "a")
+    assert pool.state().loading == ("a",)
+    with pytest.raises(AdapterLoadError, match="'a' is already being loaded"):
+        pool.add_adapter_weights("a", {LAYER: adapters["a"]})
+    with pytest.raises(AdapterLoadError, match="'a' is already being loaded"):
+        pool.load_adapter_async("a", tmp_path / "a").result(timeout=5)
+    with pytest.raises(ValueError, match=r"adapter\(s\) \['a'\] still loading") as refused:
+        pool.prepare_batch(["a"])
+    assert "loaded adapters: []" in str(refused.value)
+    gate.set()
+    future.result(timeout=30)
+    state = pool.state()
+    assert state.resident == ("a",) and state.loading == () and pool.adapters() == ["a"]
+    pool.close()
+
+
+def test_unload_cancels_an_async_load(tmp_path, monkeypatch):
+    adapters = {"a": make_adapter(4, 1.0), "b": make_adapter(8, 2.0)}
+    for n in adapters:
+        (tmp_path / n).mkdir()
+    gate = _slow_reads(monkeypatch, adapters)
+    pool = make_pool(max_loras=1)
+    future = pool.load_adapter_async("a", tmp_path / "a")
+    pool.unload_adapter("a")  # explicit unload wins: the load under way is cancelled
+    assert pool.state().loading == ()
+    gate.set()
+    with pytest.raises(AdapterLoadError, match=r"load of adapter 'a' was cancelled: unload_adapter\('a'\)"):
+        future.result(timeout=30)
+    assert pool.adapters() == [] and pool.free_slots == [0]
+    assert pool.memory_report().used_bytes == 0
+    pool.load_adapter("b", tmp_path / "b")  # the slot and the arena are whole again
+    assert pool.adapters() == ["b"]
+    pool.close()
+
+
+def test_refusals_never_contradict_the_state():
+    pool = make_pool(max_loras=1)
+    pool.max_cpu_loras = 1
+    pool.add_adapter_weights("a", {LAYER: make_adapter(4, 1.0)})
+    pool.add_adapter_weights("b", {LAYER: make_adapter(4, 1.0)})  # "a" to the host tier
+    with pytest.raises(ValueError, match=r"'a' is not loaded \(it is in the host tier\); loaded adapters: "
+                                         r"\['b'\], host tier: \['a'\]"):
+        pool.pin("a")
+    with pytest.raises(ValueError, match=r"unknown adapter\(s\) \['z'\]; loaded adapters: \['b'\]"):
+        pool.prepare_batch(["a", "z"])
+
+
+def test_oversized_batches_are_refused_before_allocating():
+    pool = make_pool(max_loras=1)
+    pool.add_adapter_weights("a", {LAYER: make_adapter(4, 1.0)})
+    with pytest.raises(ValueError, match="2147483647 a batch's int32 token index can address"):
+        pool.prepare_batch(["a"], [2**40])
+    with pytest.raises(ValueError, match="int32 token index"):
+        pool.prepare_batch(["a", None], [2**31 - 1, 1])
+    assert pool.state().users == {"a": 0}
+
+
+def test_refresh_keeps_the_step_after_an_unload():
+    """A serving loop whose adapter was unloaded between prepare_batch and the forward refreshes the batch
+    in place from the host tier and loses nothing; once the adapter is gone for good, refresh says so."""
+    x, w13, w2 = make_base(3)
+    weights, ids = make_routing(3)
+    pool = make_pool(max_loras=2)
+    pool.max_cpu_loras = 1
+    adapters = {"a": make_adapter(4, 1.0), "b": make_adapter(8, 0.5)}
+    for n, lora in adapters.items():
+        pool.add_adapter_weights(n, {LAYER: lora})
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="torch")
+    batch = pool.prepare_batch(["a", None, "b"])
+    tensor = batch.token_slots
+    assert pool.refresh(batch) is False  # current: nothing to do
+    pool.unload_adapter("a")  # to the host tier
+    with pytest.raises(StaleBatchError, match="call pool.refresh"):
+        layer(x, weights, ids, batch)
+    assert pool.refresh(batch) is True and batch.token_slots is tensor and pool.is_current(batch)
+    out = layer(x, weights, ids, batch)
+    want = reference_moe(x, w13, w2, weights, ids, adapters=[adapters["a"], adapters["b"]],
+                         token_adapter=[0, -1, 1])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    pool.unload_adapter("a")
+    pool.unload_adapter("a")  # out of the host tier too: gone
+    with pytest.raises(ValueError, match=r"unknown adapter\(s\) \['a'\]; loaded adapters: \['b'\]"):
+        pool.refresh(batch)
+    assert not pool.is_current(batch) and pool.state().users == {"b": 1}
