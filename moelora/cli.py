@@ -419,8 +419,86 @@ exit status:
     inspect.add_argument("--show-ignored", type=int, default=10, help="ignored keys to list (default 10)")
     inspect.set_defaults(func=cmd_inspect)
 
+    _add_serve_parser(sub)
     _add_bench_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a MoE model and its adapters over an OpenAI-compatible API")
+    serve.add_argument("model", nargs="?", help="transformers MoE model directory (with its tokenizer)")
+    serve.add_argument("--demo", action="store_true",
+                       help="the embedded tiny Qwen3-MoE with the shipped adapters (no download)")
+    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                       help="PEFT adapter (repeat)")
+    serve.add_argument("--served-model-name", default=None, help="the base model's name in the API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every endpoint")
+    serve.add_argument("--allow-runtime-adapters", action="store_true",
+                       help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    serve.add_argument("--adapter-root", type=Path, default=None,
+                       help="runtime loads may only read adapters under this directory")
+    serve.add_argument("--max-loras", type=_positive_int, default=8, help="adapters resident at once")
+    serve.add_argument("--max-rank", type=_positive_int, default=64)
+    serve.add_argument("--max-cpu-loras", type=int, default=4, help="host-tier copies of evicted adapters")
+    serve.add_argument("--max-running", type=_positive_int, default=32, help="requests in the running batch")
+    serve.add_argument("--max-waiting", type=_positive_int, default=256, help="queued requests before 429")
+    serve.add_argument("--max-prompt-tokens", type=_positive_int, default=4096)
+    serve.add_argument("--max-tokens", type=_positive_int, default=2048,
+                       help="the largest max_tokens a request may ask")
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        print(f"moelora serve needs the serve extra: pip install -e \".[serve]\" ({err})", file=sys.stderr)
+        return 2
+    import logging
+
+    from moelora.demo import ADAPTERS_DIR, DEFAULT_ADAPTERS
+    from moelora.serve.server import build_server, load_model, serve_forever
+
+    if args.demo == bool(args.model):
+        print("give a MODEL directory or --demo (not both)", file=sys.stderr)
+        return 2
+    adapters = dict(DEFAULT_ADAPTERS) if args.demo else {}
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            print(f"--adapter wants NAME=DIR, got {spec!r}", file=sys.stderr)
+            return 2
+        adapters[name] = Path(path)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is available here", file=sys.stderr)
+        return 2
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = None if args.demo else Path(args.model)
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        print(f"{model_dir}: not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    model, tokenizer = load_model(model_dir, device, None)
+    name = args.served_model_name or ("tiny-qwen3-moe" if args.demo else model_dir.name)
+    root = args.adapter_root or (ADAPTERS_DIR if args.demo else None)
+    try:
+        server = build_server(
+            model, tokenizer, adapters=adapters, base_name=name, host=args.host, port=args.port,
+            max_loras=args.max_loras, max_rank=args.max_rank, max_cpu_loras=args.max_cpu_loras,
+            max_running=args.max_running, max_waiting=args.max_waiting, api_key=args.api_key,
+            allow_runtime_adapters=args.allow_runtime_adapters, adapter_root=root,
+            max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens)
+    except (ValueError, OSError) as err:
+        print(f"moelora serve: {err}", file=sys.stderr)
+        return 1
+    serve_forever(server)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,458 @@
+"""The serving loop: requests of many adapters join and leave one running batch every step.
+
+An :class:`Engine` owns a transformers MoE model with an attached :class:`moelora.integrations.MoELoRAHandle`
+and runs one background thread. Each step it admits waiting requests (up to ``max_running``), prefills each
+new one alone (its adapter on every token), merges its KV cache into the running batch (left-padded to
+the batch's length, masked), and runs one decode step for every running request together, each row with
+its own adapter. Finished and cancelled requests leave the batch at once; the cache columns no row needs
+any more are dropped.
+
+Adapters: ``load_adapter`` loads in the background while the loop keeps stepping (``load_adapter_async``);
+``unload_adapter`` stops admitting requests for the adapter at once and unloads it after the running ones
+finish (they never run on other weights). A request for an adapter in the pool's host tier brings it back.
+
+Nothing here imports an HTTP framework: :mod:`moelora.serve.api` puts an OpenAI-compatible API on top.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from moelora.adapter_weights import AdapterLoadError
+
+__all__ = ["Engine", "EngineRequest", "SamplingParams"]
+
+log = logging.getLogger("moelora.serve")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen. ``temperature`` 0 is greedy; ``stop`` strings end the text
+    before them; ``seed`` makes sampling repeatable."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class EngineRequest:
+    """One sequence to generate. The engine calls ``on_token(token_id, text_delta)`` for every new token
+    and ``on_finish(reason)`` once (``"stop"``, ``"length"``, ``"cancelled"`` or ``"error: ..."``), both
+    from its own thread."""
+
+    prompt_ids: list[int]
+    adapter: str | None
+    params: SamplingParams
+    on_token: Callable[[int, str], None] = lambda token, text: None
+    on_finish: Callable[[str], None] = lambda reason: None
+    request_id: str = ""
+    # Filled by the engine.
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of ``text`` handed to on_token
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    cancelled: bool = False
+    _generator: torch.Generator | None = None
+
+
+class _Row:
+    """A running request's place in the batch: its real tokens so far (``length``)."""
+
+    __slots__ = ("length", "request")
+
+    def __init__(self, request: EngineRequest, length: int) -> None:
+        self.request, self.length = request, length
+
+
+class Engine:
+    """Continuous batching over one model with many adapters.
+
+    Args:
+        model: a transformers causal LM, ``attach``-ed (``handle``), on its device, in eval mode.
+        handle: the :class:`MoELoRAHandle` of ``model``.
+        decode: ``token ids -> text`` (the tokenizer's decode).
+        eos_token_ids: tokens that end a sequence.
+        max_running: requests in the running batch at most.
+        max_waiting: requests waiting at most; :meth:`submit` refuses more (the server answers 429).
+    """
+
+    def __init__(
+        self,
+        model,
+        handle,
+        *,
+        decode: Callable[[Sequence[int]], str],
+        eos_token_ids: Sequence[int] = (),
+        max_running: int = 32,
+        max_waiting: int = 256,
+    ) -> None:
+        self.model, self.handle, self.decode = model, handle, decode
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.device = next(model.parameters()).device
+        # transformers renamed ``past_key_values`` to ``cache`` (5.24); older releases take the old name.
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
+        self._waiting: deque[EngineRequest] = deque()
+        self._rows: list[_Row] = []
+        self._cache = None  # the running batch's KV cache, rows in self._rows' order, left-padded
+        self._width = 0  # the cache's length (columns)
+        self._lock = threading.Condition()
+        self._draining: set[str] = set()  # adapters being unloaded: no new requests, unloaded when idle
+        self._loading: dict[str, Future] = {}
+        self._stop = False
+        self._ids = itertools.count()
+        self.stats = {
+            "requests": 0,
+            "finished": 0,
+            "tokens": 0,
+            "steps": 0,
+            "loads": 0,
+            "load_seconds": 0.0,
+            "unloads": 0,
+            "errors": 0,
+        }
+        self._thread = threading.Thread(target=self._loop, name="moelora-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def submit(self, request: EngineRequest) -> None:
+        """Queues ``request``. ValueError for an unknown, loading or unloading adapter; OverflowError when
+        ``max_waiting`` requests already wait."""
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("the engine is shutting down")
+            name = request.adapter
+            if name is not None:
+                if name in self._draining:
+                    raise ValueError(
+                        f"adapter {name!r} is being unloaded; known adapters: {self.adapter_names()}"
+                    )
+                if name in self._loading:
+                    raise ValueError(
+                        f"adapter {name!r} is still loading; known adapters: {self.adapter_names()}"
+                    )
+                if name not in self.handle.pool:
+                    raise ValueError(f"unknown adapter {name!r}; known adapters: {self.adapter_names()}")
+            if len(self._waiting) >= self.max_waiting:
+                raise OverflowError(
+                    f"{len(self._waiting)} requests are waiting (max_waiting {self.max_waiting})"
+                )
+            if request.params.seed is not None:
+                request._generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+            request.request_id = request.request_id or f"req-{next(self._ids)}"
+            self._waiting.append(request)
+            self.stats["requests"] += 1
+            self._lock.notify()
+
+    def cancel(self, request: EngineRequest) -> None:
+        """Ends ``request`` at the next step (a client that went away): its row leaves the batch."""
+        request.cancelled = True
+        with self._lock:
+            self._lock.notify()
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------------------------------ adapters
+
+    def adapter_names(self) -> list[str]:
+        """Adapters requests may name: resident or in the host tier, not being unloaded."""
+        state = self.handle.pool.state()
+        return sorted((set(state.resident) | set(state.host)) - self._draining)
+
+    def load_adapter(self, name: str, path) -> Future:
+        """Loads ``path`` as ``name`` in the background; requests may name it once the future is done."""
+        with self._lock:
+            if name in self._loading or name in self._draining:
+                doing = "loaded" if name in self._loading else "unloaded"
+                raise ValueError(f"adapter {name!r} is being {doing}")
+            if name in self.handle.pool:
+                raise ValueError(f"adapter {name!r} is already loaded")
+            started = time.monotonic()
+            future = self.handle.load_adapter_async(name, path)
+            self._loading[name] = future
+
+        def done(f: Future) -> None:
+            with self._lock:
+                self._loading.pop(name, None)
+                if f.exception() is None:
+                    self.stats["loads"] += 1
+                    self.stats["load_seconds"] += time.monotonic() - started
+            log.info(
+                "adapter %s loaded from %s in %.2f s%s",
+                name,
+                path,
+                time.monotonic() - started,
+                "" if f.exception() is None else f" FAILED: {f.exception()}",
+            )
+
+        future.add_done_callback(done)
+        return future
+
+    def unload_adapter(self, name: str) -> int:
+        """Stops admitting requests for ``name`` and unloads it once no running or waiting request uses it
+        (at once when none does). Returns how many requests it waits for."""
+        with self._lock:
+            if name not in self.handle.pool or name in self._draining:
+                raise ValueError(f"unknown adapter {name!r}; known adapters: {self.adapter_names()}")
+            self._draining.add(name)
+            users = self._users_of(name)
+            self._lock.notify()
+        if not users:
+            self._unload_drained()
+        return users
+
+    def users_of(self, name: str) -> int:
+        """Requests running or waiting with adapter ``name``."""
+        with self._lock:
+            return self._users_of(name)
+
+    def _users_of(self, name: str) -> int:
+        return sum(1 for r in self._rows if r.request.adapter == name) + sum(
+            1 for r in self._waiting if r.adapter == name
+        )
+
+    def _unload_drained(self) -> None:
+        with self._lock:
+            idle = [n for n in self._draining if not self._users_of(n)]
+            for name in idle:
+                self._draining.discard(name)
+                try:
+                    self.handle.unload_adapter(name)
+                    if self.handle.pool.state().host and name in self.handle.pool.host_adapters():
+                        self.handle.pool.unload_adapter(name)  # an API unload forgets the host copy too
+                    self.stats["unloads"] += 1
+                    log.info("adapter %s unloaded", name)
+                except ValueError as err:  # pinned, or already gone
+                    log.warning("adapter %s not unloaded: %s", name, err)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def shutdown(self, *, cancel: bool = False, timeout: float = 30.0) -> None:
+        """Stops the loop once the running and waiting requests finished (``cancel``: ends them now)."""
+        with self._lock:
+            if cancel:
+                for r in self._waiting:
+                    r.cancelled = True
+                for r in self._rows:
+                    r.request.cancelled = True
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._waiting and not self._rows:
+                    self._lock.wait()
+                if self._stop and not self._waiting and not self._rows:
+                    return
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as err:  # noqa: BLE001 - a broken step fails its requests, not the server
+                log.exception("engine step failed")
+                self.stats["errors"] += 1
+                for row in self._rows:
+                    self._finish(row.request, f"error: {err}")
+                self._rows, self._cache, self._width = [], None, 0
+            if self._draining:
+                self._unload_drained()
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def _step(self) -> None:
+        self.stats["steps"] += 1
+        self._drop_rows([i for i, r in enumerate(self._rows) if r.request.cancelled], "cancelled")
+        admitted: list[EngineRequest] = []
+        with self._lock:
+            while self._waiting and len(self._rows) + len(admitted) < self.max_running:
+                admitted.append(self._waiting.popleft())
+        for request in admitted:
+            if request.cancelled:
+                self._finish(request, "cancelled")
+                continue
+            try:
+                self._prefill(request)
+            except (ValueError, AdapterLoadError) as err:  # e.g. its adapter went away while it waited
+                self._finish(request, f"error: {err}")
+        if self._rows:
+            self._decode()
+
+    def _prefill(self, request: EngineRequest) -> None:
+        from transformers import DynamicCache
+
+        ids = torch.tensor([request.prompt_ids], device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        with self.handle.adapters([request.adapter]):
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
+        length = ids.shape[1]
+        if self._emit(request, out.logits[0, -1]):
+            return  # finished on its first token: never joins the batch
+        self._join(request, out[self._cache_arg], length)
+
+    def _join(self, request: EngineRequest, cache, length: int) -> None:
+        """Adds a prefilled request's cache (1 row, ``length`` columns) to the running batch."""
+        from transformers import DynamicCache
+
+        row = _Row(request, length)
+        if self._cache is None:
+            self._cache, self._width, self._rows = cache, length, [row]
+            return
+        width = max(self._width, length)
+        merged = DynamicCache(config=self.model.config)
+        for idx, (old, new) in enumerate(zip(self._cache.layers, cache.layers, strict=True)):
+            keys = torch.cat((_left_pad(old.keys, width), _left_pad(new.keys, width)))
+            values = torch.cat((_left_pad(old.values, width), _left_pad(new.values, width)))
+            merged.update(keys, values, idx)
+        self._cache, self._width = merged, width
+        self._rows.append(row)
+
+    def _decode(self) -> None:
+        rows = self._rows
+        width = self._width
+        ids = torch.tensor([[r.request.output_ids[-1]] for r in rows], device=self.device)
+        lengths = torch.tensor([r.length for r in rows], device=self.device)
+        columns = torch.arange(width + 1, device=self.device)
+        # Row r's real tokens are the last length_r columns of the cache, then the new one.
+        mask = (columns[None, :] >= (width - lengths)[:, None]).long()
+        positions = lengths[:, None]
+        with self.handle.adapters([r.request.adapter for r in rows]):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_arg: self._cache},
+            )
+        self._cache, self._width = out[self._cache_arg], width + 1
+        done = []
+        for i, row in enumerate(rows):
+            row.length += 1
+            if self._emit(row.request, out.logits[i, -1]):
+                done.append(i)
+        self._drop_rows(done, None)
+
+    def _drop_rows(self, indices: list[int], reason: str | None) -> None:
+        if not indices:
+            return
+        for i in indices:
+            if reason is not None:
+                self._finish(self._rows[i].request, reason)
+        keep = [i for i in range(len(self._rows)) if i not in set(indices)]
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache, self._width = None, 0
+            return
+        index = torch.tensor(keep, device=self.device)
+        self._cache.batch_select_indices(index)
+        unused = self._width - max(r.length for r in self._rows)  # columns every remaining row pads
+        if unused > 0:
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[:, :, unused:]
+                layer.values = layer.values[:, :, unused:]
+            self._width -= unused
+
+    # ------------------------------------------------------------------------------------------ tokens
+
+    def _emit(self, request: EngineRequest, logits: torch.Tensor) -> bool:
+        """Chooses ``request``'s next token from ``logits``; True when the request is finished."""
+        if request.cancelled:
+            self._finish(request, "cancelled")
+            return True
+        token = self._sample(request, logits)
+        request.output_ids.append(token)
+        if request.first_token_at is None:
+            request.first_token_at = time.monotonic()
+        self.stats["tokens"] += 1
+        if token in self.eos_token_ids:
+            self._send(request, token, len(request.text))
+            self._finish(request, "stop")
+            return True
+        text = request.text = self.decode(request.output_ids)
+        stops = request.params.stop
+        stop_at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if stop_at >= 0:  # the text ends before the stop string
+            self._send(request, token, stop_at)
+            request.text = text[:stop_at]
+            self._finish(request, "stop")
+            return True
+        if len(request.output_ids) >= request.params.max_tokens:
+            self._send(request, token, len(text))
+            self._finish(request, "length")
+            return True
+        # Text that may be the start of a stop string waits until the next tokens tell.
+        held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._send(request, token, len(text) - held)
+        return False
+
+    @staticmethod
+    def _send(request: EngineRequest, token: int, upto: int) -> None:
+        """Hands the client ``request.text`` up to ``upto`` characters, past what it already has."""
+        delta = request.text[request.sent : upto]
+        request.sent = max(request.sent, upto)
+        request.on_token(token, delta)
+
+    @staticmethod
+    def _sample(request: EngineRequest, logits: torch.Tensor) -> int:
+        params = request.params
+        logits = logits.float()
+        if params.temperature <= 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # the smallest set reaching top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=request._generator))
+
+    def _finish(self, request: EngineRequest, reason: str) -> None:
+        self.stats["finished"] += 1
+        try:
+            request.on_finish(reason)
+        except Exception:  # noqa: BLE001 - a client callback must not stop the loop
+            log.exception("on_finish of %s failed", request.request_id)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` (B, heads, T, d) with zero columns in front up to ``width``."""
+    missing = width - t.shape[2]
+    if missing <= 0:
+        return t
+    return torch.cat((t.new_zeros(*t.shape[:2], missing, t.shape[3]), t), dim=2)
+
+
+class TokenQueue:
+    """A request's tokens handed from the engine thread to a reader (``queue.Queue`` of events)."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+
+    def on_token(self, token: int, text: str) -> None:
+        self.events.put(("token", token, text))
+
+    def on_finish(self, reason: str) -> None:
+        self.events.put(("finish", reason, ""))

@@ -1,0 +1,129 @@
+"""``moelora serve``: a transformers MoE model, its adapters and the HTTP API, in one process."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moelora.serve.engine import Engine
+
+__all__ = ["AsciiTokenizer", "Server", "build_server"]
+
+log = logging.getLogger("moelora.serve")
+
+
+class AsciiTokenizer:
+    """The embedded tiny model's tokenizer: one token per ASCII character (its vocabulary is 128), other
+    characters as ``?``; a plain ``role: content`` chat template."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [b if b < 128 else ord("?") for b in text.encode("ascii", errors="replace")]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) if 0 <= i < 128 else "?" for i in ids)
+
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+
+@dataclass
+class Server:
+    """A running server: ``url``, and ``stop()`` (finishes in-flight requests, then returns)."""
+
+    url: str
+    engine: Engine
+    _uvicorn: object
+    _thread: threading.Thread
+
+    def stop(self, *, cancel: bool = False) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(30)
+        self.engine.shutdown(cancel=cancel)
+
+
+def load_model(model_dir: Path | None, device: str, dtype: torch.dtype | None):
+    """The model and its tokenizer: ``model_dir`` (a transformers checkpoint with its tokenizer), or the
+    embedded tiny Qwen3-MoE with the ASCII tokenizer when None."""
+    from transformers import AutoModelForCausalLM
+
+    if model_dir is None:
+        from moelora.demo import DEFAULT_MODEL
+
+        model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=dtype or torch.float32)
+        tokenizer = AsciiTokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return model.to(device).eval(), tokenizer
+
+
+def build_server(
+    model,
+    tokenizer,
+    *,
+    adapters: dict[str, Path] | None = None,
+    base_name: str = "base",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_loras: int = 8,
+    max_rank: int = 64,
+    max_cpu_loras: int = 4,
+    max_running: int = 32,
+    max_waiting: int = 256,
+    **config,
+) -> Server:
+    """Attaches a pool to ``model``, loads ``adapters`` and starts the API on ``host:port`` (0: a free port)
+    in a background thread. ``config``: the fields of :class:`moelora.serve.api.ServeConfig`."""
+    import uvicorn
+
+    import moelora.integrations as mi
+    from moelora.serve.api import ServeConfig, build_app
+
+    handle = mi.attach(model, max_loras=max_loras, max_rank=max_rank, max_cpu_loras=max_cpu_loras)
+    for name, path in (adapters or {}).items():
+        handle.load_adapter(name, path)
+    eos = tokenizer.eos_token_id
+    engine = Engine(
+        model,
+        handle,
+        decode=tokenizer.decode,
+        eos_token_ids=() if eos is None else [eos],
+        max_running=max_running,
+        max_waiting=max_waiting,
+    )
+    app = build_app(engine, tokenizer, ServeConfig(base_name=base_name, **config))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None  # the caller's thread owns the signals
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="moelora-http", daemon=True)
+    thread.start()
+    bound_host, bound_port = sock.getsockname()[:2]
+    while not server.started and thread.is_alive():
+        threading.Event().wait(0.01)
+    return Server(f"http://{bound_host}:{bound_port}", engine, server, thread)
+
+
+def serve_forever(server: Server) -> None:
+    """Blocks until SIGINT/SIGTERM, then stops: no new requests, in-flight ones finish."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"moelora serving on {server.url} (Ctrl-C stops)", flush=True)
+    stop.wait()
+    print("shutting down: finishing in-flight requests", flush=True)
+    server.stop()

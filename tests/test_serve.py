@@ -1,0 +1,327 @@
+"""``moelora serve`` end to end on 127.0.0.1: the real server (a random free port, the embedded tiny
+Qwen3-MoE, fp32 on the CPU) driven by the official ``openai`` client and by raw HTTP. Greedy outputs are
+checked token for token against ``generate`` with PEFT's model of the same adapter; every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+from moelora.demo import ADAPTERS_DIR  # noqa: E402
+from moelora.serve.server import AsciiTokenizer, build_server, load_model  # noqa: E402
+
+KEY = "test-key"
+SERVED = ("chat", "math", "down-only")
+BASE = "tiny"
+TOK = AsciiTokenizer()
+
+
+@pytest.fixture(scope="module")
+def server():
+    model, tokenizer = load_model(None, "cpu", None)
+    srv = build_server(
+        model,
+        tokenizer,
+        adapters={n: ADAPTERS_DIR / n for n in SERVED},
+        base_name=BASE,
+        api_key=KEY,
+        allow_runtime_adapters=True,
+        adapter_root=ADAPTERS_DIR,
+        max_running=8,
+        max_waiting=64,
+        max_prompt_tokens=64,
+        max_loras=4,
+        max_cpu_loras=2,
+    )
+    yield srv
+    srv.stop(cancel=True)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """Greedy continuation of a prompt by ``generate`` with PEFT's model of the adapter (None: the base)."""
+    import sys
+
+    sys.path.insert(0, str(ADAPTERS_DIR.parent))
+    import adapters.make_adapters as mk
+
+    models = {None: mk.load_tiny_qwen3_moe().eval()}
+    cache = {}
+
+    def run(adapter: str | None, prompt: str, tokens: int) -> str:
+        if (adapter, prompt, tokens) not in cache:
+            if adapter not in models:
+                models[adapter] = mk.load_tiny_qwen3_moe_peft(ADAPTERS_DIR / adapter)
+            ids = torch.tensor([TOK.encode(prompt)])
+            with torch.inference_mode():
+                out = models[adapter].generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                )
+            cache[(adapter, prompt, tokens)] = TOK.decode(out[0, ids.shape[1] :].tolist())
+        return cache[(adapter, prompt, tokens)]
+
+    return run
+
+
+def client(server, **kw):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60, **kw)
+
+
+def post(server, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def test_completions_equal_peft_for_each_adapter_and_the_base(server, oracle):
+    c = client(server)
+    for model, adapter in [(BASE, None), *((n, n) for n in SERVED)]:
+        got = c.completions.create(model=model, prompt="The sum of", max_tokens=6, temperature=0)
+        assert got.choices[0].text == oracle(adapter, "The sum of", 6), model
+        assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 6
+        streamed = c.completions.create(
+            model=model, prompt="The sum of", max_tokens=6, temperature=0, stream=True
+        )
+        assert "".join(ch.choices[0].text for ch in streamed) == oracle(adapter, "The sum of", 6)
+
+
+def test_chat_completions_use_the_chat_template(server, oracle):
+    c = client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = TOK.apply_chat_template(messages)
+    got = c.chat.completions.create(model="math", messages=messages, max_tokens=5, temperature=0)
+    assert got.choices[0].message.content == oracle("math", prompt, 5)
+    parts = c.chat.completions.create(
+        model="math", messages=messages, max_tokens=5, temperature=0, stream=True
+    )
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == oracle("math", prompt, 5)
+
+
+def test_sixteen_concurrent_requests_over_three_adapters_and_the_base_are_exact(server, oracle):
+    c = client(server)
+    jobs = [
+        (model, f"q{i} " + "x" * (i % 5), 3 + i % 6, i % 2 == 0)
+        for i, model in enumerate([BASE, *SERVED] * 5)
+    ][:18]
+
+    def run(job):
+        model, prompt, tokens, stream = job
+        if stream:
+            parts = c.completions.create(
+                model=model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True
+            )
+            return "".join(p.choices[0].text for p in parts)
+        return (
+            c.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0).choices[0].text
+        )
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(run, jobs))
+    for (model, prompt, tokens, _), text in zip(jobs, texts, strict=True):
+        assert text == oracle(None if model == BASE else model, prompt, tokens), (model, prompt)
+
+
+def test_sampling_n_seed_and_stop(server, oracle):
+    c = client(server)
+    a = c.completions.create(model="chat", prompt="ab", max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2)
+    b = c.completions.create(model="chat", prompt="ab", max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2)
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices] and len(a.choices) == 2
+    full = oracle("chat", "ab", 8)
+    stop = full[3:5]
+    got = c.completions.create(model="chat", prompt="ab", max_tokens=8, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[: full.index(stop)] and got.choices[0].finish_reason == "stop"
+
+
+def test_models_and_runtime_load_unload_while_requests_run(server, oracle):
+    c = client(server)
+    assert {m.id for m in c.models.list()} == {BASE, *SERVED}
+    background = ThreadPoolExecutor(4)
+    running = [
+        background.submit(
+            lambda: (
+                c.completions.create(model="chat", prompt="go", max_tokens=12, temperature=0).choices[0].text
+            )
+        )
+        for _ in range(4)
+    ]
+    r = post(server, "/v1/load_lora_adapter", {"lora_name": "gu", "lora_path": "gate-up-only"})
+    assert r.status_code == 200, r.text
+    assert "gu" in server.engine.adapter_names(), server.engine.handle.pool.state()
+    got = c.completions.create(model="gu", prompt="go", max_tokens=5, temperature=0).choices[0].text
+    assert got == oracle("gate-up-only", "go", 5)
+    # Unloading an adapter that running requests use: they finish on its weights, new ones get 404.
+    slow = [
+        background.submit(
+            lambda: (
+                c.completions.create(model="gu", prompt="go", max_tokens=20, temperature=0).choices[0].text
+            )
+        )
+        for _ in range(2)
+    ]
+    deadline = time.monotonic() + 20
+    while server.engine.users_of("gu") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = post(server, "/v1/unload_lora_adapter", {"lora_name": "gu"})
+    assert r.status_code == 200 and "removed" in r.text
+    refused = post(server, "/v1/completions", {"model": "gu", "prompt": "go", "max_tokens": 2})
+    assert refused.status_code == 404
+    assert all(f.result(60) == oracle("gate-up-only", "go", 20) for f in slow)
+    assert all(f.result(60) == oracle("chat", "go", 12) for f in running)
+    deadline = time.monotonic() + 10
+    while "gu" in {m.id for m in c.models.list()} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "gu" not in {m.id for m in c.models.list()}
+    background.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "key", "status", "words"),
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "a"}, KEY, 404, "does not exist; models: ['tiny', "),
+        ("/v1/completions", {"model": "chat", "prompt": "a"}, "wrong", 401, "API key"),
+        ("/v1/completions", {"model": "chat", "prompt": "a"}, None, 401, "API key"),
+        ("/v1/completions", {"model": "chat", "prompt": "a" * 65}, KEY, 400, "max_prompt_tokens 64"),
+        (
+            "/v1/completions",
+            {"model": "chat", "prompt": "a", "max_tokens": 0},
+            KEY,
+            400,
+            "'max_tokens' must be",
+        ),
+        (
+            "/v1/completions",
+            {"model": "chat", "prompt": "a", "temperature": "hot"},
+            KEY,
+            400,
+            "'temperature'",
+        ),
+        ("/v1/completions", {"model": "chat", "prompt": 3}, KEY, 400, "'prompt' must be"),
+        ("/v1/chat/completions", {"model": "chat", "messages": []}, KEY, 400, "'messages' must be"),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "../../etc"},
+            KEY,
+            403,
+            "outside the adapter root",
+        ),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "/tmp"},
+            KEY,
+            403,
+            "outside the adapter root",
+        ),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "tiny-qwen3-moe"},
+            KEY,
+            400,
+            "was not loaded",
+        ),
+        ("/v1/load_lora_adapter", {"lora_name": "x"}, KEY, 400, "'lora_path' is required"),
+        ("/v1/unload_lora_adapter", {"lora_name": "nope"}, KEY, 404, "unknown adapter 'nope'"),
+    ],
+)
+def test_refusals(server, path, body, key, status, words):
+    r = post(server, path, body, key=key)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_bad_json_and_symlink_escape(server, tmp_path):
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    link = ADAPTERS_DIR / "escape-link-test"
+    link.symlink_to(tmp_path)
+    try:
+        r = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "escape-link-test"})
+        assert r.status_code == 403
+    finally:
+        link.unlink()
+
+
+def test_client_disconnect_mid_stream_frees_its_row(server):
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "chat", "prompt": "x", "max_tokens": 2000, "stream": True},
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break
+    deadline = time.monotonic() + 10
+    while server.engine.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.running == 0
+
+
+def test_full_queue_answers_429_with_retry_after():
+    model, tokenizer = load_model(None, "cpu", None)
+    srv = build_server(
+        model,
+        tokenizer,
+        adapters={"chat": ADAPTERS_DIR / "chat"},
+        base_name=BASE,
+        max_running=1,
+        max_waiting=1,
+    )
+    try:
+
+        def long(_):
+            return httpx.post(
+                srv.url + "/v1/completions",
+                timeout=60,
+                json={"model": "chat", "prompt": "x", "max_tokens": 60, "temperature": 0},
+            )
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(long, range(6)))
+        busy = [a for a in answers if a.status_code == 429]
+        assert busy and all(a.headers["retry-after"] == "1" for a in busy)
+        assert any(a.status_code == 200 for a in answers)
+    finally:
+        srv.stop(cancel=True)
+
+
+def test_metrics_parse(server):
+    client(server).completions.create(model="chat", prompt="m", max_tokens=3, temperature=0)
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(text)}
+    for name in (
+        "moelora_requests",
+        "moelora_generated_tokens",
+        "moelora_requests_running",
+        "moelora_time_to_first_token_seconds",
+        "moelora_inter_token_latency_seconds",
+        "moelora_adapters",
+        "moelora_pool_bytes",
+    ):
+        assert name in families, sorted(families)
+    tiers = {s.labels["tier"]: s.value for s in families["moelora_adapters"].samples}
+    assert tiers["resident"] >= 3
+    health = httpx.get(server.url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert health.json()["status"] == "ok"
+    assert json.loads(health.text)["running"] >= 0
+    assert threading.active_count() < 200
