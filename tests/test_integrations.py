@@ -400,6 +400,53 @@ def test_selection_rules(qwen3_fixture):
         assert handle.active_adapters is None
 
 
+def test_step_selection_rebuilds_in_place_and_holds_nothing_between_steps(qwen3_fixture):
+    """handle.step: the same outputs as handle.adapters, one batch info per token count kept across steps
+    and rebuilt in place for the next step's rows; between steps no adapter is held."""
+    model, handle = qwen3_fixture
+    ids = torch.randint(1, 128, (3, 4), generator=torch.Generator().manual_seed(13))
+    steps = [["chat", None, "math"], ["math", "chat", None], ["down-only", "down-only", "chat"]]
+    tensors = set()
+    with torch.no_grad():
+        for rows in steps:
+            with handle.adapters(rows):
+                want = model(input_ids=ids).logits
+            with handle.step(rows):
+                got = model(input_ids=ids).logits
+                tensors.update(id(b.token_slots) for b in handle._step_selection.batches.values())
+            assert torch.equal(got, want), rows
+            assert all(u == 0 for u in handle.pool.state().users.values())
+    assert len(tensors) == 1  # one token count, one batch info, rebuilt in place at each step
+
+
+def test_base_experts_choice(monkeypatch):
+    """base_experts="kernels": a step with no adapter runs the layer's kernels (the model's numbers, within
+    fp32 rounding); outside any adapter context the model's own experts module runs; bad values refused."""
+    from moelora.layer import FusedMoEWithLoRA
+
+    calls = []
+    forward = FusedMoEWithLoRA.forward
+    monkeypatch.setattr(FusedMoEWithLoRA, "forward",
+                        lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    model = mk.load_tiny_qwen3_moe()
+    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base = model(input_ids=ids).logits
+        with pytest.raises(ValueError, match="base_experts must be 'auto', 'kernels' or 'model'"):
+            attach(model, base_experts="fast")
+        handle = attach(model, max_loras=2, max_rank=16, path="torch", base_experts="kernels")
+        assert torch.equal(model(input_ids=ids).logits, base) and not calls  # no context: the model's own
+        with handle.adapters([None, None]):
+            kernels = model(input_ids=ids).logits
+        assert len(calls) == len(mk.MOE_LAYER_IDS)
+        assert rel_err(kernels, base) < 1e-5
+        handle.detach()
+        auto = attach(model, max_loras=2, max_rank=16, path="torch")  # auto on the CPU: the model's module
+        with auto.adapters([None, None]):
+            assert torch.equal(model(input_ids=ids).logits, base)
+        auto.detach()
+
+
 def test_packed_seq_lens_on_one_module(qwen3_fixture):
     """seq_lens (packed sequences) on one swapped module equals PEFT's experts module per sequence."""
     model, handle = qwen3_fixture

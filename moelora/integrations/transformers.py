@@ -865,7 +865,15 @@ class _Selection:
         self.seq_lens = seq_lens
         self.any_adapter = any(n is not None for n in names)
         self.batches: dict[Any, MoELoRABatchInfo] = {}  # by token count (and set, copies, rows)
+        self.built: dict[Any, int] = {}  # the epoch each batch was last built for
+        self.epoch = 0
         self.builds = 0
+
+    def retarget(self, other: _Selection) -> None:
+        """Takes ``other``'s names and lengths for the next step; the batch infos are kept and rebuilt in
+        place (``prepare_batch(..., out=)``) at their first use in that step."""
+        self.names, self.seq_lens, self.any_adapter = other.names, other.seq_lens, other.any_adapter
+        self.epoch += 1
 
     def lens_for(self, num_tokens: int) -> tuple[int, ...]:
         if self.seq_lens is not None:
@@ -883,10 +891,13 @@ class _Selection:
             )
         return (num_tokens // rows,) * rows
 
-    def release(self) -> None:
+    def release(self, *, keep: bool = False) -> None:
+        """Releases the batch infos' holds on their slots (and forgets them unless ``keep``)."""
         for batch in self.batches.values():
             batch.release()
-        self.batches.clear()
+        if not keep:
+            self.batches.clear()
+            self.built.clear()
 
 
 class _Selector:
@@ -969,7 +980,7 @@ class _Selector:
             if expert_set is not None and pool is not self.pool:
                 key = (expert_set, key)
             batch = sel.batches.get(key)
-            if batch is None or not pool.is_current(batch):
+            if batch is None or sel.built[key] != sel.epoch or not pool.is_current(batch):
                 # (Re)built: first use, or an adapter was unloaded or evicted since (rebuilt in place; an
                 # unloaded one that is not in the host tier is refused here, by name).
                 lens = tuple(n * repeat for n in lens) * copies
@@ -977,6 +988,7 @@ class _Selector:
                     batch = sel.batches[key] = pool.prepare_batch(names * copies, lens)
                 else:
                     pool.prepare_batch(names * copies, lens, out=batch)
+                sel.built[key] = sel.epoch
                 sel.builds += 1
             return batch
 
@@ -1026,8 +1038,11 @@ class MoELoRAExperts(nn.Module):
         expert_set: str | None = None,
         token_types: _TokenTypes | None = None,
         marked_tokens: bool = False,
+        base_on_kernels: bool = False,
     ) -> None:
         super().__init__()
+        # Rows without adapter run the layer's kernels (True) or the model's own experts module (False).
+        self.base_on_kernels = base_on_kernels
         # One of several expert sets of its layer (ERNIE-4.5-VL): its pool, and the tokens it gets.
         self.expert_set = expert_set
         object.__setattr__(self, "_token_types", token_types)
@@ -1102,7 +1117,9 @@ class MoELoRAExperts(nn.Module):
         token_rows = None if self._token_types is None else self._token_types.rows_of(self.marked_tokens)
         batch = self._selector.batch_for(num_tokens // copies, copies=copies, repeat=repeat,
                                          expert_set=self.expert_set, token_rows=token_rows)
-        if (batch is None or not batch.has_lora) and self.layer.fp8 is None and not self.dequantized:
+        # Outside any adapter context the model is the model: its own experts module, whatever base_experts.
+        if ((batch is None or not batch.has_lora) and self.layer.fp8 is None and not self.dequantized
+                and (not self.base_on_kernels or self._selector.active() is None)):
             if self.dense:
                 return self.original(hidden_states, *args, **kwargs)
             return self.original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -1207,6 +1224,7 @@ class MoELoRAHandle:
         self.module_names = {lid: name for name, lid, *_ in sites if _expert_set_of(name, lid) == primary}
         self._sites = sites  # (name, layer id, parent, original, attribute in parent)
         self._selector = selector
+        self._step_selection: _Selection | None = None  # the one :meth:`step` keeps across steps
         self._owns_pool = owns_pool
         self._hooks = [model.register_forward_pre_hook(self._check_rows, with_kwargs=True), *hooks]
         self._loader: ThreadPoolExecutor | None = None  # loads into several pools, in the background
@@ -1335,6 +1353,30 @@ class MoELoRAHandle:
                     self._selector.stack.remove(sel)
                 sel.release()
 
+    @contextlib.contextmanager
+    def step(self, names: Sequence[str | None], seq_lens: Sequence[int] | None = None
+             ) -> Iterator[MoELoRAHandle]:
+        """Like :meth:`adapters`, for a serving loop's steps: one selection lives across steps, and its
+        batch infos (one per token count) are rebuilt in place each step (``prepare_batch(..., out=)``)
+        instead of allocated. On exit they release their slots, so between steps nothing keeps an
+        adapter from LRU eviction."""
+        self._require_attached()
+        fresh = self._selector.make(names, seq_lens)
+        with self._selector.lock:
+            sel = self._step_selection
+            if sel is None:
+                sel = self._step_selection = fresh
+            else:
+                sel.retarget(fresh)
+            self._selector.stack.append(sel)
+        try:
+            yield self
+        finally:
+            with self._selector.lock:
+                if sel in self._selector.stack:
+                    self._selector.stack.remove(sel)
+                sel.release(keep=True)
+
     def set_adapters(self, names: Sequence[str | None] | None, seq_lens: Sequence[int] | None = None) -> None:
         """Like :meth:`adapters`, but in effect until changed (``None`` = base model again) outside any
         ``with handle.adapters(...)`` block."""
@@ -1359,6 +1401,9 @@ class MoELoRAHandle:
         if not self._attached:
             return
         self._selector.clear()
+        if self._step_selection is not None:
+            self._step_selection.release()
+            self._step_selection = None
         for _, _, parent, original, attr in self._sites:
             setattr(parent, attr, original)
         for hook in self._hooks:
@@ -1410,6 +1455,7 @@ def attach(
     verify: bool | None = None,
     cuda_graphs: bool = True,
     graph_max_tokens: int = 64,
+    base_experts: str = "auto",
 ) -> MoELoRAHandle:
     """Swaps every routed-experts module of a transformers-5 MoE ``model`` for a :class:`MoELoRAExperts`
     and returns the :class:`MoELoRAHandle`.
@@ -1430,6 +1476,11 @@ def attach(
             prompts run eagerly, so each prompt length does not keep buffers of its own in every layer),
             instead of planning and launching its kernels on every call
             (``FusedMoEWithLoRA(cuda_graphs=True)``); ``False``: eager.
+        base_experts: what runs a step inside an adapter context in which no row has an adapter (a
+            server's step of base-model requests): ``"kernels"`` (the layer's fused MoE, as rows with
+            adapters do), ``"model"`` (the model's own experts module: exactly the model's numbers), or
+            ``"auto"`` (default): the kernels on CUDA, where they are faster than transformers' own experts
+            loop, the model's module elsewhere. Outside any adapter context the model's own module runs.
 
     Raises:
         UnsupportedModelError: a MoE layer that cannot be served exactly (the message says why), or no fused
@@ -1438,6 +1489,8 @@ def attach(
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if base_experts not in ("auto", "kernels", "model"):
+        raise ValueError(f"base_experts must be 'auto', 'kernels' or 'model', got {base_experts!r}")
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
             raise UnsupportedModelError(
@@ -1527,6 +1580,8 @@ def attach(
                 selector=selector, cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens,
                 process_group=group, expert_set=set_name if several else None,
                 token_types=token_types[lid][1] if several else None, marked_tokens=marked.get(name, False),
+                base_on_kernels=base_experts == "kernels" or (
+                    base_experts == "auto" and pools[set_name].device.type == "cuda"),
             )
     except BaseException:
         if owns_pool:

@@ -1,11 +1,20 @@
 """The serving loop: requests of many adapters join and leave one running batch every step.
 
 An :class:`Engine` owns a transformers MoE model with an attached :class:`moelora.integrations.MoELoRAHandle`
-and runs one background thread. Each step it admits waiting requests (up to ``max_running``), prefills each
-new one alone (its adapter on every token), merges its KV cache into the running batch (left-padded to
-the batch's length, masked), and runs one decode step for every running request together, each row with
-its own adapter. Finished and cancelled requests leave the batch at once; the cache columns no row needs
-any more are dropped.
+and runs one background thread. Each step:
+
+1. requests leave: finished and cancelled ones drop out of the running batch, and the KV cache columns no
+   remaining row needs are cut;
+2. waiting requests are admitted while fewer than ``max_running`` run;
+3. one decode forward runs every running request's next token together, each row with its own adapter
+   (``handle.step``: the pool batch of each token count is rebuilt in place, not allocated);
+4. prompts go through the model in chunks with what is left of the step's token budget
+   (``max_step_tokens``, at least ``min_prefill_tokens``): a long prompt takes several steps and never
+   stalls the decoding requests for longer than one chunk. A request whose prompt is done emits its first
+   token and its cache joins the running batch, left-padded to the batch's length and masked.
+
+Decode and prompt chunks run as separate forwards of one step: transformers' attention takes rows padded
+to one length, and a decode row padded to a chunk's length would cost the chunk's work.
 
 Adapters: ``load_adapter`` loads in the background while the loop keeps stepping (``load_adapter_async``);
 ``unload_adapter`` stops admitting requests for the adapter at once and unloads it after the running ones
@@ -19,7 +28,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -70,6 +78,15 @@ class EngineRequest:
     _generator: torch.Generator | None = None
 
 
+class _Prefill:
+    """An admitted request whose prompt is still going through the model, a chunk per step."""
+
+    __slots__ = ("cache", "done", "request")
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.request, self.done, self.cache = request, 0, None
+
+
 class _Row:
     """A running request's place in the batch: its real tokens so far (``length``)."""
 
@@ -87,7 +104,9 @@ class Engine:
         handle: the :class:`MoELoRAHandle` of ``model``.
         decode: ``token ids -> text`` (the tokenizer's decode).
         eos_token_ids: tokens that end a sequence.
-        max_running: requests in the running batch at most.
+        max_running: requests running (prefilling or decoding) at most.
+        max_step_tokens: a step's token budget: every decode row's token, then prompt chunks.
+        min_prefill_tokens: prompt tokens a step takes at least, even when decode rows fill the budget.
         max_waiting: requests waiting at most; :meth:`submit` refuses more (the server answers 429).
     """
 
@@ -100,10 +119,13 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         max_running: int = 32,
         max_waiting: int = 256,
+        max_step_tokens: int = 512,
+        min_prefill_tokens: int = 32,
     ) -> None:
         self.model, self.handle, self.decode = model, handle, decode
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_running, self.max_waiting = max_running, max_waiting
+        self.max_step_tokens, self.min_prefill_tokens = max_step_tokens, min_prefill_tokens
         self.device = next(model.parameters()).device
         # transformers renamed ``past_key_values`` to ``cache`` (5.24); older releases take the old name.
         self._cache_arg = (
@@ -111,6 +133,7 @@ class Engine:
         )
         self._waiting: deque[EngineRequest] = deque()
         self._rows: list[_Row] = []
+        self._prefilling: deque[_Prefill] = deque()
         self._cache = None  # the running batch's KV cache, rows in self._rows' order, left-padded
         self._width = 0  # the cache's length (columns)
         self._lock = threading.Condition()
@@ -170,7 +193,8 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self._rows)
+        """Requests decoding or prefilling."""
+        return len(self._rows) + len(self._prefilling)
 
     @property
     def waiting(self) -> int:
@@ -231,8 +255,10 @@ class Engine:
             return self._users_of(name)
 
     def _users_of(self, name: str) -> int:
-        return sum(1 for r in self._rows if r.request.adapter == name) + sum(
-            1 for r in self._waiting if r.adapter == name
+        return (
+            sum(1 for r in self._rows if r.request.adapter == name)
+            + sum(1 for p in self._prefilling if p.request.adapter == name)
+            + sum(1 for r in self._waiting if r.adapter == name)
         )
 
     def _unload_drained(self) -> None:
@@ -259,6 +285,8 @@ class Engine:
                     r.cancelled = True
                 for r in self._rows:
                     r.request.cancelled = True
+                for p in self._prefilling:
+                    p.request.cancelled = True
             self._stop = True
             self._lock.notify()
         self._thread.join(timeout)
@@ -266,9 +294,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._waiting and not self._rows:
+                while not self._stop and not self._waiting and not self._rows and not self._prefilling:
                     self._lock.wait()
-                if self._stop and not self._waiting and not self._rows:
+                if self._stop and not self._waiting and not self._rows and not self._prefilling:
                     return
             try:
                 with torch.inference_mode():
@@ -276,43 +304,61 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - a broken step fails its requests, not the server
                 log.exception("engine step failed")
                 self.stats["errors"] += 1
-                for row in self._rows:
-                    self._finish(row.request, f"error: {err}")
+                for request in [r.request for r in self._rows] + [p.request for p in self._prefilling]:
+                    self._finish(request, f"error: {err}")
                 self._rows, self._cache, self._width = [], None, 0
+                self._prefilling.clear()
             if self._draining:
                 self._unload_drained()
 
     # ------------------------------------------------------------------------------------------ one step
 
     def _step(self) -> None:
+        """One step: a decode forward of every running row, then prefill chunks of admitted requests
+        with what is left of the step's token budget (``max_step_tokens``, decode rows counted first; at
+        least ``min_prefill_tokens`` so a full batch never starves new requests)."""
         self.stats["steps"] += 1
         self._drop_rows([i for i, r in enumerate(self._rows) if r.request.cancelled], "cancelled")
-        admitted: list[EngineRequest] = []
         with self._lock:
-            while self._waiting and len(self._rows) + len(admitted) < self.max_running:
-                admitted.append(self._waiting.popleft())
-        for request in admitted:
-            if request.cancelled:
-                self._finish(request, "cancelled")
-                continue
-            try:
-                self._prefill(request)
-            except (ValueError, AdapterLoadError) as err:  # e.g. its adapter went away while it waited
-                self._finish(request, f"error: {err}")
+            while self._waiting and len(self._rows) + len(self._prefilling) < self.max_running:
+                self._prefilling.append(_Prefill(self._waiting.popleft()))
         if self._rows:
             self._decode()
+        budget = max(self.max_step_tokens - len(self._rows), self.min_prefill_tokens)
+        while self._prefilling and budget > 0:
+            job = self._prefilling[0]
+            if job.request.cancelled:
+                self._prefilling.popleft()
+                self._finish(job.request, "cancelled")
+                continue
+            take = min(budget, len(job.request.prompt_ids) - job.done)
+            try:
+                self._prefill_chunk(job, take)
+            except (ValueError, AdapterLoadError) as err:  # e.g. its adapter went away while it waited
+                self._prefilling.popleft()
+                self._finish(job.request, f"error: {err}")
+                continue
+            budget -= take
+            if job.done == len(job.request.prompt_ids):
+                self._prefilling.popleft()
 
-    def _prefill(self, request: EngineRequest) -> None:
+    def _prefill_chunk(self, job: _Prefill, take: int) -> None:
+        """The next ``take`` prompt tokens of ``job`` through the model (its own cache, one row); after the
+        last chunk, its first token, and the request joins the running batch."""
         from transformers import DynamicCache
 
-        ids = torch.tensor([request.prompt_ids], device=self.device)
-        cache = DynamicCache(config=self.model.config)
-        with self.handle.adapters([request.adapter]):
-            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
-        length = ids.shape[1]
+        request = job.request
+        if job.cache is None:
+            job.cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([request.prompt_ids[job.done : job.done + take]], device=self.device)
+        with self.handle.step([request.adapter]):
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: job.cache})
+        job.cache, job.done = out[self._cache_arg], job.done + take
+        if job.done < len(request.prompt_ids):
+            return
         if self._emit(request, out.logits[0, -1]):
             return  # finished on its first token: never joins the batch
-        self._join(request, out[self._cache_arg], length)
+        self._join(request, job.cache, job.done)
 
     def _join(self, request: EngineRequest, cache, length: int) -> None:
         """Adds a prefilled request's cache (1 row, ``length`` columns) to the running batch."""
@@ -340,7 +386,7 @@ class Engine:
         # Row r's real tokens are the last length_r columns of the cache, then the new one.
         mask = (columns[None, :] >= (width - lengths)[:, None]).long()
         positions = lengths[:, None]
-        with self.handle.adapters([r.request.adapter for r in rows]):
+        with self.handle.step([r.request.adapter for r in rows]):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -443,16 +489,3 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     if missing <= 0:
         return t
     return torch.cat((t.new_zeros(*t.shape[:2], missing, t.shape[3]), t), dim=2)
-
-
-class TokenQueue:
-    """A request's tokens handed from the engine thread to a reader (``queue.Queue`` of events)."""
-
-    def __init__(self) -> None:
-        self.events: queue.Queue = queue.Queue()
-
-    def on_token(self, token: int, text: str) -> None:
-        self.events.put(("token", token, text))
-
-    def on_finish(self, reason: str) -> None:
-        self.events.put(("finish", reason, ""))

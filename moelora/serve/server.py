@@ -83,6 +83,9 @@ def build_server(
     max_cpu_loras: int = 4,
     max_running: int = 32,
     max_waiting: int = 256,
+    max_step_tokens: int = 512,
+    min_prefill_tokens: int = 32,
+    base_experts: str = "auto",
     **config,
 ) -> Server:
     """Attaches a pool to ``model``, loads ``adapters`` and starts the API on ``host:port`` (0: a free port)
@@ -92,7 +95,8 @@ def build_server(
     import moelora.integrations as mi
     from moelora.serve.api import ServeConfig, build_app
 
-    handle = mi.attach(model, max_loras=max_loras, max_rank=max_rank, max_cpu_loras=max_cpu_loras)
+    handle = mi.attach(model, max_loras=max_loras, max_rank=max_rank, max_cpu_loras=max_cpu_loras,
+                       base_experts=base_experts)
     for name, path in (adapters or {}).items():
         handle.load_adapter(name, path)
     eos = tokenizer.eos_token_id
@@ -103,6 +107,8 @@ def build_server(
         eos_token_ids=() if eos is None else [eos],
         max_running=max_running,
         max_waiting=max_waiting,
+        max_step_tokens=max_step_tokens,
+        min_prefill_tokens=min_prefill_tokens,
     )
     app = build_app(engine, tokenizer, ServeConfig(base_name=base_name, **config))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
