@@ -283,8 +283,9 @@ def render(report: dict) -> str:
     for c in report["cells"]:
         note = ""
         if c.get("runtime_load"):
-            note = (f"runtime load {c['load_seconds']:.2f} s: ITL p99 {1e3 * c['itl_p99_before_load']:.1f} ms "
-                    f"before, {1e3 * c['itl_p99_during_load']:.1f} ms during ({c['gaps_during_load']} gaps)")
+            before, during = 1e3 * c["itl_p99_before_load"], 1e3 * c["itl_p99_during_load"]
+            note = (f"runtime load {c['load_seconds']:.2f} s: ITL p99 {before:.1f} ms before, {during:.1f} ms "
+                    f"during ({c['gaps_during_load']} gaps)")
         if c["errors"] or c["short_outputs"]:
             note += f" errors {c['errors']}, short {c['short_outputs']}"
         lines.append(f"| {c['adapters']} | {c['popularity']} | {c['rate']:g} | {c['tok_s']:.0f} | "
