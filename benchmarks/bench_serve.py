@@ -11,7 +11,8 @@ The load generator runs in its own process (``--client``), so its Python work ta
 server's. Per cell: output tokens/s over the cell's wall time, time to first token and inter-token latency
 p50/p99.
 
-Cells: N = 0 and N = 32 zipf at every rate; N = 1, 8 (uniform and zipf) and 32 uniform at the highest rate;
+After an untimed warm-up (the cells' workloads at the highest rate, other seeds), cells: N = 0 and N = 32
+zipf at every rate; N = 1, 8 (uniform and zipf) and 32 uniform at the highest rate;
 N = 8 uniform at the middle rate with one adapter loaded through ``/v1/load_lora_adapter`` when half the
 requests were sent (inter-token p99 of the gaps that ended during the load, against those before it); and
 the baseline a user has without moelora: the N = 8 uniform workload through transformers' ``generate`` with
@@ -242,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     cells = [(0, "uniform", r) for r in args.rates] + [(n_max, "zipf", r) for r in args.rates]
     few = min(8, n_max)
     cells += [(1, "uniform", high), (few, "uniform", high), (few, "zipf", high), (n_max, "uniform", high)]
-    # Warm-up: every kernel variant a cell meets is compiled before any cell is timed.
-    warm = workload(max(8, args.requests // 4), few, "uniform", vocab, 7, args.dry_run)
-    run_cell(server.url, {"jobs": warm, "rate": high, "base": "base", "seed": 7})
+    # Warm-up, untimed: the workloads of the cells at the highest rate (other seeds), so that the kernel
+    # variants and layer graphs the cells meet (token counts, rank tiles, adapters per batch) exist first.
+    for n, popularity in ((0, "uniform"), (n_max, "zipf"), (few, "zipf"), (n_max, "uniform")):
+        warm = workload(args.requests, n, popularity, vocab, seed=7 + n, dry_run=args.dry_run)
+        run_cell(server.url, {"jobs": warm, "rate": high, "base": "base", "seed": 7})
     results = []
     for n, popularity, rate in cells:
         jobs = workload(args.requests, n, popularity, vocab, seed=1, dry_run=args.dry_run)
@@ -284,8 +287,8 @@ def render(report: dict) -> str:
         note = ""
         if c.get("runtime_load"):
             before, during = 1e3 * c["itl_p99_before_load"], 1e3 * c["itl_p99_during_load"]
-            note = (f"runtime load {c['load_seconds']:.2f} s: ITL p99 {before:.1f} ms before, {during:.1f} ms "
-                    f"during ({c['gaps_during_load']} gaps)")
+            note = (f"runtime load {c['load_seconds']:.2f} s: ITL p99 {before:.1f} ms before, "
+                    f"{during:.1f} ms during ({c['gaps_during_load']} gaps)")
         if c["errors"] or c["short_outputs"]:
             note += f" errors {c['errors']}, short {c['short_outputs']}"
         lines.append(f"| {c['adapters']} | {c['popularity']} | {c['rate']:g} | {c['tok_s']:.0f} | "
