@@ -333,3 +333,78 @@ def test_metrics_parse(server):
     assert health.json()["status"] == "ok"
     assert json.loads(health.text)["running"] >= 0
     assert threading.active_count() < 200
+
+
+def _readme_serve_blocks() -> tuple[str, list[str], str]:
+    """The serve section's command, curl and Python blocks of README.md."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Serve over HTTP\n", 1)[1].split("\n## ", 1)[0]
+    bash = re.findall(r"```bash\n(.*?)```", section, re.S)
+    python = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(bash) == 2 and len(python) == 1, section
+    return bash[0], [bash[1]], python[0]
+
+
+def test_readme_serve_examples_run_as_written(tmp_path):
+    """``moelora serve --demo`` from the command line (a process of its own, stopped by SIGINT), then the
+    README's curl and openai examples against it, with only the port changed."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    command, (curl,), python = _readme_serve_blocks()
+    assert command.startswith('pip install -e ".[serve]" && moelora serve --demo --port 8000')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    server = subprocess.Popen([sys.executable, "-m", "moelora.cli", "serve", "--demo", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("moelora serve --demo did not come up")
+        here = f"127.0.0.1:{port}"
+        if shutil.which("curl"):
+            out = subprocess.run(["bash", "-c", curl.replace("localhost:8000", here)], capture_output=True,
+                                 text=True, timeout=60, check=True).stdout
+            reply = json.loads(out)
+            assert reply["model"] == "chat" and len(reply["choices"][0]["text"]) > 0
+        script = tmp_path / "example.py"
+        script.write_text(python.replace("localhost:8000", here))
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        assert out.splitlines()[0] == str(["tiny-qwen3-moe", "chat", "gate-up-only", "math", "v4-style"])
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            log, _ = server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    assert server.returncode == 0, log
+    assert "shutting down" in log
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["serve"], "give a MODEL directory or --demo"),
+    (["serve", "/nonexistent-model-dir"], "not a model directory"),
+    (["serve", "--demo", "--adapter", "oops"], "--adapter wants NAME=DIR"),
+])
+def test_serve_cli_refusals(argv, words, capsys):
+    from moelora.cli import main
+
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
