@@ -301,7 +301,7 @@ def test_full_queue_answers_429_with_retry_after():
             return httpx.post(
                 srv.url + "/v1/completions",
                 timeout=60,
-                json={"model": "chat", "prompt": "x", "max_tokens": 60, "temperature": 0},
+                json={"model": "chat", "prompt": "x", "max_tokens": 20, "temperature": 0},
             )
 
         with ThreadPoolExecutor(6) as pool:

@@ -37,8 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moelora.adapter_weights import AdapterLoadError
-
 __all__ = ["Engine", "EngineRequest", "SamplingParams"]
 
 log = logging.getLogger("moelora.serve")
@@ -325,22 +323,69 @@ class Engine:
         if self._rows:
             self._decode()
         budget = max(self.max_step_tokens - len(self._rows), self.min_prefill_tokens)
-        while self._prefilling and budget > 0:
+        # Whole prompts that fit go through one left-padded forward together (their padded size counted
+        # against the budget); a prompt longer than what is left goes alone, a chunk per step.
+        group: list[_Prefill] = []
+        width = 0
+        while self._prefilling and budget > len(group) * width:
             job = self._prefilling[0]
-            if job.request.cancelled:
+            request = job.request
+            if request.cancelled or (request.adapter is not None and request.adapter not in self.handle.pool):
                 self._prefilling.popleft()
-                self._finish(job.request, "cancelled")
+                gone = f"error: adapter {request.adapter!r} is no longer loaded"
+                self._finish(request, "cancelled" if request.cancelled else gone)
                 continue
-            take = min(budget, len(job.request.prompt_ids) - job.done)
+            left = len(request.prompt_ids) - job.done
+            if job.done == 0 and (len(group) + 1) * max(width, left) <= budget:
+                group.append(self._prefilling.popleft())
+                width = max(width, left)
+                continue
+            if group:
+                break  # the next prompt waits for the next step
+            take = min(budget, left)
             try:
                 self._prefill_chunk(job, take)
-            except (ValueError, AdapterLoadError) as err:  # e.g. its adapter went away while it waited
+            except ValueError as err:  # its adapter went away since the check above (AdapterLoadError too)
                 self._prefilling.popleft()
-                self._finish(job.request, f"error: {err}")
+                self._finish(request, f"error: {err}")
                 continue
             budget -= take
-            if job.done == len(job.request.prompt_ids):
+            if job.done == len(request.prompt_ids):
                 self._prefilling.popleft()
+        if group:
+            try:
+                self._prefill_whole(group, width)
+            except ValueError as err:
+                for job in group:
+                    self._finish(job.request, f"error: {err}")
+
+    def _prefill_whole(self, jobs: list[_Prefill], width: int) -> None:
+        """Whole prompts of ``jobs`` in one forward, left-padded to ``width``; each emits its first token
+        and joins the running batch."""
+        from transformers import DynamicCache
+
+        ids = torch.zeros(len(jobs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, job in enumerate(jobs):
+            prompt = job.request.prompt_ids
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        with self.handle.step([job.request.adapter for job in jobs]):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self._cache_arg: cache})
+        rows = []
+        for row, job in enumerate(jobs):
+            job.done = len(job.request.prompt_ids)
+            if not self._emit(job.request, out.logits[row, -1]):
+                rows.append(row)
+        if rows:
+            cache = out[self._cache_arg]
+            if len(rows) < len(jobs):
+                cache.batch_select_indices(torch.tensor(rows, device=self.device))
+            self._join([_Row(jobs[r].request, jobs[r].done) for r in rows], cache, width)
 
     def _prefill_chunk(self, job: _Prefill, take: int) -> None:
         """The next ``take`` prompt tokens of ``job`` through the model (its own cache, one row); after the
@@ -358,24 +403,24 @@ class Engine:
             return
         if self._emit(request, out.logits[0, -1]):
             return  # finished on its first token: never joins the batch
-        self._join(request, job.cache, job.done)
+        self._join([_Row(request, job.done)], job.cache, job.done)
 
-    def _join(self, request: EngineRequest, cache, length: int) -> None:
-        """Adds a prefilled request's cache (1 row, ``length`` columns) to the running batch."""
+    def _join(self, rows: list[_Row], cache, width: int) -> None:
+        """Adds prefilled ``rows`` (their cache: ``width`` columns, each row's real tokens the last
+        ``row.length`` of them) to the running batch."""
         from transformers import DynamicCache
 
-        row = _Row(request, length)
         if self._cache is None:
-            self._cache, self._width, self._rows = cache, length, [row]
+            self._cache, self._width, self._rows = cache, width, list(rows)
             return
-        width = max(self._width, length)
+        full = max(self._width, width)
         merged = DynamicCache(config=self.model.config)
         for idx, (old, new) in enumerate(zip(self._cache.layers, cache.layers, strict=True)):
-            keys = torch.cat((_left_pad(old.keys, width), _left_pad(new.keys, width)))
-            values = torch.cat((_left_pad(old.values, width), _left_pad(new.values, width)))
+            keys = torch.cat((_left_pad(old.keys, full), _left_pad(new.keys, full)))
+            values = torch.cat((_left_pad(old.values, full), _left_pad(new.values, full)))
             merged.update(keys, values, idx)
-        self._cache, self._width = merged, width
-        self._rows.append(row)
+        self._cache, self._width = merged, full
+        self._rows.extend(rows)
 
     def _decode(self) -> None:
         rows = self._rows
