@@ -408,3 +408,27 @@ def test_serve_cli_refusals(argv, words, capsys):
 
     assert main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_more_adapters_than_slots_take_turns_through_the_host_tier(oracle):
+    """One slot, three adapters: requests of every adapter at once are served in turns (an adapter waits
+    until the slot is free), those evicted come back from the host tier, and every output is exact."""
+    model, tokenizer = load_model(None, "cpu", None)
+    srv = build_server(model, tokenizer, adapters={n: ADAPTERS_DIR / n for n in SERVED}, base_name=BASE,
+                       max_loras=1, max_cpu_loras=3, max_running=8)
+    try:
+        assert srv.engine.handle.pool.state().host == ("chat", "math")  # loading each evicted the one before
+        c = client(srv)
+        jobs = [(name, f"t{i}", 4 + i % 3) for i, name in enumerate([*SERVED, BASE] * 3)]
+
+        def run(job):
+            name, prompt, tokens = job
+            reply = c.completions.create(model=name, prompt=prompt, max_tokens=tokens, temperature=0)
+            return reply.choices[0].text
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            texts = list(pool.map(run, jobs))
+        for (name, prompt, tokens), text in zip(jobs, texts, strict=True):
+            assert text == oracle(None if name == BASE else name, prompt, tokens), (name, prompt)
+    finally:
+        srv.stop(cancel=True)

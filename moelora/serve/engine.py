@@ -317,9 +317,7 @@ class Engine:
         least ``min_prefill_tokens`` so a full batch never starves new requests)."""
         self.stats["steps"] += 1
         self._drop_rows([i for i, r in enumerate(self._rows) if r.request.cancelled], "cancelled")
-        with self._lock:
-            while self._waiting and len(self._rows) + len(self._prefilling) < self.max_running:
-                self._prefilling.append(_Prefill(self._waiting.popleft()))
+        self._admit()
         if self._rows:
             self._decode()
         budget = max(self.max_step_tokens - len(self._rows), self.min_prefill_tokens)
@@ -358,6 +356,26 @@ class Engine:
             except ValueError as err:
                 for job in group:
                     self._finish(job.request, f"error: {err}")
+
+    def _admit(self) -> None:
+        """Waiting requests start, oldest first, while fewer than ``max_running`` run and their adapters fit
+        the pool's slots beside those of the running ones (a request whose adapter does not fit yet waits,
+        and younger requests of running adapters go ahead of it)."""
+        slots = self.handle.pool.max_loras
+        with self._lock:
+            active = {r.request.adapter for r in self._rows} | {p.request.adapter for p in self._prefilling}
+            active.discard(None)
+            later: list[EngineRequest] = []
+            while self._waiting and len(self._rows) + len(self._prefilling) < self.max_running:
+                request = self._waiting.popleft()
+                name = request.adapter
+                if name is not None and name not in active and len(active) >= slots:
+                    later.append(request)
+                    continue
+                if name is not None:
+                    active.add(name)
+                self._prefilling.append(_Prefill(request))
+            self._waiting.extendleft(reversed(later))
 
     def _prefill_whole(self, jobs: list[_Prefill], width: int) -> None:
         """Whole prompts of ``jobs`` in one forward, left-padded to ``width``; each emits its first token
