@@ -384,6 +384,7 @@ class MoELoRAMemoryPool(AdapterStager):
         self._loading: dict[int, _PendingLoad] = {}  # slots reserved by asynchronous loads
         self._host_tier: OrderedDict[str, StagedAdapter] = OrderedDict()
         self._staged: dict[str, StagedAdapter] = {}  # resident adapters' host copies (reports, re-loads)
+        self._evictions = 0  # adapters LRU eviction took out of a slot (explicit unloads not counted)
         self._executor: ThreadPoolExecutor | None = None
         self._load_worker = LoadWorker() if (on_cuda if load_process is None else load_process) else None
 
@@ -435,7 +436,8 @@ class MoELoRAMemoryPool(AdapterStager):
             return PoolState(
                 resident=tuple(self._recent), host=tuple(self._host_tier), loading=tuple(self._pending),
                 pinned=frozenset(self._pinned), slots=dict(self.adapter_slots),
-                users={n: self._slot_users[s] for n, s in self.adapter_slots.items()})
+                users={n: self._slot_users[s] for n, s in self.adapter_slots.items()},
+                evictions=self._evictions)
 
     def report(self, name: str) -> object | None:
         """The load report of a resident or host-tier adapter (``None`` for ``add_adapter_weights``)."""
@@ -908,6 +910,7 @@ class MoELoRAMemoryPool(AdapterStager):
             raise AdapterLoadError(self._no_room(staged.name, needs, protected))
         for slot in victims:
             self._evict_slot(slot)
+        self._evictions += len(victims)
         got = _alloc_blocks(self._units, needs)  # the trial's state: it fits
         return self._assign(self.free_slots[0], staged, got)
 

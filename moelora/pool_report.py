@@ -18,6 +18,8 @@ class PoolState:
         pinned: resident adapters LRU eviction never takes.
         slots: resident adapter -> slot.
         users: resident adapter -> live batches holding its slot (LRU eviction passes over it while > 0).
+        evictions: adapters LRU eviction has taken out of slots since the pool was built (explicit unloads
+            not counted).
     """
 
     resident: tuple[str, ...]
@@ -26,6 +28,7 @@ class PoolState:
     pinned: frozenset[str]
     slots: dict[str, int]
     users: dict[str, int]
+    evictions: int = 0
 
     def evictable(self) -> tuple[str, ...]:
         """Resident adapters LRU eviction may take, in the order it would."""

@@ -42,6 +42,7 @@ class PoolModel:
         self.pinned: set[str] = set()
         self.batches: dict[int, dict] = {}  # id -> {"names", "lens", "epochs", "live"}
         self.epoch = 0
+        self.evictions = 0  # by LRU (explicit unloads not counted)
 
     # -- what the pool derives -------------------------------------------------------------------------
     def users(self, name: str) -> int:
@@ -76,6 +77,7 @@ class PoolModel:
             if victim is None:
                 raise AdapterLoadError("pinned or used by live batches")
             self.evict(victim)
+            self.evictions += 1
         self.epoch += 1
         self.resident[name] = (self.epoch, weights, source)
         self.host.pop(name, None)
@@ -264,7 +266,7 @@ def test_pool_follows_its_model(seed, max_cpu_loras, tmp_path, monkeypatch):
         state = pool.state()
         assert state.resident == tuple(model.resident), (state, model.resident)
         assert state.host == tuple(model.host), (state.host, model.host)
-        assert state.pinned == model.pinned and state.loading == ()
+        assert state.pinned == model.pinned and state.loading == () and state.evictions == model.evictions
         assert state.users == {n: model.users(n) for n in model.resident}, (state.users, model.batches)
         for bid, batch in batches.items():
             assert pool.is_current(batch) == model.current(bid), bid

@@ -98,7 +98,9 @@ class _Metrics:
         self.loads = Gauge("moelora_adapter_loads", "adapters loaded through the API", registry=r)
         self.load_seconds = Gauge("moelora_adapter_load_seconds", "seconds spent in those loads", registry=r)
         self.unloads = Gauge("moelora_adapter_unloads", "adapters unloaded through the API", registry=r)
-        self.evictions = Gauge("moelora_adapter_evictions", "adapters in the host tier (evicted)", registry=r)
+        self.evictions = Gauge(
+            "moelora_adapter_evictions", "adapters LRU eviction took out of slots", registry=r
+        )
         self.pool_bytes = Gauge("moelora_pool_bytes", "adapter arena bytes", ["state"], registry=r)
 
     def render(self, engine: Engine) -> bytes:
@@ -113,7 +115,7 @@ class _Metrics:
         self.loads.set(engine.stats["loads"])
         self.load_seconds.set(engine.stats["load_seconds"])
         self.unloads.set(engine.stats["unloads"])
-        self.evictions.set(len(state.host))
+        self.evictions.set(state.evictions)
         report = engine.handle.pool.memory_report()
         self.pool_bytes.labels("used").set(report.used_bytes)
         self.pool_bytes.labels("free").set(report.free_bytes)
