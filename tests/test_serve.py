@@ -432,3 +432,26 @@ def test_more_adapters_than_slots_take_turns_through_the_host_tier(oracle):
             assert text == oracle(None if name == BASE else name, prompt, tokens), (name, prompt)
     finally:
         srv.stop(cancel=True)
+
+
+def test_incremental_detokenization_waits_for_whole_characters():
+    """Byte tokens of UTF-8 text: a character split over tokens appears once whole, and the streamed pieces
+    add up to the full decode."""
+    import types
+
+    from moelora.serve.engine import Engine, EngineRequest, SamplingParams
+
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    engine = types.SimpleNamespace(decode=decode)
+    text = "héllo → wörld"
+    request = EngineRequest([1], None, SamplingParams())
+    pieces = []
+    for byte in text.encode():
+        request.output_ids.append(byte)
+        piece = Engine._new_text(engine, request)
+        request.text += piece
+        pieces.append(piece)
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    assert pieces[1] == "" and pieces[2] == "é"  # the two bytes of "é": nothing, then the character

@@ -70,6 +70,8 @@ class EngineRequest:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of ``text`` handed to on_token
+    _prefix_offset: int = 0  # incremental detokenization: tokens decoded for context
+    _read_offset: int = 0  # tokens whose text is in ``text``
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     cancelled: bool = False
@@ -501,7 +503,7 @@ class Engine:
             self._send(request, token, len(request.text))
             self._finish(request, "stop")
             return True
-        text = request.text = self.decode(request.output_ids)
+        text = request.text = request.text + self._new_text(request)
         stops = request.params.stop
         stop_at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if stop_at >= 0:  # the text ends before the stop string
@@ -517,6 +519,18 @@ class Engine:
         held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         self._send(request, token, len(text) - held)
         return False
+
+    def _new_text(self, request: EngineRequest) -> str:
+        """The text the newest token adds, decoding a few tokens around it rather than the whole output
+        (a token's text can depend on its neighbours; an incomplete character waits for the next token)."""
+        ids = request.output_ids
+        start, read = request._prefix_offset, request._read_offset
+        before = self.decode(ids[start:read])
+        after = self.decode(ids[start:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing printable yet
+        request._prefix_offset, request._read_offset = read, len(ids)
+        return after[len(before):]
 
     @staticmethod
     def _send(request: EngineRequest, token: int, upto: int) -> None:

@@ -99,12 +99,14 @@ def build_server(
                        base_experts=base_experts)
     for name, path in (adapters or {}).items():
         handle.load_adapter(name, path)
-    eos = tokenizer.eos_token_id
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos |= set(config_eos) if isinstance(config_eos, (list, tuple)) else {config_eos} - {None}
     engine = Engine(
         model,
         handle,
         decode=tokenizer.decode,
-        eos_token_ids=() if eos is None else [eos],
+        eos_token_ids=sorted(eos),
         max_running=max_running,
         max_waiting=max_waiting,
         max_step_tokens=max_step_tokens,
