@@ -455,3 +455,20 @@ def test_incremental_detokenization_waits_for_whole_characters():
         pieces.append(piece)
     assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
     assert pieces[1] == "" and pieces[2] == "é"  # the two bytes of "é": nothing, then the character
+
+
+def test_streaming_n_and_stop(server, oracle):
+    """n=2 streamed: each choice's pieces add up to its own text; a stop string cuts the streamed text too."""
+    c = client(server)
+    parts = c.completions.create(model="math", prompt="ab", max_tokens=6, temperature=0, n=2, stream=True)
+    texts, reasons = ["", ""], [None, None]
+    for part in parts:
+        choice = part.choices[0]
+        texts[choice.index] += choice.text
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [oracle("math", "ab", 6)] * 2 and reasons == ["length", "length"]
+    full = oracle("chat", "ab", 8)
+    stop = full[2:4]
+    parts = c.completions.create(model="chat", prompt="ab", max_tokens=8, temperature=0, stop=stop,
+                                 stream=True)
+    assert "".join(p.choices[0].text for p in parts) == full[: full.index(stop)]
