@@ -1342,16 +1342,8 @@ class MoELoRAHandle:
         Contexts nest (the innermost wins). The batch infos built inside are released on exit.
         """
         self._require_attached()
-        sel = self._selector.make(names, seq_lens)
-        with self._selector.lock:
-            self._selector.stack.append(sel)
-        try:
+        with self._active(self._selector.make(names, seq_lens), keep=False):
             yield self
-        finally:
-            with self._selector.lock:
-                if sel in self._selector.stack:
-                    self._selector.stack.remove(sel)
-                sel.release()
 
     @contextlib.contextmanager
     def step(self, names: Sequence[str | None], seq_lens: Sequence[int] | None = None
@@ -1359,23 +1351,30 @@ class MoELoRAHandle:
         """Like :meth:`adapters`, for a serving loop's steps: one selection lives across steps, and its
         batch infos (one per token count) are rebuilt in place each step (``prepare_batch(..., out=)``)
         instead of allocated. On exit they release their slots, so between steps nothing keeps an
-        adapter from LRU eviction."""
+        adapter from LRU eviction. One serving loop per handle: its steps do not nest or overlap."""
         self._require_attached()
         fresh = self._selector.make(names, seq_lens)
         with self._selector.lock:
-            sel = self._step_selection
-            if sel is None:
-                sel = self._step_selection = fresh
+            if self._step_selection is None:
+                self._step_selection = fresh
             else:
-                sel.retarget(fresh)
+                self._step_selection.retarget(fresh)
+        with self._active(self._step_selection, keep=True):
+            yield self
+
+    @contextlib.contextmanager
+    def _active(self, sel: _Selection, *, keep: bool) -> Iterator[None]:
+        """``sel`` is the innermost choice inside the block; its batch infos release their slots on exit
+        (and are forgotten unless ``keep``)."""
+        with self._selector.lock:
             self._selector.stack.append(sel)
         try:
-            yield self
+            yield
         finally:
             with self._selector.lock:
                 if sel in self._selector.stack:
                     self._selector.stack.remove(sel)
-                sel.release(keep=True)
+                sel.release(keep=keep)
 
     def set_adapters(self, names: Sequence[str | None] | None, seq_lens: Sequence[int] | None = None) -> None:
         """Like :meth:`adapters`, but in effect until changed (``None`` = base model again) outside any
