@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = {f"a{k}": RANKS[k % len(RANKS)] for k in range(n_max)}
     for k, (name, rank) in enumerate(ranks.items()):
         pool.add_adapter_weights(name, random_adapter(pool, rank, seed=k))
+    print(f"# model and {n_max} adapters ready", file=sys.stderr, flush=True)
     # The adapter loaded at runtime: a PEFT directory under the server's adapter root.
     write_f1_adapter(adapter_root / "hot", list(server.engine.handle.layer_ids), pool.num_experts,
                      pool.hidden_size, pool.intermediate_size, 16, torch.bfloat16, seed=99)
@@ -247,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     # variants and layer graphs the cells meet (token counts, rank tiles, adapters per batch) exist first.
     for n, popularity in ((0, "uniform"), (n_max, "zipf"), (few, "zipf"), (n_max, "uniform")):
         warm = workload(args.requests, n, popularity, vocab, seed=7 + n, dry_run=args.dry_run)
+        started = time.perf_counter()
         run_cell(server.url, {"jobs": warm, "rate": high, "base": "base", "seed": 7})
+        seconds = time.perf_counter() - started
+        print(f"# warm-up N={n} {popularity}: {seconds:.0f} s", file=sys.stderr, flush=True)
     results = []
     for n, popularity, rate in cells:
         jobs = workload(args.requests, n, popularity, vocab, seed=1, dry_run=args.dry_run)
