@@ -59,6 +59,15 @@ def build_model(layers: int, dry_run: bool, device: torch.device, dtype: torch.d
     return model
 
 
+def device_of(parser: argparse.ArgumentParser, dry_run: bool) -> tuple[bool, torch.device, torch.dtype]:
+    """(on a GPU, device, dtype): CUDA in bf16, or the CPU in fp32 for ``--dry-run``; a usage error
+    without a GPU otherwise."""
+    on_gpu = torch.cuda.is_available() and not dry_run
+    if not on_gpu and not dry_run:
+        parser.error("needs a CUDA GPU (or --dry-run)")
+    return on_gpu, torch.device("cuda" if on_gpu else "cpu"), torch.bfloat16 if on_gpu else torch.float32
+
+
 def random_adapter(pool: Any, rank: int, seed: int) -> dict[int, ReferenceLoRA]:
     """One adapter on every expert of every pool layer: one random A/B per projection shape, each expert a
     different scaling of it (the content does not matter for speed; building it stays fast)."""
@@ -111,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the records as JSON")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
     args = parser.parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.dry_run
-    if not on_gpu and not args.dry_run:
-        parser.error("needs a CUDA GPU (or --dry-run)")
-    device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    on_gpu, device, dtype = device_of(parser, args.dry_run)
     if args.dry_run:
         args.batch, args.new_tokens, args.prompt, args.repeats, args.layers = [1, 3], 3, 4, 1, 2
     model = build_model(args.layers, args.dry_run, device, dtype)

@@ -213,16 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import torch
-    from bench_generate import build_model, random_adapter
+    from bench_generate import build_model, device_of, random_adapter
     from bench_hotload import write_f1_adapter
 
     from moelora.serve.server import build_server
 
-    on_gpu = torch.cuda.is_available() and not args.dry_run
-    if not on_gpu and not args.dry_run:
-        parser.error("needs a CUDA GPU (or --dry-run)")
-    device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    on_gpu, device, dtype = device_of(parser, args.dry_run)
     if args.dry_run:
         args.requests, args.layers, args.rates = 6, 2, [4.0, 8.0, 16.0]
     model = build_model(args.layers, args.dry_run, device, dtype)

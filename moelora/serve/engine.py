@@ -268,8 +268,8 @@ class Engine:
                 self._draining.discard(name)
                 try:
                     self.handle.unload_adapter(name)
-                    if self.handle.pool.state().host and name in self.handle.pool.host_adapters():
-                        self.handle.pool.unload_adapter(name)  # an API unload forgets the host copy too
+                    if any(name in pool for pool in self.handle.pools.values()):
+                        self.handle.unload_adapter(name)  # an API unload forgets the host copy too
                     self.stats["unloads"] += 1
                     log.info("adapter %s unloaded", name)
                 except ValueError as err:  # pinned, or already gone
@@ -473,7 +473,8 @@ class Engine:
         for i in indices:
             if reason is not None:
                 self._finish(self._rows[i].request, reason)
-        keep = [i for i in range(len(self._rows)) if i not in set(indices)]
+        leaving = set(indices)
+        keep = [i for i in range(len(self._rows)) if i not in leaving]
         self._rows = [self._rows[i] for i in keep]
         if not keep:
             self._cache, self._width = None, 0
