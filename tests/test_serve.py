@@ -219,6 +219,8 @@ def test_models_and_runtime_load_unload_while_requests_run(server, oracle):
             "'temperature'",
         ),
         ("/v1/completions", {"model": "chat", "prompt": 3}, KEY, 400, "'prompt' must be"),
+        ("/v1/completions", {"model": "chat", "prompt": [5, 128]}, KEY, 400, "token ids must be in [0, 128)"),
+        ("/v1/completions", {"model": "chat", "prompt": [-1]}, KEY, 400, "token ids must be in [0, 128)"),
         ("/v1/chat/completions", {"model": "chat", "messages": []}, KEY, 400, "'messages' must be"),
         (
             "/v1/load_lora_adapter",
@@ -245,10 +247,13 @@ def test_models_and_runtime_load_unload_while_requests_run(server, oracle):
         ("/v1/unload_lora_adapter", {"lora_name": "nope"}, KEY, 404, "unknown adapter 'nope'"),
     ],
 )
-def test_refusals(server, path, body, key, status, words):
+def test_refusals(server, path, body, key, status, words, oracle):
     r = post(server, path, body, key=key)
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"]
+    # Nothing lost: the server still answers, exactly, after every refusal.
+    got = client(server).completions.create(model="chat", prompt="ok", max_tokens=3, temperature=0)
+    assert got.choices[0].text == oracle("chat", "ok", 3)
 
 
 def test_bad_json_and_symlink_escape(server, tmp_path):

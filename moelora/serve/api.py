@@ -206,6 +206,9 @@ def build_app(engine: Engine, tokenizer, config: ServeConfig) -> FastAPI:
     def check_prompt(ids: list[int]) -> None:
         if not ids:
             raise _BadRequest(400, "the prompt is empty", "prompt")
+        vocab = engine.vocab_size
+        if not all(0 <= t < vocab for t in ids):  # an id past the embedding would fail the whole step
+            raise _BadRequest(400, f"'prompt' token ids must be in [0, {vocab})", "prompt")
         if len(ids) > config.max_prompt_tokens:
             raise _BadRequest(
                 400,

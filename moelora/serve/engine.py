@@ -197,6 +197,11 @@ class Engine:
         return len(self._rows) + len(self._prefilling)
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: ``[0, vocab_size)``."""
+        return self.model.get_input_embeddings().num_embeddings
+
+    @property
     def waiting(self) -> int:
         return len(self._waiting)
 
