@@ -190,7 +190,7 @@ def test_models_and_runtime_load_unload_while_requests_run(server, oracle):
     assert refused.status_code == 404
     assert all(f.result(60) == oracle("gate-up-only", "go", 20) for f in slow)
     assert all(f.result(60) == oracle("chat", "go", 12) for f in running)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while "gu" in {m.id for m in c.models.list()} and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "gu" not in {m.id for m in c.models.list()}
@@ -284,7 +284,7 @@ def test_client_disconnect_mid_stream_frees_its_row(server):
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while server.engine.running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.engine.running == 0
@@ -300,20 +300,28 @@ def test_full_queue_answers_429_with_retry_after():
         max_running=1,
         max_waiting=1,
     )
+    body = {"model": "chat", "prompt": "x", "max_tokens": 2000, "temperature": 0, "stream": True}
+
+    def wait_for(condition):
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert condition()
+
     try:
-
-        def long(_):
-            return httpx.post(
-                srv.url + "/v1/completions",
-                timeout=60,
-                json={"model": "chat", "prompt": "x", "max_tokens": 20, "temperature": 0},
-            )
-
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(long, range(6)))
-        busy = [a for a in answers if a.status_code == 429]
-        assert busy and all(a.headers["retry-after"] == "1" for a in busy)
-        assert any(a.status_code == 200 for a in answers)
+        # One request running (a long stream), one waiting: the queue is full, the next is refused at once.
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as running:
+            wait_for(lambda: srv.engine.running == 1)
+            with ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(httpx.post, srv.url + "/v1/completions", timeout=60,
+                                     json={"model": "chat", "prompt": "y", "max_tokens": 3, "temperature": 0})
+                wait_for(lambda: srv.engine.waiting == 1)
+                busy = httpx.post(srv.url + "/v1/completions", json={"model": "chat", "prompt": "z"},
+                                  timeout=60)
+                assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+                assert "busy" in busy.json()["error"]["message"]
+                running.close()  # the client goes away: its row is freed and the queued request runs
+                assert queued.result(timeout=60).status_code == 200
     finally:
         srv.stop(cancel=True)
 
