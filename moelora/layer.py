@@ -31,6 +31,7 @@ from moelora.activations import GatedActivation, as_gated_activation
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
+from triton_ops.hostmath import next_power_of_2
 
 if TYPE_CHECKING:
     from triton_ops.fp8 import BlockFp8Weights
@@ -79,7 +80,11 @@ class FusedMoEWithLoRA(nn.Module):
 
     With ``cuda_graphs``, the second call of a (token count, dtypes, adapter mix) on CUDA captures the
     forward in a CUDA graph and later calls replay it: the inputs are copied into the graph's buffers, the
-    batch is still checked against the pool on the host first, and the output is a fresh tensor. The graph
+    batch is still checked against the pool on the host first, and the output is a fresh tensor. Token
+    counts share graphs by the next power of two (at most ``graph_max_tokens``): a call of 5 tokens replays
+    the graph of 8, whose 3 extra rows route to no expert and cost no expert work; the adapter mix counts
+    by its rank tile and its adapter count as the launches see them (``launch_adapter_count``). A server
+    whose batch size and adapters change every step so meets a few graphs, not one per step. The graph
     reads the adapter slots at replay, so adapters loaded into them later are used (a batch refreshed with
     ``prepare_batch(..., out=)``). Calls made while the stream is already being captured run eagerly
     (the outer capture records them). A call's host time is then a few copies and a graph launch, instead
@@ -239,6 +244,7 @@ class FusedMoEWithLoRA(nn.Module):
         key = self._graph_key(x, topk_weights, topk_ids, batch)
         if key is None:
             return self._forward(x, topk_weights, topk_ids, batch)
+        rows = key[0]
         graphed = self._graphs.get(key)
         if graphed is None:
             if key not in self._graph_keys_seen:  # a one-off shape is not worth a graph: eager first
@@ -249,7 +255,7 @@ class FusedMoEWithLoRA(nn.Module):
                     self._graph_keys_seen.clear()
                 self._graph_keys_seen.add(key)
                 return self._forward(x, topk_weights, topk_ids, batch)
-            graphed = _GraphedCall.capture(self, x, topk_weights, topk_ids, batch)
+            graphed = _GraphedCall.capture(self, rows, x, topk_weights, topk_ids, batch)
             self._keep_graph(key, graphed)
         else:
             self._graphs.move_to_end(key)
@@ -276,9 +282,20 @@ class FusedMoEWithLoRA(nn.Module):
         has_lora = batch is not None and batch.has_lora
         if has_lora and self.resolve_path(x) == "torch":
             return None
-        lora = (batch.max_rank, len(batch.slots_used)) if has_lora else None
-        return (tuple(x.shape), x.dtype, x.device, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype,
-                tuple(topk_weights.shape), lora)
+        lora = self._lora_hints(batch) if has_lora else None
+        rows = min(next_power_of_2(x.shape[0]), self.graph_max_tokens)
+        return (rows, x.shape[1:], x.dtype, x.device, topk_ids.shape[1:], topk_ids.dtype, topk_weights.dtype,
+                topk_weights.shape[1:], lora)
+
+    def _lora_hints(self, batch: MoELoRABatchInfo) -> tuple[int, int]:
+        """The largest rank and the adapter count the launches are planned for: the batch's rank rounded up
+        to its rank tile (within the pool's rank) and its adapter count as the launch rules tell counts apart
+        (``launch_adapter_count``). Batches that agree on these run the same launches, so they share launch
+        traces and graphs."""
+        from triton_ops.fused_moe import launch_adapter_count, lora_rank_block
+
+        return (min(lora_rank_block(batch.max_rank), self.pool.max_rank),
+                launch_adapter_count(len(batch.slots_used)))
 
     def _forward(
         self,
@@ -352,6 +369,7 @@ class FusedMoEWithLoRA(nn.Module):
 
         lora = None
         if has_lora:
+            max_rank, num_adapters = self._lora_hints(batch)
             lora = MoELoRAInputs(
                 token_slots=batch.token_slots,
                 gate_up_a=buffers.gate_up_a,
@@ -360,8 +378,8 @@ class FusedMoEWithLoRA(nn.Module):
                 down_b=buffers.down_b,
                 slot_ranks=buffers.slot_ranks,  # this layer's rank of each slot
                 slot_scalings=batch.slot_scalings,
-                max_rank=batch.max_rank,
-                num_adapters=len(batch.slots_used),
+                max_rank=max_rank,
+                num_adapters=num_adapters,
             )
 
         def run() -> torch.Tensor:
@@ -415,8 +433,7 @@ class FusedMoEWithLoRA(nn.Module):
         if lora_batch is not None:
             if not lora_batch.token_slots.is_contiguous():
                 return None
-            lora = (path, lora_batch.max_rank, len(lora_batch.slots_used),
-                    tuple(w.data.shape for w in self.buffers_.tensors()))
+            lora = (path, self._lora_hints(lora_batch), tuple(w.data.shape for w in self.buffers_.tensors()))
         w13, w2 = self.w13, self.w2
         return (x.shape, x.dtype, x.device, topk_weights.shape, topk_ids.shape, topk_ids.dtype, lora,
                 w13.shape, w13.stride(), w13.dtype, w2.shape, w2.stride(), self.activation,
@@ -469,6 +486,20 @@ def fp8_scales_of(base: nn.Module, w13_name: str, w2_name: str) -> BlockFp8Weigh
         raise ValueError(f"{where}: {err}") from err
 
 
+_GRAPH_POOLS: dict[torch.device, tuple] = {}
+
+
+def _graph_pool(device: torch.device) -> tuple:
+    """The memory pool every layer graph on ``device`` captures into. Sharing it is safe because replays
+    run one at a time on the caller's stream and each copies its output out before the next can run: the
+    scratch of one graph may then be the scratch of another, and a model of many layers with a few graphs
+    each holds the scratch of one forward rather than one per graph."""
+    pool = _GRAPH_POOLS.get(device)
+    if pool is None:
+        pool = _GRAPH_POOLS[device] = torch.cuda.graph_pool_handle()
+    return pool
+
+
 class _GraphedCall:
     """One forward of a ``FusedMoEWithLoRA`` captured in a CUDA graph, with the input buffers it reads."""
 
@@ -479,15 +510,21 @@ class _GraphedCall:
         self.out = out
 
     @classmethod
-    def capture(cls, layer: FusedMoEWithLoRA, x: torch.Tensor, topk_weights: torch.Tensor,
+    def capture(cls, layer: FusedMoEWithLoRA, rows: int, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, batch: MoELoRABatchInfo | None) -> _GraphedCall:
-        static_x, static_w, static_ids = x.clone(), topk_weights.clone(), topk_ids.clone()
+        """Captures ``layer``'s forward of ``rows`` tokens (at least the call's): rows past the call's route
+        to no expert (id -1, weight 0) and use no adapter (slot -1)."""
+        static_x = x.new_zeros(rows, *x.shape[1:])
+        static_w = topk_weights.new_zeros(rows, *topk_weights.shape[1:])
+        static_ids = topk_ids.new_full((rows, *topk_ids.shape[1:]), -1)
         static_batch, token_slots = None, None
         if batch is not None and batch.has_lora:
-            token_slots = batch.token_slots.clone()
-            static_batch = dataclasses.replace(batch, token_slots=token_slots)
+            token_slots = batch.token_slots.new_full((rows,), -1)
+            static_batch = dataclasses.replace(batch, token_slots=token_slots, num_tokens=rows)
         elif batch is not None:
-            static_batch = batch  # no adapter in it: _forward runs the base path, reading nothing of it
+            static_batch = None  # no adapter in it: the base path, which reads nothing of it
+        graphed = cls(None, static_x, static_w, static_ids, token_slots, None)
+        graphed.fill(x, topk_weights, topk_ids, batch)
 
         def run() -> torch.Tensor:
             return layer._forward(static_x, static_w, static_ids, static_batch)
@@ -498,16 +535,23 @@ class _GraphedCall:
             run()  # warm-up off the capture: compiles and fills the launch cache
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=_graph_pool(x.device)):
             out = run()
-        return cls(graph, static_x, static_w, static_ids, token_slots, out)
+        graphed.graph, graphed.out = graph, out
+        return graphed
+
+    def fill(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             batch: MoELoRABatchInfo | None) -> None:
+        """Copies a call's inputs into the graph's first rows (the rest keep routing nowhere)."""
+        m = x.shape[0]
+        self.x[:m].copy_(x)
+        self.topk_weights[:m].copy_(topk_weights)
+        self.topk_ids[:m].copy_(topk_ids)
+        if self.token_slots is not None:
+            self.token_slots[:m].copy_(batch.token_slots)
 
     def replay(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                batch: MoELoRABatchInfo | None) -> torch.Tensor:
-        self.x.copy_(x)
-        self.topk_weights.copy_(topk_weights)
-        self.topk_ids.copy_(topk_ids)
-        if self.token_slots is not None:
-            self.token_slots.copy_(batch.token_slots)
+        self.fill(x, topk_weights, topk_ids, batch)
         self.graph.replay()
-        return self.out.clone()
+        return self.out[: x.shape[0]].clone()

@@ -1,6 +1,7 @@
-"""``FusedMoEWithLoRA(cuda_graphs=True)``: eager calls replayed from a CUDA graph per token count give the
-eager forward's bits, with new inputs, new token -> adapter mappings and adapters rewritten in their slots
-between replays; stale batches are still refused; calls inside an outer capture run eagerly."""
+"""``FusedMoEWithLoRA(cuda_graphs=True)``: eager calls replayed from a CUDA graph per token-count bucket (the
+next power of two) give the bits of the eager forward of that many tokens, the extra rows routed nowhere,
+with new inputs, new token -> adapter mappings and adapters rewritten in their slots between replays; stale
+batches are still refused; calls inside an outer capture run eagerly."""
 
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ def _inputs(m, device, seed, dtype=BF16, sizes=(E, H)):
     torch.manual_seed(seed)
     weights, ids = make_routing(m, sizes[0], TOP_K, device=device)
     return torch.randn(m, sizes[1], device=device).to(dtype), weights, ids
+
+
+def _eager_padded(eager, pool, x, weights, ids, names, rows):
+    """The eager forward of ``rows`` tokens whose first are the call's and the rest route nowhere, cut back
+    to the call's rows: what a graph of ``rows`` tokens computes for the call."""
+    m = x.shape[0]
+    px = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+    pw = torch.cat([weights, weights.new_zeros(rows - m, weights.shape[1])])
+    pids = torch.cat([ids, ids.new_full((rows - m, ids.shape[1]), -1)])
+    batch = None if names is None else pool.prepare_batch(list(names) + [None] * (rows - m))
+    return eager(px, pw, pids, batch)[:m]
 
 
 def test_graph_bounds_are_checked():
@@ -80,9 +92,31 @@ def test_replays_match_eager(path, m):
         x, weights, ids = _inputs(m, "cuda", call)
         names = [pattern[i % len(pattern)] for i in range(m)]  # tokens with no adapter too
         batch = pool.prepare_batch(names)
-        assert torch.equal(graphed(x, weights, ids, batch), eager(x, weights, ids, batch)), call
-        assert torch.equal(graphed(x, weights, ids, None), eager(x, weights, ids, None)), call
+        rows = 1 << (m - 1).bit_length()
+        expected = _eager_padded(eager, pool, x, weights, ids, names, rows)
+        assert torch.equal(graphed(x, weights, ids, batch), expected), call
+        base = _eager_padded(eager, pool, x, weights, ids, None, rows)
+        assert torch.equal(graphed(x, weights, ids, None), base)
+        # The bucket's padding changes nothing beyond the kernels' tiles: the eager forward of the call's own
+        # tokens agrees within bf16 rounding.
+        torch.testing.assert_close(expected, eager(x, weights, ids, batch), atol=2e-2, rtol=2e-2)
     assert graphed._graphs, "later calls replayed a graph"
+
+
+@gpu
+def test_token_counts_share_graphs_by_power_of_two():
+    """Calls of 1..40 tokens, each three times: seven graphs (of 1, 2, 4, 8, 16 and 32 rows, and of the bound,
+    40, for 33..40 tokens), each call exact against its bucket's eager forward."""
+    pool, graphed, eager = _setup("cuda", graph_max_tokens=40)
+    for m in range(1, 41):
+        x, weights, ids = _inputs(m, "cuda", m)
+        names = [("a", "b", None)[i % 3] for i in range(m)]
+        batch = pool.prepare_batch(names)
+        rows = min(1 << (m - 1).bit_length(), 40)
+        expected = _eager_padded(eager, pool, x, weights, ids, names, rows)
+        for _ in range(3):
+            assert torch.equal(graphed(x, weights, ids, batch), expected), m
+    assert sorted(key[0] for key in graphed._graphs) == [1, 2, 4, 8, 16, 32, 40]
 
 
 @gpu
@@ -103,7 +137,7 @@ def test_adapter_rewritten_between_replays():
         graphed(x, weights, ids, batch)  # the stale batch is refused before any replay
     batch = pool.prepare_batch(["c", "b", None] * 3, out=batch)
     out = graphed(x, weights, ids, batch)
-    assert torch.equal(out, eager(x, weights, ids, batch))
+    assert torch.equal(out, _eager_padded(eager, pool, x, weights, ids, ["c", "b", None] * 3, 16))
 
 
 @gpu

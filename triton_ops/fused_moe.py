@@ -719,6 +719,24 @@ LONG_K_SLOT_GROUP_MIN_K = 8192
 BIG_TILE_SLOT_GROUP_LONG_K = 1
 
 
+# Adapter counts the launch rules tell apart: each rule compares the count with a bound of at most
+# LAUNCH_ADAPTER_COUNT_EXACT ... 16, or takes its next power of two capped at a few slots.
+LAUNCH_ADAPTER_COUNT_EXACT = 4
+LAUNCH_ADAPTER_COUNT_MAX = 32
+
+
+def launch_adapter_count(num_adapters: int) -> int:
+    """The adapter count a batch's launches are planned for: exact up to ``LAUNCH_ADAPTER_COUNT_EXACT``,
+    then the next power of two, at most ``LAUNCH_ADAPTER_COUNT_MAX``. Every launch rule decides the same
+    for a count and for this value (tests/test_launch_rules.py checks them all); the slot-program shrink
+    then runs a few programs more a block, which find no slot left and end. The count is a planning hint
+    (``LoRAOperands.num_adapters``: one off the real count costs speed, never correctness), so batches of
+    5 to 8 adapters share their launches, their launch traces and their CUDA graphs."""
+    if num_adapters <= LAUNCH_ADAPTER_COUNT_EXACT:
+        return num_adapters
+    return min(next_power_of_2(num_adapters), LAUNCH_ADAPTER_COUNT_MAX)
+
+
 def lora_slot_group(rank_block: int, num_adapters: int, rows: int) -> int:
     """Adapter slots set side by side per pass (a stacked tile of 64 rank columns): at most
     64 // rank_block, and no more than the batch's adapters (0: unknown) or the rows a block holds, since

@@ -402,9 +402,10 @@ class Engine:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              **{self._cache_arg: cache})
         rows = []
-        for row, job in enumerate(jobs):
+        tokens = self._choose([job.request for job in jobs], out.logits[:, -1])
+        for row, (job, token) in enumerate(zip(jobs, tokens, strict=True)):
             job.done = len(job.request.prompt_ids)
-            if not self._emit(job.request, out.logits[row, -1]):
+            if not self._emit(job.request, token):
                 rows.append(row)
         if rows:
             cache = out[self._cache_arg]
@@ -426,7 +427,7 @@ class Engine:
         job.cache, job.done = out[self._cache_arg], job.done + take
         if job.done < len(request.prompt_ids):
             return
-        if self._emit(request, out.logits[0, -1]):
+        if self._emit(request, self._choose([request], out.logits[:, -1])[0]):
             return  # finished on its first token: never joins the batch
         self._join([_Row(request, job.done)], job.cache, job.done)
 
@@ -466,9 +467,10 @@ class Engine:
             )
         self._cache, self._width = out[self._cache_arg], width + 1
         done = []
-        for i, row in enumerate(rows):
+        tokens = self._choose([row.request for row in rows], out.logits[:, -1])
+        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
             row.length += 1
-            if self._emit(row.request, out.logits[i, -1]):
+            if self._emit(row.request, token):
                 done.append(i)
         self._drop_rows(done, None)
 
@@ -495,12 +497,25 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ tokens
 
-    def _emit(self, request: EngineRequest, logits: torch.Tensor) -> bool:
-        """Chooses ``request``'s next token from ``logits``; True when the request is finished."""
+    def _choose(self, requests: list[EngineRequest], logits: torch.Tensor) -> list[int]:
+        """Each request's next token from its row of ``logits`` (rows, vocab): the greedy rows by one argmax
+        and one read of the device for all of them, the sampled rows each with its own generator."""
+        greedy = [i for i, r in enumerate(requests) if r.params.temperature <= 0.0]
+        tokens = [0] * len(requests)
+        if greedy:
+            picked = logits if len(greedy) == len(requests) else logits[greedy]
+            for i, token in zip(greedy, picked.argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = token
+        for i, request in enumerate(requests):
+            if request.params.temperature > 0.0:
+                tokens[i] = self._sample(request, logits[i])
+        return tokens
+
+    def _emit(self, request: EngineRequest, token: int) -> bool:
+        """Hands ``request`` its next token; True when the request is finished."""
         if request.cancelled:
             self._finish(request, "cancelled")
             return True
-        token = self._sample(request, logits)
         request.output_ids.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.monotonic()
@@ -549,8 +564,6 @@ class Engine:
     def _sample(request: EngineRequest, logits: torch.Tensor) -> int:
         params = request.params
         logits = logits.float()
-        if params.temperature <= 0.0:
-            return int(logits.argmax())
         probs = torch.softmax(logits / params.temperature, dim=-1)
         if params.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)

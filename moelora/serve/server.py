@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -97,6 +98,11 @@ def build_server(
 
     handle = mi.attach(model, max_loras=max_loras, max_rank=max_rank, max_cpu_loras=max_cpu_loras,
                        base_experts=base_experts)
+    if config.get("allow_runtime_adapters"):
+        # The load process imports torch for seconds: started now, not at the first runtime load.
+        for pool in handle.pools.values():
+            with contextlib.suppress(ValueError):  # a pool that loads in a thread (CPU)
+                pool.start_load_process()
     for name, path in (adapters or {}).items():
         handle.load_adapter(name, path)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
