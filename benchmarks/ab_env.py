@@ -1,7 +1,7 @@
 """Interleaved A/B of an environment switch on the MoE LoRA layer, for effects smaller than the drift
 between two ``moelora bench`` runs (a few % of the base time on an H100/H200).
 
-    python benchmarks/ab_env.py --env MOELORA_LORA_PREFETCH=small --models mixtral-8x7b --M 256 1024
+    python benchmarks/ab_env.py --env lora_prefetch=small --models mixtral-8x7b --M 256 1024
 
 For each (model, M, rank, adapters) three CUDA graphs are captured: the base layer, the LoRA layer with
 the environment as it is (A) and the LoRA layer with ``--env`` set while it is captured (B; the switches
@@ -17,7 +17,7 @@ A config edit is A/B'd the same way: ``--env MOELORA_MOE_CONFIG_DIR=DIR`` with D
 committed ones).
 
 ``--layer base`` times the base layer (no adapters) as A and B instead, for switches that change the base
-path too (e.g. ``MOELORA_DECODE_DIRECT=0``); the overheads are then B's and A's time over the base's.
+path too (e.g. ``decode_direct=0``); the overheads are then B's and A's time over the base's.
 
 ``--dry-run`` runs a tiny shape on the CPU through the Triton interpreter (set TRITON_INTERPRET=1 before
 starting it; eager calls, the numbers mean nothing) to check the script.
@@ -51,6 +51,7 @@ from moelora.bench import (  # noqa: E402
     token_slots_for,
     warm_up_on_side_stream,
 )
+from triton_ops import overrides  # noqa: E402
 from triton_ops.fused_experts import fused_experts  # noqa: E402
 
 
@@ -61,16 +62,26 @@ def parse_env(assignments: list[str]) -> dict[str, str]:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise SystemExit(f"--env takes NAME=VALUE, got {item!r}")
+        if name in overrides.CHOICES:
+            try:
+                overrides.parse([item])
+            except ValueError as err:
+                raise SystemExit(f"--env: {err}") from None
         env[name] = value
     return env
 
 
 @contextlib.contextmanager
 def environment(env: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+    """``env`` in effect inside the block: launch overrides (``triton_ops.overrides``, lower-case names)
+    and environment variables (``MOELORA_MOE_CONFIG_DIR``, ...)."""
+    launch = {name: value for name, value in env.items() if name in overrides.CHOICES}
+    variables = {name: value for name, value in env.items() if name not in launch}
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
-        yield
+        with overrides.applied(launch):
+            yield
     finally:
         for name, value in saved.items():
             if value is None:

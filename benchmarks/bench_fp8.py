@@ -42,6 +42,7 @@ from moelora.bench import (  # noqa: E402
     token_slots_for,
 )
 from moelora.torch_path import quantize_fp8_blocks  # noqa: E402
+from triton_ops import overrides  # noqa: E402
 from triton_ops.fp8 import BlockFp8Weights  # noqa: E402
 from triton_ops.fused_experts import fused_experts  # noqa: E402
 
@@ -54,11 +55,15 @@ def routed_expert_count(ids: torch.Tensor, num_experts: int) -> int:
 
 
 def with_env(assignment: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` called with the environment variable of ``assignment`` (``NAME=VALUE``) set: the launch
-    switches are read as a call launches its kernels, so a graph captured from it keeps that variant's."""
+    """``fn`` called with ``assignment`` (``NAME=VALUE``: a launch override of ``triton_ops.overrides`` or
+    an environment variable) in effect: the launch switches are read as a call launches its kernels, so a
+    graph captured from it keeps that variant's."""
     name, _, value = assignment.partition("=")
 
     def call() -> Any:
+        if name in overrides.CHOICES:
+            with overrides.applied({name: value}):
+                return fn()
         before = os.environ.get(name)
         os.environ[name] = value
         try:

@@ -9,7 +9,7 @@ are timed with ``moelora.bench.cold_l2_time_ms`` (median, L2 emptied by a read b
 sizes, whose GEMMs take less than an eager launch's host time, replayed from CUDA graphs). The
 best pair (summed time) is written to ``triton_ops/configs/E=..,N=..,device_name=..,dtype=...json`` (or
 ``--out-dir``), keyed by M, and the heuristic's time is printed beside it. Run with
-MOELORA_NO_TUNED_CONFIGS=1 semantics: the heuristic shown is always ``default_moe_config``.
+MOELORA_MOE_CONFIG=heuristic semantics: the heuristic shown is always ``default_moe_config``.
 
     python benchmarks/tune_moe.py --lora-rank 16 --lora-adapters 4 --lora-only
 
@@ -356,7 +356,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("tune_moe.py needs a CUDA GPU")
-    os.environ["MOELORA_NO_TUNED_CONFIGS"] = "1"
+    os.environ["MOELORA_MOE_CONFIG"] = "heuristic"  # trial configs come from the tuner, not the files
     if args.dtype == "fp8" and args.lora_rank:
         raise SystemExit("--lora-rank with --dtype fp8 is not supported yet: the FP8 LoRA layer uses the "
                          "base entry's tiles")

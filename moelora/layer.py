@@ -92,8 +92,8 @@ class FusedMoEWithLoRA(nn.Module):
 
     The layer keeps its launch decisions and compiled-kernel lookups in ``launch_cache``
     (``triton_ops.launch.LaunchCache``), made once per token count and adapter mix, so an eager call pays
-    only for what depends on its inputs. The ``MOELORA_*`` launch switches are read the first time a
-    token count is seen; ``launch_cache.clear()`` makes the next calls read them again.
+    only for what depends on its inputs. The launch overrides (``triton_ops.overrides``) are read the first
+    time a token count is seen; ``launch_cache.clear()`` makes the next calls read them again.
     """
 
     def __init__(

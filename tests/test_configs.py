@@ -31,6 +31,7 @@ from triton_ops.configs import (
 )
 from triton_ops.fused_experts import _with_lora_tiles, fused_experts
 from triton_ops.lora_epilogues import LORA_ONE_ROW, LORA_PREFETCHED
+from triton_ops.overrides import LAUNCH_OVERRIDES
 
 TUNED_FILES = sorted(_CONFIG_DIR.glob("*.json"))
 # The benchmark scripts (resource_report, tune_moe) are imported by some tests below.
@@ -112,12 +113,12 @@ def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
 
 
 def test_prefetch_switch(monkeypatch):
-    """MOELORA_LORA_PREFETCH=0: no epilogue operand is prefetched (to compare on a GPU)."""
+    """lora_prefetch=0: no epilogue operand is prefetched (to compare on a GPU)."""
     from resource_report import gemm_launches
 
     from moelora.bench import MODELS
 
-    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "0")
     shape = MODELS["qwen3-30b-a3b"]
     cfg = default_moe_config(1, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
     launches = dict(gemm_launches("qwen3-30b-a3b", 1, 16, 1, cfg))
@@ -144,11 +145,11 @@ def test_prefetch_rule(monkeypatch, gemm, gated, expected):
     block per SM by shared memory; "small" keeps only the decode tiles', "0" none."""
     from triton_ops.fused_moe import lora_prefetch_pays
 
-    monkeypatch.delenv("MOELORA_LORA_PREFETCH", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_prefetch", raising=False)
     assert lora_prefetch_pays(gemm, gated=gated) is expected
-    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "small")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "small")
     assert lora_prefetch_pays(gemm, gated=gated) is (gemm.block_m <= 32)
-    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "0")
     assert lora_prefetch_pays(gemm, gated=gated) is False
 
 
@@ -157,7 +158,7 @@ def test_prefetch_rule_many_adapters_past_decode(monkeypatch):
     several adapters' rows there); decode batches, fewer adapters, rank 64 and 32-row tiles keep it."""
     from triton_ops.fused_moe import lora_prefetch_pays
 
-    monkeypatch.delenv("MOELORA_LORA_PREFETCH", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_prefetch", raising=False)
     m64 = GemmConfig(16, 32, 128, 1, 4, 5)  # Qwen3-30B-A3B M=64 GEMM1 (512 routed pairs)
     m64_32 = GemmConfig(32, 64, 128, 8, 4, 3)  # Mixtral-8x7B M=64: 32-row tiles (lost without it)
 
@@ -169,10 +170,10 @@ def test_prefetch_rule_many_adapters_past_decode(monkeypatch):
     assert pays(m64, numel=128)  # decode (M=16 of Qwen3-30B-A3B): 4 adapters lost 2.3 % without it
     assert pays(m64, num_adapters=3) and pays(m64, num_adapters=0)  # 0: unknown, the usual rule
     assert pays(m64, rank_block=64) and pays(m64_32)
-    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "1")
     assert pays(m64)
-    monkeypatch.setenv("MOELORA_LORA_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="MOELORA_LORA_PREFETCH must be 0, 1 or small"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "yes")
+    with pytest.raises(ValueError, match="lora_prefetch must be 0, 1 or small"):
         pays(m64)
 
 
@@ -193,7 +194,7 @@ def test_register_cap_keeps_the_base_blocks_per_sm(monkeypatch):
     assert lora_register_cap(small, gated=False, lora_cols=16) == 128
     # Decode tiles are left alone, and the switch turns the cap off.
     assert lora_register_cap(GemmConfig(16, 64, 64, 1, 8, 3), gated=True) is None
-    monkeypatch.setenv("MOELORA_LORA_REGISTER_CAP", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_register_cap", "0")
     assert lora_register_cap(two_blocks, gated=True) is None
 
 
@@ -395,8 +396,8 @@ def test_with_lora_tiles_by_rank_and_as_lora():
 
 @pytest.mark.interpreter
 def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
-    """benchmarks/ab_env.py (dry run, interpreter): B's launches see --env, A's and base's the environment
-    as it was, which is restored afterwards. M=80 x top-2: 160 pairs, the prefill split path with its
+    """benchmarks/ab_env.py (dry run, interpreter): B's launches see --env, A's and base's the launch
+    overrides as they were, which are restored afterwards. M=80 x top-2: 160 pairs, the prefill split path with its
     epilogue prefetch decision; 3 adapters: blocks with several slots."""
     import ab_env
 
@@ -406,20 +407,20 @@ def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
     real = fused_moe_module.lora_prefetch_pays
 
     def spy(*args, **kwargs):
-        seen.append(os.environ.get("MOELORA_LORA_PREFETCH"))
+        seen.append(LAUNCH_OVERRIDES.get("lora_prefetch"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fused_moe_module, "lora_prefetch_pays", spy)
-    monkeypatch.delenv("MOELORA_LORA_PREFETCH", raising=False)
-    assert ab_env.main(["--dry-run", "--env", "MOELORA_LORA_PREFETCH=0", "--M", "80", "--adapters", "3",
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_prefetch", raising=False)
+    assert ab_env.main(["--dry-run", "--env", "lora_prefetch=0", "--M", "80", "--adapters", "3",
                         "--rounds", "2"]) == 0
-    assert "MOELORA_LORA_PREFETCH" not in os.environ
+    assert "lora_prefetch" not in LAUNCH_OVERRIDES
     # Two rounds x two timed calls (the dry run's median of two) of A and of B, two split-path GEMMs each.
     assert seen.count("0") == seen.count(None) == 8
     table = capsys.readouterr().out
-    assert "B: MOELORA_LORA_PREFETCH=0" in table and "| tiny | 80 | 16 | 3 |" in table
+    assert "B: lora_prefetch=0" in table and "| tiny | 80 | 16 | 3 |" in table
     with pytest.raises(SystemExit, match="NAME=VALUE"):
-        ab_env.parse_env(["MOELORA_LORA_PREFETCH"])
+        ab_env.parse_env(["lora_prefetch"])
 
 
 def test_lora_tile_sweep_candidates():
@@ -505,17 +506,41 @@ def test_lora_tile_sweep_refuses_multi_without_several_adapters():
     with pytest.raises(SystemExit, match="does not go with --as-lora"):
         lora_tile_sweep.main(["--multi", "--adapters", "4", "8", "--as-lora"])
 
-def test_env_count(monkeypatch):
-    """The counts read from the environment to compare on a GPU: unset is None (the rule's value), digits
-    are the count, anything else says which variable and what it expects."""
-    from triton_ops.configs import env_count
+def test_launch_overrides(monkeypatch):
+    """Overrides force a launch rule (to compare on a GPU): unset, the rule's value; a value it takes, that
+    value; anything else, or an unknown name, a ValueError naming the override and what it expects."""
+    from triton_ops import overrides
     from triton_ops.fused_experts import MAX_DECODE_DOWN_PARTIALS, decode_down_partials_limit
 
-    monkeypatch.delenv("MOELORA_DECODE_DOWN_PARTIALS", raising=False)
-    assert env_count("MOELORA_DECODE_DOWN_PARTIALS", "partial count") is None
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "decode_down_partials", raising=False)
+    assert overrides.count("decode_down_partials") is None
     assert decode_down_partials_limit() == MAX_DECODE_DOWN_PARTIALS
-    monkeypatch.setenv("MOELORA_DECODE_DOWN_PARTIALS", "32")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "decode_down_partials", "32")
     assert decode_down_partials_limit() == 32
-    monkeypatch.setenv("MOELORA_DECODE_DOWN_PARTIALS", "-1")
-    with pytest.raises(ValueError, match="MOELORA_DECODE_DOWN_PARTIALS must be a partial count, got '-1'"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "decode_down_partials", "-1")
+    with pytest.raises(ValueError, match="decode_down_partials must be a non-negative integer, got '-1'"):
         decode_down_partials_limit()
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "decode_down_partials")
+    with pytest.raises(ValueError, match="unknown launch override 'lora_exp'"):
+        overrides.parse(["lora_exp=1"])
+    with pytest.raises(ValueError, match="launch override lora_ext must be 0, 1, gemm1 or gemm2, got 'on'"):
+        overrides.parse(["lora_ext=on"])
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        overrides.parse(["lora_ext"])
+    with overrides.applied({"lora_ext": "gemm2"}):
+        assert overrides.value("lora_ext") == "gemm2"
+    assert "lora_ext" not in LAUNCH_OVERRIDES
+
+
+def test_environment_variables_are_few():
+    """The library reads at most six environment variables (docs/architecture.md lists them); launch
+    variants are launch overrides, not variables."""
+    root = Path(__file__).resolve().parents[1]
+    names = set()
+    for folder in ("moelora", "triton_ops", "tests"):
+        for source in (root / folder).rglob("*.py"):
+            names |= set(re.findall(r"MOELORA_[A-Z0-9_]+", source.read_text()))
+    assert names <= {"MOELORA_MOE_CONFIG", "MOELORA_MOE_CONFIG_DIR", "MOELORA_CACHE_DIR",
+                     "MOELORA_NATIVE_LAUNCH", "MOELORA_LAUNCH_TRACE", "MOELORA_STORM_SECONDS"}, names
+    table = (root / "docs" / "architecture.md").read_text()
+    assert all(f"`{name}`" in table for name in names), names

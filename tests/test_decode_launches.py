@@ -2,8 +2,8 @@
 the end of GEMM2 (``fused_topk_sum``).
 
 Both only change which launches run, never the arithmetic: every output must be bit for bit the one of
-the four-launch path (alignment, GEMM1, GEMM2, top-k sum), which the switches ``MOELORA_DECODE_DIRECT=0``
-and ``MOELORA_FUSED_SUM=0`` bring back, and within tolerance of the fp32 oracle. Spies on the alignment and
+the four-launch path (alignment, GEMM1, GEMM2, top-k sum), which the switches ``decode_direct=0``
+and ``fused_sum=0`` bring back, and within tolerance of the fp32 oracle. Spies on the alignment and
 sum launches check that each mode really runs (or skips) them, so a comparison of two identical
 launch sequences cannot pass for one of the modes.
 
@@ -31,6 +31,7 @@ from triton_ops.fused_moe import TopkSumOperands, invoke_fused_moe_kernel
 from triton_ops.lora_epilogues import LORA_SLOT_RANGE
 from triton_ops.moe_align import moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a
+from triton_ops.overrides import LAUNCH_OVERRIDES
 from triton_ops.shrink_reduce import pack_shrink_partials, reduce_shrink_splits
 
 # The module, not the function of the same name that triton_ops re-exports.
@@ -42,7 +43,7 @@ gpu = pytest.mark.gpu
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPE_IDS = {F32: "fp32", F16: "fp16", BF16: "bf16"}
 TOL = {F32: 1e-4, F16: 1e-2, BF16: 1e-2}
-SWITCHES = ("MOELORA_DECODE_DIRECT", "MOELORA_FUSED_SUM")
+SWITCHES = ("decode_direct", "fused_sum")
 MODES = [("1", "1"), ("1", "0"), ("0", "1"), ("0", "0")]  # (direct, fused sum); ("0", "0") = four launches
 
 
@@ -98,8 +99,8 @@ def run_modes(monkeypatch, fn):
     spy = LaunchSpy(monkeypatch)
     results = {}
     for direct, fused in MODES:
-        monkeypatch.setenv("MOELORA_DECODE_DIRECT", direct)
-        monkeypatch.setenv("MOELORA_FUSED_SUM", fused)
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "decode_direct", direct)
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "fused_sum", fused)
         out = fn()
         results[(direct, fused)] = (out.clone(), spy.take())
     return results
@@ -155,9 +156,9 @@ def test_fused_sum_writes_every_output_inplace(monkeypatch, top_k):
     # value and differs from the four-launch result (a fresh torch.empty could reuse memory that holds it).
     m = 1
     x, w13, w2, weights, ids = make_inputs(m, 10, top_k, 40, 24, F32, seed=3)
-    monkeypatch.setenv("MOELORA_FUSED_SUM", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "fused_sum", "0")
     expected = fe.fused_experts(x.clone(), w13, w2, weights, ids)
-    monkeypatch.setenv("MOELORA_FUSED_SUM", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "fused_sum", "1")
     target = x.clone()
     out = fe.fused_experts(target, w13, w2, weights, ids, inplace=True)
     assert out.data_ptr() == target.data_ptr()
@@ -180,7 +181,7 @@ def test_counters_are_zeroed_by_gemm1(monkeypatch):
     # The counters come from torch.empty: GEMM1 must zero whatever they hold before GEMM2 counts on them.
     m, top_k, hidden, inter = 3, 2, 40, 24
     x, w13, w2, weights, ids = make_inputs(m, 10, top_k, hidden, inter, F32, seed=11)
-    monkeypatch.setenv("MOELORA_FUSED_SUM", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "fused_sum", "0")
     expected = fe.fused_experts(x, w13, w2, weights, ids)
     sorted_ids, expert_ids, num_post_padded = fe.moe_align_block_size(ids, 16, 10)
     align = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post_padded)
@@ -300,7 +301,7 @@ def test_one_token_rank_64_down_shrink_placement(monkeypatch, inter, expected_ca
 def test_one_token_shrink_splits_rule(monkeypatch):
     """Fewer K splits only where GEMM1 leaves idle SMs for at least four programs a pair but not for the
     usual count; no GPU (0 SMs) keeps the usual; the switch keeps it too, and a bad value is refused."""
-    monkeypatch.delenv("MOELORA_ONE_TOKEN_SHRINK_FIT", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "one_token_shrink_fit", raising=False)
     rule = fe.one_token_shrink_splits
     assert rule(8, 8, 96, 132) == 4  # Qwen3-30B-A3B M=1: 12 GEMM1 tiles a pair leave 36 SMs for 8 pairs
     assert rule(6, 8, 132, 132) == 8  # DeepSeek-V2-Lite: GEMM1 on every SM
@@ -309,10 +310,10 @@ def test_one_token_shrink_splits_rule(monkeypatch):
     assert rule(2, 8, 4, 132) == 8  # room for the usual 8 and more
     assert rule(3, 8, 2, 19) == 5  # prime SM count, odd pairs: 17 idle // 3
     assert rule(8, 8, 96, 0) == 8  # CPU
-    monkeypatch.setenv("MOELORA_ONE_TOKEN_SHRINK_FIT", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_token_shrink_fit", "0")
     assert rule(8, 8, 96, 132) == 8
-    monkeypatch.setenv("MOELORA_ONE_TOKEN_SHRINK_FIT", "yes")
-    with pytest.raises(ValueError, match="MOELORA_ONE_TOKEN_SHRINK_FIT"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_token_shrink_fit", "yes")
+    with pytest.raises(ValueError, match="one_token_shrink_fit"):
         rule(8, 8, 96, 132)
 
 
@@ -342,7 +343,7 @@ def test_one_token_fewer_shrink_splits_match_oracle(monkeypatch, dtype, top_k):
     monkeypatch.setattr(fe, "moe_align_with_gate_up_shrink", spied_shrink)
     outs = {}
     for direct in ("1", "0"):
-        monkeypatch.setenv("MOELORA_DECODE_DIRECT", direct)
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "decode_direct", direct)
         outs[direct] = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
     assert splits == [5, 5]
     assert torch.equal(outs["1"], outs["0"])
@@ -358,10 +359,10 @@ def test_one_token_fewer_shrink_splits_match_oracle(monkeypatch, dtype, top_k):
 
 def test_switches_reject_bad_values(monkeypatch):
     for name in SWITCHES:
-        monkeypatch.setenv(name, "yes")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, name, "yes")
         with pytest.raises(ValueError, match=name):
             fe.decode_direct_pairs(1) if name == SWITCHES[0] else fe.fused_topk_sum(1, 8)
-        monkeypatch.delenv(name)
+        monkeypatch.delitem(LAUNCH_OVERRIDES, name)
     assert fe.decode_direct_pairs(1) and not fe.decode_direct_pairs(2)
     assert fe.fused_topk_sum(1, 8) and not fe.fused_topk_sum(2, 8) and not fe.fused_topk_sum(1, 1)
 
@@ -386,16 +387,16 @@ def test_launch_wrapper_rejects_bad_decode_operands():
 
 
 def test_shrink_overlap_switch(monkeypatch):
-    """``MOELORA_SHRINK_OVERLAP`` defaults to on where dependent launch exists (never on the CPU or in the
+    """``shrink_overlap`` defaults to on where dependent launch exists (never on the CPU or in the
     interpreter); a value other than 0/1 is refused by name."""
     from triton_ops.pdl import decode_shrink_overlap
 
-    monkeypatch.delenv("MOELORA_SHRINK_OVERLAP", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "shrink_overlap", raising=False)
     assert not decode_shrink_overlap(torch.device("cpu"))
-    monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "1")
     assert not decode_shrink_overlap(torch.device("cpu"))
-    monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "yes")
-    with pytest.raises(ValueError, match="MOELORA_SHRINK_OVERLAP"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "yes")
+    with pytest.raises(ValueError, match="shrink_overlap"):
         decode_shrink_overlap(torch.device("cpu"))
 
 
@@ -491,8 +492,8 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
                                             pool_rank=ranks[1])
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
     monkeypatch.setattr(fe, "PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS", min_pairs)
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce if reduce != "pack" else "0")
-    monkeypatch.setenv("MOELORA_LORA_EXT", "1" if reduce == "pack" else "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", reduce if reduce != "pack" else "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1" if reduce == "pack" else "0")
     events = record_overlap_launches(monkeypatch, drop_flags=True)
     out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
     check_overlap_plan(events, overlap=True, through_sum=m * top_k >= min_pairs or ranks[1] == 64)
@@ -513,8 +514,8 @@ def one_partial_shrink_plan(monkeypatch, ranks, seed):
                                             pool_rank=max(ranks))
     assert lora.num_adapters == len(ranks)
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
-    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "0")
     events = record_overlap_launches(monkeypatch, drop_flags=True)
     launches, shrink = [], fe.moe_lora_a
 
@@ -542,8 +543,9 @@ def test_one_split_shrink_plan(monkeypatch, ranks):
     """A one-pass shrink writes one partial per pair, so no split sum follows it even where one is forced,
     and each GEMM, overlapping the shrink before it directly, waits late; the output is the oracle's."""
     run = one_partial_shrink_plan(monkeypatch, ranks, seed=5)
-    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1")
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")  # four adapters would take it at these pairs
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_split_shrink", "1")
+    # Four adapters would take the slot-program shrink at these pairs.
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "0")
     out, ref, launches, events = run()
     assert launches == [(1, False), (1, False)], launches
     assert check_overlap_plan(events, overlap=True, through_sum=False) == [True, True], events
@@ -567,7 +569,7 @@ def test_slot_program_shrink_plan(monkeypatch, ranks):
     assert "reduce" not in [kind for kind, _ in events], events
     assert rel_err(out, ref) <= TOL[F32]
     # Forced off, the same batch splits K again (and sums the splits).
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "0")
     _, _, launches, _ = run()
     assert [programs for _, programs in launches] == [False, False] and launches[0][0] > 1, launches
 
@@ -591,12 +593,12 @@ def test_slot_program_shrink_rule(monkeypatch):
     assert not rule(8, pairs=many, one_pass=True)  # from M=256 of Qwen3-30B-A3B on, the one pass stays
     assert not rule(few) and not rule(1) and not rule(0)
     assert not rule(8, longest_k=14336)  # Mixtral-8x7B's intermediate size
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "1")
     assert rule(1, longest_k=14336, pairs=4 * many, one_pass=True) and not rule(0)  # 0: adapters unknown
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "0")
     assert not rule(8)
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "on")
-    with pytest.raises(ValueError, match="MOELORA_SLOT_PROGRAM_SHRINK must be 0 or 1"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "on")
+    with pytest.raises(ValueError, match="slot_program_shrink must be 0 or 1"):
         rule(8)
     m, top_k, num_experts, hidden, inter = 40, 4, 6, 96, 72
     x, *_, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=6)
@@ -633,12 +635,12 @@ def test_one_split_shrink_rule(monkeypatch):
     assert not rule(adapters=0)  # adapters unknown
     assert not rule(programs=many - 1)  # few experts: few programs
     assert not rule(longest_k=14336)  # Mixtral-8x7B's intermediate size
-    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_split_shrink", "1")
     assert rule(pairs=1, rank_block=64, adapters=8, programs=1, longest_k=14336)
-    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_split_shrink", "0")
     assert not rule()
-    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "yes")
-    with pytest.raises(ValueError, match="MOELORA_ONE_SPLIT_SHRINK must be 0 or 1"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_split_shrink", "yes")
+    with pytest.raises(ValueError, match="one_split_shrink must be 0 or 1"):
         rule()
 
 
@@ -694,7 +696,7 @@ def test_lora_nan_past_rank_never_read(m):
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
 @interpreter
 def test_slot_range_expand_matches_oracle(monkeypatch, m, top_k, dtype):
-    monkeypatch.setenv("MOELORA_LORA_EXT", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1")
     packs = []
     original = fe.pack_shrink_partials
 
@@ -761,16 +763,16 @@ def test_slot_range_expand_rule(monkeypatch):
     assert not rule(two_blocks, gated=True) and not rule(two_blocks, num_adapters=1)
     assert not rule(two_blocks, K=14336)
     assert not rule(one_block) and not rule(GemmConfig(32, 128, 128, 8, 4, 3))
-    monkeypatch.setenv("MOELORA_LORA_EXT", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1")
     assert rule(one_block, gated=True, num_adapters=1, K=14336)
-    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "0")
     assert not rule(two_blocks)
-    monkeypatch.setenv("MOELORA_LORA_EXT", "gemm1")  # GEMM1 forced, GEMM2 left to the rule
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "gemm1")  # GEMM1 forced, GEMM2 left to the rule
     assert rule(one_block, gated=True, num_adapters=1) and rule(two_blocks) and not rule(one_block)
-    monkeypatch.setenv("MOELORA_LORA_EXT", "gemm2")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "gemm2")
     assert rule(one_block) and not rule(two_blocks, gated=True)
-    monkeypatch.setenv("MOELORA_LORA_EXT", "yes")
-    with pytest.raises(ValueError, match="MOELORA_LORA_EXT must be 0, 1, gemm1 or gemm2"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "yes")
+    with pytest.raises(ValueError, match="lora_ext must be 0, 1, gemm1 or gemm2"):
         rule(two_blocks)
     # Stacked columns per dot: two rank-16 slots, one slot from rank tile 32 on, no more than the adapters.
     assert fused_moe.lora_ext_cols(16, 4) == 32 and fused_moe.lora_ext_cols(16, 1) == 16
@@ -856,7 +858,7 @@ def test_one_row_rule(monkeypatch):
     # Waiting late, the partials are read after the loop (any count), but only one program per SM
     # (DeepSeek-V3 M=1 GEMM1: 256 programs keeps the general prefetch).
     assert rule(late_wait=True, splits=64, programs=132) and not rule(late_wait=True, programs=256)
-    monkeypatch.setenv("MOELORA_ONE_ROW_LORA", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_row_lora", "0")
     assert not rule()
 
 
@@ -905,8 +907,8 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
         assert torch.equal(out, reference), f"mode {mode} differs from the four-launch path"
 
     # Default modes in a CUDA graph: replays with new routing (the counters re-zeroed each time).
-    monkeypatch.delenv("MOELORA_DECODE_DIRECT")
-    monkeypatch.delenv("MOELORA_FUSED_SUM")
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "decode_direct", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "fused_sum", raising=False)
     graph, graph_out = captured(layer)
     for seed in (101, 202):
         routing = make_inputs(m, num_experts, top_k, 8, 8, BF16, device="cuda", seed=seed)
@@ -915,24 +917,24 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
         ids.copy_(new_ids)
         graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setenv("MOELORA_DECODE_DIRECT", "0")
-        monkeypatch.setenv("MOELORA_FUSED_SUM", "0")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "decode_direct", "0")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "fused_sum", "0")
         eager = layer()
-        monkeypatch.delenv("MOELORA_DECODE_DIRECT")
-        monkeypatch.delenv("MOELORA_FUSED_SUM")
+        monkeypatch.delitem(LAUNCH_OVERRIDES, "decode_direct", raising=False)
+        monkeypatch.delitem(LAUNCH_OVERRIDES, "fused_sum", raising=False)
         assert torch.equal(graph_out, eager), f"replay with routing seed {seed} differs"
 
 
 def test_one_token_dependent_gemm2_switch(monkeypatch):
-    """``MOELORA_ONE_TOKEN_DEPENDENT_GEMM2`` defaults to on where dependent launch exists (never on the CPU
+    """``one_token_dependent_gemm2`` defaults to on where dependent launch exists (never on the CPU
     or in the interpreter, where ``invoke_fused_moe_kernel(dependent=True)`` launches plainly); a value
     other than 0/1 is refused by name."""
     from triton_ops.pdl import one_token_dependent_gemm2
 
-    monkeypatch.delenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", raising=False)
     assert not one_token_dependent_gemm2(torch.device("cpu"))
-    monkeypatch.setenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", "2")
-    with pytest.raises(ValueError, match="MOELORA_ONE_TOKEN_DEPENDENT_GEMM2"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", "2")
+    with pytest.raises(ValueError, match="one_token_dependent_gemm2"):
         one_token_dependent_gemm2(torch.device("cpu"))
 
 
@@ -951,14 +953,14 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
     """One token with an adapter: GEMM1 launched dependently on the gate/up shrink (waiting for it after
     its K-loop), and GEMM2 on the down shrink where that is a launch, give bit for bit what the plain
     launches give, in replays with new x, routing and adapter slot each time (a replay that read the last
-    replay's partials would differ); also with every launch dependent (``MOELORA_PDL=1``). GEMM2 is
+    replay's partials would differ); also with every launch dependent (``pdl=1``). GEMM2 is
     launched dependently on GEMM1 in the graph (``one_token_dependent_gemm2``), plainly in the eager
     call."""
     from triton_ops.pdl import dependent_launch_supported
 
     if not dependent_launch_supported(torch.device("cuda")):
         pytest.skip("dependent launch needs sm_90 or later")
-    monkeypatch.setenv("MOELORA_PDL", pdl)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "pdl", pdl)
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     x, w13, w2, weights, ids = make_inputs(1, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=5)
     ranks = dict(ranks=(40, 64), pool_rank=64) if name == "small-gemv" else {}
@@ -977,8 +979,8 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
     def layer():
         return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
 
-    monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
-    monkeypatch.delenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", raising=False)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "1")
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", raising=False)
     graph, graph_out = captured(layer)
     assert late_waits[-2:] == [True, down_gemv], "GEMM1 must wait late, GEMM2 only after a down-shrink launch"
     assert dependents[-1], "GEMM2 of one token with an adapter is launched dependently by default"
@@ -990,18 +992,18 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         lora.token_slots.fill_((0, 2, -1)[step % 3])
         graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "0")
-        monkeypatch.setenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", "0")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "0")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", "0")
         eager = layer()
         assert late_waits[-2:] == [False, False] and not dependents[-1]
-        monkeypatch.setenv("MOELORA_SHRINK_OVERLAP", "1")
-        monkeypatch.delenv("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "1")
+        monkeypatch.delitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", raising=False)
         assert torch.isfinite(eager).all()
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
 
 
 def replays_match_plain_launches(monkeypatch, layer, x, ids, lora, num_experts, *, seed, check_plain):
-    """Captures ``layer`` (with ``MOELORA_PREFILL_SHRINK_OVERLAP=1`` set) in a CUDA graph and replays it 6
+    """Captures ``layer`` (with ``prefill_shrink_overlap=1`` set) in a CUDA graph and replays it 6
     times with new x, routing and token slots; each replay must be bit for bit the eager layer with the
     overlap off, whose launch plan ``check_plain()`` asserts."""
     m, top_k = ids.shape
@@ -1017,10 +1019,10 @@ def replays_match_plain_launches(monkeypatch, layer, x, ids, lora, num_experts, 
         lora.token_slots.copy_(torch.tensor(slots, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "0")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "prefill_shrink_overlap", "0")
         eager = layer()
         check_plain()
-        monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "prefill_shrink_overlap", "1")
         assert torch.isfinite(eager).all()
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
 
@@ -1032,14 +1034,14 @@ DECODE_DOWN_OVERLAP_POINTS = [("deepseek-v2-lite", 16, 64), ("mixtral-8x7b", 16,
 
 
 def overlap_case(monkeypatch, name, m, rank, pdl, *, seed):
-    """The overlap GPU tests' setup: skips without dependent launch, sets ``MOELORA_PDL``, and returns
+    """The overlap GPU tests' setup: skips without dependent launch, sets ``pdl``, and returns
     ``make_inputs``' (x, w13, w2, weights, ids) and ``lora_inputs``' (lora, adapters, per_token) for the
     ``OVERLAP_SHAPES`` entry; rank 64 means adapters of ranks 40 and 64 in a rank-64 pool."""
     from triton_ops.pdl import dependent_launch_supported
 
     if not dependent_launch_supported(torch.device("cuda")):
         pytest.skip("dependent launch needs sm_90 or later")
-    monkeypatch.setenv("MOELORA_PDL", pdl)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "pdl", pdl)
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     inputs = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=seed)
     ranks = dict(ranks=(40, 64), pool_rank=64) if rank == 64 else {}
@@ -1062,7 +1064,7 @@ def test_gpu_aligned_decode_down_overlap_bit_equal_over_replays(monkeypatch, nam
         events.clear()
         return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
 
-    monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "prefill_shrink_overlap", "1")
     eager_overlap = layer()
     assert events == [("gemm", False), ("shrink", True), ("gemm", True)], events
     ref = reference_moe_grouped(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
@@ -1090,10 +1092,10 @@ PREFILL_OVERLAP_POINTS = [("small", 40, 16), ("deepseek-v2-lite", 300, 16), ("qw
 # The small shape's short K-loops; DeepSeek-V2-Lite at 1800 pairs (past the split-sum pair threshold).
 @pytest.mark.parametrize(("name", "m", "rank"), [("small", 40, 16), ("deepseek-v2-lite", 300, 16)])
 def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, rank):
-    """Both GEMMs expanding by the slot range (``MOELORA_LORA_EXT=1``): each waits late for the pack launch
+    """Both GEMMs expanding by the slot range (``lora_ext=1``): each waits late for the pack launch
     that took the split sum's place (it releases the GEMM, then waits for the shrink), bit for bit the
     plain launches over graph replays with new x, routing and slots, and the fp32 oracle's values."""
-    monkeypatch.setenv("MOELORA_LORA_EXT", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1")
     (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, "0",
                                                                          seed=12)
     num_experts, top_k = OVERLAP_SHAPES[name][:2]
@@ -1104,7 +1106,7 @@ def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, r
         events.clear()
         return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
 
-    monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "prefill_shrink_overlap", "1")
     eager_overlap = layer()
     late = check_overlap_plan(events, overlap=True, through_sum=through_sum)
     assert [kind for kind, _ in events].count("pack") == 2 and late == [through_sum] * 2, events
@@ -1122,7 +1124,7 @@ def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, r
 @pytest.mark.parametrize("reduce", ["0", "1", "one-split", "slot-programs"], ids=[
     "partials-in-gemm", "split-sum-launch", "one-split-shrink", "slot-program-shrink"])
 def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, pdl, reduce):
-    """Past decode, with ``MOELORA_PREFILL_SHRINK_OVERLAP=1``: each GEMM launched dependently on the shrink
+    """Past decode, with ``prefill_shrink_overlap=1``: each GEMM launched dependently on the shrink
     before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
     replays with new x, routing and token slots each time (a replay that read the previous replay's
     partials would differ); also with a split-sum launch between a shrink and its GEMM (it releases the
@@ -1131,10 +1133,10 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     # "one-split": each shrink walks all of K (``one_split_shrink``), so no split sum follows it;
     # "slot-programs": likewise, a program per slot of each block (``slot_program_shrink``).
     one_pass = reduce in ("one-split", "slot-programs")
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1" if one_pass else reduce)
-    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "1" if reduce == "one-split" else "0")
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "1" if reduce == "slot-programs" else "0")
-    monkeypatch.setenv("MOELORA_LORA_EXT", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", "1" if one_pass else reduce)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_split_shrink", "1" if reduce == "one-split" else "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "1" if reduce == "slot-programs" else "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "0")
     (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
                                                                          seed=7)
     num_experts, top_k = OVERLAP_SHAPES[name][:2]
@@ -1145,7 +1147,7 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
         events.clear()
         return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
 
-    monkeypatch.setenv("MOELORA_PREFILL_SHRINK_OVERLAP", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "prefill_shrink_overlap", "1")
     eager_overlap = layer()
     # Each GEMM overlaps its shrink; past a split-sum launch only from enough pairs (small: 160) or rank on.
     late = check_overlap_plan(events, overlap=True, through_sum=through_sum)

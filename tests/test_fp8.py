@@ -25,6 +25,7 @@ from moelora.torch_path import (
 )
 from triton_ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, BlockFp8Weights, quantize_fp8_groups
 from triton_ops.fused_experts import MoELoRAInputs, fused_experts
+from triton_ops.overrides import LAUNCH_OVERRIDES
 
 F16 = torch.float16
 
@@ -159,7 +160,7 @@ def test_fp8_tile_scales_are_exact_interpreter(inter, monkeypatch):
     weights, ids = torch.softmax(torch.randn(5, E), -1).topk(2, dim=-1)
     weights, ids = weights.contiguous(), ids.to(torch.int32).contiguous()
     tile = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
-    monkeypatch.setenv("MOELORA_FP8_TILE_SCALE", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "fp8_tile_scale", "0")
     column = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
     assert torch.equal(tile, column)
     want = moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=fp8)
@@ -248,12 +249,12 @@ def test_fp8_packed_shrinks_interpreter(forced, monkeypatch):
     lora = _lora_inputs(pool, batch)
     args = (67, 2, E, H, INTER, F16, torch.device("cpu"))
     plan = dict(lora=lora, lora_path="split", config=None, combine=True, scale_block_k=128)
-    monkeypatch.setenv("MOELORA_LORA_EXT", forced)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", forced)
     forced_plan = plan_chunk(*args, **plan)
     assert forced_plan.pack_down and forced_plan.pack_gate_up == (forced == "1")
     got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path="split")
     _close(got, moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0), batch, fp8=fp8))
-    monkeypatch.delenv("MOELORA_LORA_EXT")
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_ext", raising=False)
     rule_plan = plan_chunk(*args, **plan)
     assert not (rule_plan.pack_down or rule_plan.pack_gate_up)
 
@@ -315,8 +316,8 @@ def test_fp8_refusals():
         moe_lora_forward_torch(x, w13, w2, weights, ids, None, None, fp8=(fp8.w13_scale, fp8.w2_scale))
     pool, batch = _pool_and_batch(3)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("MOELORA_FP8_LORA_TILES", "fp16")
-        with pytest.raises(ValueError, match="MOELORA_FP8_LORA_TILES must be 'auto', 'bf16' or 'fp8'"):
+        env.setitem(LAUNCH_OVERRIDES, "fp8_lora_tiles", "fp16")
+        with pytest.raises(ValueError, match="fp8_lora_tiles must be auto, bf16 or fp8, got 'fp16'"):
             fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=_lora_inputs(pool, batch),
                           lora_path="split")
     with pytest.raises(ValueError, match="lora_path 'split' or 'staged'"):
@@ -452,7 +453,7 @@ def test_fp8_experts_match_torch_path_gpu(shape, m, path):
 def test_fp8_tile_scales_are_exact_gpu(m, monkeypatch):
     x, w13, w2, fp8, weights, ids = _gpu_case(m, 16, 2048, 768, 8)
     tile = fused_experts(x, w13, w2, weights, ids, fp8=fp8)
-    monkeypatch.setenv("MOELORA_FP8_TILE_SCALE", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "fp8_tile_scale", "0")
     assert torch.equal(fused_experts(x, w13, w2, weights, ids, fp8=fp8), tile)
 
 
@@ -493,14 +494,14 @@ def test_fp8_experts_in_cuda_graph_gpu():
 
 
 def test_dependent_fp8_decode_switch(monkeypatch):
-    """``MOELORA_FP8_DEPENDENT_DECODE`` is on by default where dependent launch exists (never on the CPU or
+    """``fp8_dependent_decode`` is on by default where dependent launch exists (never on the CPU or
     in the interpreter); a value other than 0/1 is refused by name."""
     from triton_ops.pdl import dependent_fp8_decode
 
-    monkeypatch.delenv("MOELORA_FP8_DEPENDENT_DECODE", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "fp8_dependent_decode", raising=False)
     assert not dependent_fp8_decode(torch.device("cpu"))
-    monkeypatch.setenv("MOELORA_FP8_DEPENDENT_DECODE", "yes")
-    with pytest.raises(ValueError, match="MOELORA_FP8_DEPENDENT_DECODE"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "fp8_dependent_decode", "yes")
+    with pytest.raises(ValueError, match="fp8_dependent_decode"):
         dependent_fp8_decode(torch.device("cpu"))
 
 
@@ -536,9 +537,9 @@ def test_fp8_dependent_decode_chain_bit_equal_over_replays_gpu(adapters, monkeyp
             lora.token_slots.fill_((0, -1, 2)[step % 3])
         graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setenv("MOELORA_FP8_DEPENDENT_DECODE", "0")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "fp8_dependent_decode", "0")
         plain = call()
-        monkeypatch.delenv("MOELORA_FP8_DEPENDENT_DECODE")
+        monkeypatch.delitem(LAUNCH_OVERRIDES, "fp8_dependent_decode", raising=False)
         assert torch.equal(out, plain), f"replay {step} differs from the plain launches"
 
 
@@ -845,15 +846,15 @@ def test_bench_fp8_table_and_refusal(capsys):
     row = "| qwen3-30b-a3b | 64 | 400.0 | 250.0 | 1.60 | 2.50 (0.75) | +10.0 / +20.0 % | +5.0 / +8.0 % |"
     assert row in table
     with pytest.raises(SystemExit):
-        bench_fp8.main(["--ab-env", "MOELORA_FP8_TILE_SCALE"])
+        bench_fp8.main(["--ab-env", "fp8_tile_scale"])
     assert "--ab-env must be NAME=VALUE" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            bench_fp8.main(["--M", "1", "--ab-env", "MOELORA_FP8_TILE_SCALE=0"])
+            bench_fp8.main(["--M", "1", "--ab-env", "fp8_tile_scale=0"])
         assert "needs a CUDA GPU" in capsys.readouterr().err
     calls = []
-    switched = bench_fp8.with_env("MOELORA_TEST_SWITCH=on", lambda: calls.append(os.environ.get(
-        "MOELORA_TEST_SWITCH")))
+    switched = bench_fp8.with_env("BENCH_FP8_TEST_SWITCH=on", lambda: calls.append(os.environ.get(
+        "BENCH_FP8_TEST_SWITCH")))
     switched()
-    assert calls == ["on"] and "MOELORA_TEST_SWITCH" not in os.environ
+    assert calls == ["on"] and "BENCH_FP8_TEST_SWITCH" not in os.environ
 

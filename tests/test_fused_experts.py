@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from moelora.reference import reference_moe, reference_moe_grouped
 from triton_ops import fused_experts, moe_sum_reduce, silu_and_mul
+from triton_ops.overrides import LAUNCH_OVERRIDES
 
 interpreter = pytest.mark.interpreter
 gpu = pytest.mark.gpu
@@ -238,9 +239,9 @@ def test_fused_experts_all_options_together():
 @interpreter
 @pytest.mark.parametrize("mode", ["plain", "inplace", "no_combine"])
 def test_fused_experts_token_chunks(monkeypatch, mode):
-    # MOELORA_MOE_CHUNK_TOKENS=5 splits 17 tokens into chunks of 5, 5, 5, 2: every chunk must land in its
+    # moe_chunk_tokens=5 splits 17 tokens into chunks of 5, 5, 5, 2: every chunk must land in its
     # own rows of the output (the last, short one included).
-    monkeypatch.setenv("MOELORA_MOE_CHUNK_TOKENS", "5")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "moe_chunk_tokens", "5")
     x, w13, w2, tw, ti = make_inputs(17, 6, 2, 48, 40, F32)
     if mode == "no_combine":
         out = fused_experts(x, w13, w2, tw, ti, no_combine=True)
@@ -431,16 +432,16 @@ def test_gpu_moe_sum_reduce_bf16(M, k):
 
 
 def test_programmatic_launch_switch(monkeypatch):
-    """``MOELORA_PDL`` asks for programmatic dependent launch; off the GPU (and by default) nothing is added
+    """``pdl`` asks for programmatic dependent launch; off the GPU (and by default) nothing is added
     to a launch, and a value other than 0/1 is refused by name."""
     from triton_ops.pdl import programmatic_launch
 
-    monkeypatch.delenv("MOELORA_PDL", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "pdl", raising=False)
     assert programmatic_launch(torch.device("cpu")) == {}
-    monkeypatch.setenv("MOELORA_PDL", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "pdl", "1")
     assert programmatic_launch(torch.device("cpu")) == {}
-    monkeypatch.setenv("MOELORA_PDL", "on")
-    with pytest.raises(ValueError, match="MOELORA_PDL"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "pdl", "on")
+    with pytest.raises(ValueError, match="pdl"):
         programmatic_launch(torch.device("cpu"))
 
 
@@ -448,7 +449,7 @@ def test_programmatic_launch_switch(monkeypatch):
 @pytest.mark.parametrize("M", [1, 300])
 @pytest.mark.parametrize("path", [None, "split"])
 def test_gpu_programmatic_launch_same_results(monkeypatch, M, path):
-    """With ``MOELORA_PDL=1`` (alignment, GEMMs and top-k sum launched so that each may be scheduled while
+    """With ``pdl=1`` (alignment, GEMMs and top-k sum launched so that each may be scheduled while
     the one before runs, and first waits for it) the layer, captured in a CUDA graph and replayed, gives
     bit for bit what it gives without: Qwen3-30B shapes, decode (one-launch alignment; on the split path
     with the gate/up shrink in it) and prefill, base and 4 rank-16 adapters plus tokens without one."""
@@ -479,7 +480,7 @@ def test_gpu_programmatic_launch_same_results(monkeypatch, M, path):
         )
 
     def replayed(pdl: str) -> torch.Tensor:
-        monkeypatch.setenv("MOELORA_PDL", pdl)
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "pdl", pdl)
         kwargs = dict(lora=lora, lora_path=path) if lora is not None else {}
         fused_experts(x, w13, w2, weights, ids, **kwargs)  # compile outside the capture
         stream = torch.cuda.Stream()

@@ -20,6 +20,7 @@ from triton_ops.fused_experts import MoELoRAInputs, fused_experts
 from triton_ops.fused_moe import lora_slot_group
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size
 from triton_ops.moe_lora import moe_lora_a, shrink_k_splits
+from triton_ops.overrides import LAUNCH_OVERRIDES
 
 PATHS = ("fused", "split", "staged")
 # The module (the package re-exports the function under the same name).
@@ -129,12 +130,12 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
 def test_decode_down_shrink_with_and_without_prefetch(monkeypatch, one_wave, prefetch):
     """Decode on the split path: GEMM1's epilogue writes GEMM2's shrink; the first slot's down-A tile is
     prefetched before the K-loop only when the grid fits one wave (forced both ways here), and none of the
-    epilogue operands are with MOELORA_LORA_PREFETCH=0. Three slots (ranks 5, 16, 9) and rows without an
+    epilogue operands are with lora_prefetch=0. Three slots (ranks 5, 16, 9) and rows without an
     adapter share 16-row blocks, so the prefetched slot is followed by slots loaded in the epilogue."""
     fused_moe_module = importlib.import_module("triton_ops.fused_moe")
     monkeypatch.setattr(fused_moe_module, "_fits_one_wave", lambda programs, device: one_wave)
     if not prefetch:
-        monkeypatch.setenv("MOELORA_LORA_PREFETCH", "0")
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "0")
     gen = torch.Generator().manual_seed(12)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
         m=9, hidden=64, inter=48, num_experts=3, top_k=2, ranks=(5, 16, 9), max_rank=16, num_slots=4,
@@ -183,7 +184,7 @@ def test_unrolled_expand(monkeypatch):
     """The split epilogue that loads every row's partials once and then expands slot by slot
     (``lora_expand_unrolled``) on 128x64 tiles (one slot per dot, no prefetch), with six adapters of
     ranks 3-16 and rows without one in the same blocks, against the reference."""
-    monkeypatch.setenv("MOELORA_LORA_UNROLL", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "1")
     gen = torch.Generator().manual_seed(13)
     (x, w13, w2), weights, ids, lora, ref, base = make_case(
         m=67, hidden=48, inter=40, num_experts=7, top_k=2, ranks=(3, 16, 5, 9, 12, 7), max_rank=16,
@@ -199,7 +200,7 @@ def test_unrolled_expand(monkeypatch):
 def test_unroll_rule(monkeypatch):
     from triton_ops.fused_moe import lora_unroll_slots
 
-    monkeypatch.delenv("MOELORA_LORA_UNROLL", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_unroll", raising=False)
     one_block = GemmConfig(128, 128, 64, 8, 8, 3)  # gated: 144 KiB, one block per SM (Mixtral M=4096)
     two_blocks = GemmConfig(128, 64, 64, 8, 8, 3)  # gated: 96 KiB, two blocks per SM
 
@@ -210,12 +211,12 @@ def test_unroll_rule(monkeypatch):
     assert not rule(two_blocks)  # the other block hides the epilogue
     assert not rule(one_block, group=4)  # the stacked group form covers them
     assert not rule(one_block, prefetch=True)
-    monkeypatch.setenv("MOELORA_LORA_UNROLL", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "0")
     assert not rule(one_block)
-    monkeypatch.setenv("MOELORA_LORA_UNROLL", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "1")
     assert rule(two_blocks) and not rule(one_block, prefetch=True)
-    monkeypatch.setenv("MOELORA_LORA_UNROLL", "3")
-    with pytest.raises(ValueError, match="MOELORA_LORA_UNROLL must be 0 or 1"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "3")
+    with pytest.raises(ValueError, match="lora_unroll must be 0 or 1"):
         rule(one_block)
 
 
@@ -406,10 +407,10 @@ def test_reduce_shrink_splits_rejects_bad_buffers():
 def test_split_path_with_and_without_reduced_partials(monkeypatch, reduce, tile):
     """A prefill-sized batch (past the decode launch) whose shrinks split K=100 and I=40 into several
     fp32 partials: the GEMM epilogues read them summed once by ``reduce_shrink_splits`` or sum them
-    themselves (``MOELORA_LORA_REDUCE_SPLITS`` forced both ways); ranks 29 and 3 in a rank-32 pool."""
+    themselves (``lora_reduce_splits`` forced both ways); ranks 29 and 3 in a rank-32 pool."""
     from triton_ops import shrink_reduce
 
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", reduce)
     calls = []
     original = shrink_reduce.reduce_shrink_splits
 
@@ -434,14 +435,14 @@ def test_split_path_with_and_without_reduced_partials(monkeypatch, reduce, tile)
 def test_reduce_splits_rule(monkeypatch):
     from triton_ops.shrink_reduce import MIN_REREADS_TO_REDUCE, reduce_splits_pays
 
-    monkeypatch.delenv("MOELORA_LORA_REDUCE_SPLITS", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_reduce_splits", raising=False)
     assert reduce_splits_pays(8, 224)  # Mixtral M=256 GEMM1: 224 N tiles each re-summing 8 partials
     assert not reduce_splits_pays(1, 224)  # one partial: nothing to sum
     assert not reduce_splits_pays(2, MIN_REREADS_TO_REDUCE - 1)
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", "1")
     assert reduce_splits_pays(2, 1) and not reduce_splits_pays(1, 1)
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", "yes")
-    with pytest.raises(ValueError, match="MOELORA_LORA_REDUCE_SPLITS"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", "yes")
+    with pytest.raises(ValueError, match="lora_reduce_splits"):
         reduce_splits_pays(2, 1)
 
 
@@ -450,11 +451,11 @@ def test_reduce_splits_rule(monkeypatch):
 # 32 (the default here): two chunks, the second partly past rank 40; 64: the whole rank in one.
 @pytest.mark.parametrize("chunk", ["16", "32", "64"])
 def test_forced_rank_chunk_width(monkeypatch, chunk):
-    """``MOELORA_LORA_CHUNK_R`` sets the split epilogue's rank chunks on 128x64 tiles (32 by default):
+    """``lora_chunk_r`` sets the split epilogue's rank chunks on 128x64 tiles (32 by default):
     ranks 40 and 3 in a max-rank-64 pool, a prefill-sized batch, against the reference."""
     from triton_ops.fused_moe import lora_rank_chunk
 
-    monkeypatch.setenv("MOELORA_LORA_CHUNK_R", chunk)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_chunk_r", chunk)
     gemm = GemmConfig(128, 64, 32, 1, 4, 2)
     assert lora_rank_chunk(gemm, 64) == int(chunk) and lora_rank_chunk(gemm, 16) == 16
     gen = torch.Generator().manual_seed(29)
@@ -469,13 +470,13 @@ def test_forced_rank_chunk_width(monkeypatch, chunk):
 def test_rank_chunk_rule(monkeypatch):
     from triton_ops.fused_moe import lora_rank_chunk
 
-    monkeypatch.delenv("MOELORA_LORA_CHUNK_R", raising=False)
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_chunk_r", raising=False)
     assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 64) == 32  # big tile: accumulators first
     assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 128) == 32
     assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 32) == 16
     assert lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 16) == 16
     assert lora_rank_chunk(GemmConfig(32, 128, 64, 8, 4, 3), 64) == 64  # 32x128: the whole rank tile
     assert lora_rank_chunk(GemmConfig(32, 128, 64, 8, 4, 3), 16) == 16
-    monkeypatch.setenv("MOELORA_LORA_CHUNK_R", "48")
-    with pytest.raises(ValueError, match="MOELORA_LORA_CHUNK_R"):
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_chunk_r", "48")
+    with pytest.raises(ValueError, match="lora_chunk_r"):
         lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 64)

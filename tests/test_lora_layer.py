@@ -26,6 +26,7 @@ from moelora.layer import AUTO_LORA_PATH, FusedMoEWithLoRA
 from moelora.pool import MoELoRAMemoryPool
 from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
 from triton_ops import fused_experts
+from triton_ops.overrides import LAUNCH_OVERRIDES
 
 interpreter = pytest.mark.interpreter
 gpu = pytest.mark.gpu
@@ -742,7 +743,7 @@ def test_gpu_split_big_tiles_prefetch(dsv2, fp32_highest, monkeypatch, prefetch)
 
     big = MoEConfig(GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4))
     force_layer_config(monkeypatch, big)
-    monkeypatch.setenv("MOELORA_LORA_PREFETCH", prefetch)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", prefetch)
     for gemm, gated in ((big.gemm1, True), (big.gemm2, False)):
         assert lora_prefetch_pays(gemm, gated=gated) is (prefetch == "")
     check_bf16_layer_against_oracle(dsv2, 300, "split", f"split big tiles prefetch={prefetch or 'default'}")
@@ -758,7 +759,7 @@ def test_gpu_split_small_tiles_many_adapters_prefetch(dsv2, fp32_highest, monkey
 
     small = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 5), GemmConfig(16, 32, 128, 1, 4, 5))
     force_layer_config(monkeypatch, small)
-    monkeypatch.setenv("MOELORA_LORA_PREFETCH", prefetch)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", prefetch)
     assert lora_prefetch_pays(small.gemm1, gated=True, numel=384, num_adapters=4) is (prefetch == "1")
     label = f"split 16-row tiles x4 prefetch={prefetch or 'default'}"
     check_bf16_layer_against_oracle(dsv2, 64, "split", label)
@@ -775,7 +776,7 @@ def test_gpu_split_slot_range_expand(dsv2, fp32_highest, monkeypatch, ext):
 
     two_blocks = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3))
     force_layer_config(monkeypatch, two_blocks)
-    monkeypatch.setenv("MOELORA_LORA_EXT", ext)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", ext)
     assert lora_ext_expand(two_blocks.gemm2, gated=False, num_adapters=4, K=DSV2_I)
     assert lora_ext_expand(two_blocks.gemm1, gated=True, num_adapters=4, K=DSV2_H) is (ext == "1")
     check_bf16_layer_against_oracle(dsv2, 300, "split", f"split slot-range expand ext={ext or 'rule'}")
@@ -805,16 +806,16 @@ def test_gpu_deepseek_v2_lite_bf16_high_ranks(dsv2, fp32_highest, monkeypatch, p
 @pytest.mark.parametrize("reduce", ["0", "1"])
 def test_gpu_split_reduced_partials(dsv2, fp32_highest, monkeypatch, reduce):
     """The split path's shrink partials summed once by ``reduce_shrink_splits`` before the GEMMs read
-    them, or by every GEMM tile (``MOELORA_LORA_REDUCE_SPLITS`` forced both ways), bf16 against the
+    them, or by every GEMM tile (``lora_reduce_splits`` forced both ways), bf16 against the
     oracle. M=40 x top-6 = 240 pairs (past the decode launch) in 64 experts: few alignment blocks, so both
     shrinks split K; 4 rank-16 adapters plus a sequence without one. Four adapters would take a shrink
     program per slot, one partial a pair (``slot_program_shrink``), so that is switched off here, as is
     the one pass (off at 240 pairs anyway)."""
     from triton_ops import shrink_reduce
 
-    monkeypatch.setenv("MOELORA_LORA_REDUCE_SPLITS", reduce)
-    monkeypatch.setenv("MOELORA_SLOT_PROGRAM_SHRINK", "0")
-    monkeypatch.setenv("MOELORA_ONE_SPLIT_SHRINK", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", reduce)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "0")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_split_shrink", "0")
     fused_experts_module = importlib.import_module("triton_ops.fused_experts")
     splits_seen = []
     original = shrink_reduce.reduce_shrink_splits

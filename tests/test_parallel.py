@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from moelora import AdapterLoadError, FusedMoEWithLoRA, LoRAProjection, MoELoRAMemoryPool, ReferenceLoRA
 from moelora.parallel import MoEShard
+from triton_ops.overrides import LAUNCH_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -128,7 +129,7 @@ def test_shards_sum_to_the_whole_layer(tp, ep, experts_of, top_k):
 @pytest.mark.parametrize("m", [1, 9])  # one token: direct pairs (other ranks' pairs in the GEMMs); 9: aligned
 @pytest.mark.parametrize("sparse_align", ["0", "1"])  # one token's other-rank pairs: direct, or null blocks
 def test_shards_sum_to_the_whole_layer_triton_interpreter(path, m, sparse_align, monkeypatch):
-    monkeypatch.setenv("MOELORA_SPARSE_ALIGN", sparse_align)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "sparse_align", sparse_align)
     case = make_case(m=m, top_k=2, inter=16)
     case = tuple(t.half() if t.is_floating_point() and i != 3 else t for i, t in enumerate(case))
     want = whole_layer_output(case, path=path)

@@ -4,8 +4,8 @@ Lookup order for ``get_moe_config``:
   1. ``MOELORA_MOE_CONFIG``: a JSON object (or a path to a JSON file holding one) that forces the config,
      e.g. ``{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1}``.
   2. Tuned files ``configs/E={E},N={I},device_name={device},dtype={dtype}.json`` beside this module (or in
-     ``MOELORA_MOE_CONFIG_DIR``), keyed by M; the entry for the nearest M is used. Set
-     ``MOELORA_NO_TUNED_CONFIGS=1`` to skip them (to compare against the heuristic, or while tuning).
+     ``MOELORA_MOE_CONFIG_DIR``), keyed by M; the entry for the nearest M is used.
+     ``MOELORA_MOE_CONFIG=heuristic`` skips them (to compare against the heuristic, or while tuning).
   3. The heuristic of ``default_moe_config`` (seed 000 §3, adjusted for the fused activation).
 
 A config entry holds BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages and may carry a ``"gemm2"``
@@ -192,15 +192,6 @@ def env_switch(name: str, default: bool) -> bool:
     return default if value == "" else value == "1"
 
 
-def env_count(name: str, what: str) -> int | None:
-    """A count from the environment (``NAME=N``, to compare on a GPU): None when unset; anything but digits
-    is a mistake worth saying (``what`` names the count in the message)."""
-    value = os.environ.get(name, "")
-    if value and not value.isdigit():
-        raise ValueError(f"{name} must be a {what}, got {value!r}")
-    return int(value) if value else None
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype's name in tuned file names; float8_e4m3fn weights are the block-scaled W8A8 GEMMs."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -226,7 +217,7 @@ def _load_tuned(path: str) -> tuple[tuple[int, MoEConfig], ...]:
 
 def _forced_config() -> MoEConfig | None:
     forced = os.environ.get("MOELORA_MOE_CONFIG")
-    if not forced:
+    if not forced or forced == "heuristic":
         return None
     text = Path(forced).read_text() if not forced.lstrip().startswith("{") else forced
     return MoEConfig.from_dict(json.loads(text))
@@ -247,7 +238,7 @@ def tuned_moe_config(
     num_tokens: int, num_experts: int, intermediate: int, dtype: torch.dtype, device: str
 ) -> MoEConfig | None:
     """The tuned entry nearest to ``num_tokens`` for this shape and device, or None."""
-    if os.environ.get("MOELORA_NO_TUNED_CONFIGS") == "1":
+    if os.environ.get("MOELORA_MOE_CONFIG") == "heuristic":
         return None
     path = tuned_config_path(num_experts, intermediate, device, dtype)
     if not path.is_file():

@@ -9,23 +9,21 @@ Launches:   moe_align_block_size (3) -> GEMM1+activation -> GEMM2 (routed weight
             base layer is GEMM1 -> GEMM2.
 
 No step reads a device value on the host, so a call with a fixed token count can be captured in a CUDA
-graph. Very large batches are processed in chunks of ``MOELORA_MOE_CHUNK_TOKENS`` tokens (default
+graph. Very large batches are processed in chunks of ``moe_chunk_tokens`` tokens (default
 32768) to bound the intermediate buffers.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from triton_ops import overrides
 from triton_ops.configs import (
     MAX_SHARED_BYTES,
     MoEConfig,
-    env_count,
-    env_switch,
     get_moe_config,
     pipeline_smem_bytes,
 )
@@ -87,8 +85,9 @@ MAX_DECODE_DOWN_PARTIALS = 64
 
 
 def decode_down_partials_limit() -> int:
-    """``MAX_DECODE_DOWN_PARTIALS``, or ``MOELORA_DECODE_DOWN_PARTIALS=N`` (to compare on a GPU)."""
-    forced = env_count("MOELORA_DECODE_DOWN_PARTIALS", "partial count")
+    """``MAX_DECODE_DOWN_PARTIALS``, or the launch override ``decode_down_partials=N`` (to compare on a
+    GPU)."""
+    forced = overrides.count("decode_down_partials")
     return MAX_DECODE_DOWN_PARTIALS if forced is None else forced
 
 
@@ -134,14 +133,14 @@ def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_program
     pairs) hides four passes. Left out for the same reason: fewer pairs, and a long K (one program walking
     Mixtral-8x7B's 14336 alone lost); DeepSeek-V3 (K 7168) splits no shrink at these M anyway
     (docs/performance.md, 'Levers': one pass over K per shrink program).
-    ``MOELORA_ONE_SPLIT_SHRINK=0`` / ``=1`` forces either on every prefill shrink of the split path (to
+    ``one_split_shrink=0`` / ``=1`` forces either on every prefill shrink of the split path (to
     compare)."""
     passes = (ONE_SPLIT_SHRINK_MANY_PASSES if pairs >= ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS
               else ONE_SPLIT_SHRINK_MAX_PASSES)
     max_adapters = passes * max(1, 64 // rank_block)
     usual = (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max_adapters
              and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
-    return env_switch("MOELORA_ONE_SPLIT_SHRINK", default=usual)
+    return overrides.switch("one_split_shrink", default=usual)
 
 
 # A prefill shrink runs a program per slot of each block from this many adapters, where it would split K,
@@ -168,13 +167,13 @@ def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass:
     (docs/performance.md, 'Levers': a shrink program per slot). Fewer adapters were not measured (one
     adapter would get a program per block walking all of K: the loss ``one_split_shrink`` records at few
     pairs).
-    ``MOELORA_SLOT_PROGRAM_SHRINK=0`` / ``=1`` forces it off or on (for any known adapter count; on, over the
+    ``slot_program_shrink=0`` / ``=1`` forces it off or on (for any known adapter count; on, over the
     one pass too)."""
     over_one_pass = (pairs < SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS
                      and num_adapters >= SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS)
     usual = (num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS and longest_k < LONG_K_SLOT_GROUP_MIN_K
              and (not one_pass or over_one_pass))
-    return num_adapters >= 1 and env_switch("MOELORA_SLOT_PROGRAM_SHRINK", default=usual)
+    return num_adapters >= 1 and overrides.switch("slot_program_shrink", default=usual)
 
 
 # Fewest K splits a pair one decode token's gate/up shrink is cut to so that its programs sit beside
@@ -190,11 +189,11 @@ def one_token_shrink_splits(pairs: int, usual: int, gemm1_programs: int, sm_coun
     ``sm_count`` 0 (no GPU) keeps ``usual``. It pays where GEMM1 leaves SMs idle (Qwen3-30B-A3B's 96
     GEMM1 programs); where GEMM1 takes every SM fewer splits only lengthen each program, so those keep
     ``usual``; fewer than ``ONE_TOKEN_SHRINK_MIN_SPLITS`` outlast GEMM1 (docs/performance.md, 'Levers': one
-    token's shrink fits idle SMs). ``MOELORA_ONE_TOKEN_SHRINK_FIT=0`` keeps ``usual`` (to compare)."""
+    token's shrink fits idle SMs). ``one_token_shrink_fit=0`` keeps ``usual`` (to compare)."""
     fit = (sm_count - gemm1_programs) // max(pairs, 1)
     if not ONE_TOKEN_SHRINK_MIN_SPLITS <= fit < usual:
         return usual
-    return fit if env_switch("MOELORA_ONE_TOKEN_SHRINK_FIT", default=True) else usual
+    return fit if overrides.switch("one_token_shrink_fit", default=True) else usual
 
 
 def decode_direct_pairs(num_tokens: int) -> bool:
@@ -202,16 +201,16 @@ def decode_direct_pairs(num_tokens: int) -> bool:
     one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
     its own. For more tokens, pairs that share an expert would each read its weights again. With
     ``fused_topk_sum`` it saves a decode token two launches (docs/performance.md, 'Levers': two-launch
-    decode). ``MOELORA_DECODE_DIRECT=0`` turns it off (to compare)."""
-    return num_tokens == 1 and env_switch("MOELORA_DECODE_DIRECT", default=True)
+    decode). ``decode_direct=0`` turns it off (to compare)."""
+    return num_tokens == 1 and overrides.switch("decode_direct", default=True)
 
 
 def fused_topk_sum(num_tokens: int, top_k: int) -> bool:
     """Whether the last GEMM2 program of each N-tile column sums the top-k rows, instead of a launch of
     its own: for one token. With more, that program sums every token of the column by itself, serially,
     and it lost to the separate launch (docs/performance.md, 'Levers': two-launch decode).
-    ``MOELORA_FUSED_SUM=0`` turns it off (to compare)."""
-    return top_k > 1 and num_tokens == 1 and env_switch("MOELORA_FUSED_SUM", default=True)
+    ``fused_sum=0`` turns it off (to compare)."""
+    return top_k > 1 and num_tokens == 1 and overrides.switch("fused_sum", default=True)
 
 
 # An expert-parallel rank aligns one token's pairs from this many bytes of base weights per expert: below,
@@ -226,9 +225,9 @@ def sparse_routing_aligns(hidden: int, intermediate: int, elem_bytes: int) -> bo
     and stores zeros (``decode_direct_pairs``): where an expert's weights (3 x H x I) outgrow L2, each such
     program streams expert 0 from memory again. DeepSeek-V3 (88 MB an expert), 2 expert-parallel H200s,
     M=1: 170 -> 146 µs; Qwen3-30B-A3B (9 MB): 41 -> 47 µs, hence the bound (docs/performance.md, 'Levers':
-    expert-parallel decode). ``MOELORA_SPARSE_ALIGN=0`` / ``=1`` forces it (to compare)."""
+    expert-parallel decode). ``sparse_align=0`` / ``=1`` forces it (to compare)."""
     usual = 3 * hidden * intermediate * elem_bytes >= SPARSE_ALIGN_MIN_EXPERT_BYTES
-    return env_switch("MOELORA_SPARSE_ALIGN", default=usual)
+    return overrides.switch("sparse_align", default=usual)
 
 
 @dataclass(frozen=True)
@@ -254,7 +253,8 @@ class MoELoRAInputs:
     num_adapters: int = 0
 
 def _chunk_tokens() -> int:
-    return max(1, int(os.environ.get("MOELORA_MOE_CHUNK_TOKENS", 32768)))
+    forced = overrides.count("moe_chunk_tokens")
+    return max(1, forced) if forced is not None else 32768
 
 
 def fused_experts(
@@ -597,10 +597,8 @@ def fp8_lora_takes_bf16_tiles(rows: int) -> bool:
     set to the scale group) instead of the FP8 files' base tiles, which hold no LoRA tiles: for one decode
     token, whose one-row LoRA epilogue those tiles were tuned for. Past it the FP8 base tiles win: the bf16
     LoRA tiles with FP8's 128-wide K steps took 1.2-3x the time at prefill (docs/performance.md, 'FP8').
-    ``MOELORA_FP8_LORA_TILES=bf16`` or ``fp8`` takes those tiles at every size (to compare)."""
-    choice = os.environ.get("MOELORA_FP8_LORA_TILES", "auto")
-    if choice not in ("auto", "bf16", "fp8"):
-        raise ValueError(f"MOELORA_FP8_LORA_TILES must be 'auto', 'bf16' or 'fp8', got {choice!r}")
+    ``fp8_lora_tiles=bf16`` or ``fp8`` takes those tiles at every size (to compare)."""
+    choice = overrides.value("fp8_lora_tiles") or "auto"
     return choice == "bf16" or (choice == "auto" and rows == 1)
 
 

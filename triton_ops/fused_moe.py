@@ -42,7 +42,6 @@ token into ``sum_out`` (``moe_sum.finish_topk_sum_if_last``), replacing the top-
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_ops import overrides
 from triton_ops.configs import (
     GemmConfig,
     blocks_per_sm_by_shared,
-    env_count,
-    env_switch,
     pipeline_smem_bytes,
 )
 from triton_ops.fp8 import FP8_DTYPE
@@ -635,8 +633,8 @@ def lora_register_cap(
     cost less than the lost block (docs/performance.md, 'Levers': register cap). ``lora_cols``: LoRA A columns
     the inline shrink stages beside the tiles (fused path). No cap under MIN_REGISTER_CAP, nor for decode
     tiles (BLOCK_M < 64: less than a wave, where occupancy does not matter).
-    ``MOELORA_LORA_REGISTER_CAP=0`` turns the cap off (to compare)."""
-    if config.block_m < 64 or os.environ.get("MOELORA_LORA_REGISTER_CAP") == "0":
+    ``lora_register_cap=0`` turns the cap off (to compare)."""
+    if config.block_m < 64 or not overrides.switch("lora_register_cap", default=True):
         return None
     blocks = min(gemm_blocks_per_sm(config, gated=gated, lora_cols=lora_cols, elem_bytes=elem_bytes),
                  WARPS_PER_SM // config.num_warps)
@@ -652,12 +650,10 @@ def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
     below it; 32 rather than 16 at rank tile 64 since fewer, wider dots pay (each dot has its own layout
     round trip). Small tiles lost with 32-column chunks, so they keep the whole rank tile
     (docs/performance.md, 'Levers': 32-column rank chunks). Rank tile 32 on big
-    tiles (16 wide) is not measured either way. ``MOELORA_LORA_CHUNK_R=16/32/64`` forces the width on
+    tiles (16 wide) is not measured either way. ``lora_chunk_r=16/32/64`` forces the width on
     every tile, capped at the rank tile (to compare)."""
-    forced = os.environ.get("MOELORA_LORA_CHUNK_R", "")
+    forced = overrides.value("lora_chunk_r")
     if forced:
-        if forced not in ("16", "32", "64"):
-            raise ValueError(f"MOELORA_LORA_CHUNK_R must be 16, 32 or 64, got {forced!r}")
         return min(rank_block, int(forced))
     if config.block_m * config.block_n <= 32 * 128:
         return min(rank_block, 64)
@@ -685,12 +681,10 @@ def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, 
     K-loop, and the GEMM waits for its shrink after the loop anyway. Dropping it lost with one adapter,
     at decode and on 32-row tiles, and went both ways at rank 64, hence the bounds (docs/performance.md,
     'Levers': epilogue prefetch, and no prefetch on 16-row tiles with several adapters).
-    ``MOELORA_LORA_PREFETCH=0`` turns every prefetch off, ``MOELORA_LORA_PREFETCH=small`` keeps only the
-    small tiles', ``MOELORA_LORA_PREFETCH=1`` keeps the 16-row tiles' for any adapter count (to compare on
+    ``lora_prefetch=0`` turns every prefetch off, ``lora_prefetch=small`` keeps only the
+    small tiles', ``lora_prefetch=1`` keeps the 16-row tiles' for any adapter count (to compare on
     a GPU)."""
-    mode = os.environ.get("MOELORA_LORA_PREFETCH", "")
-    if mode not in ("", "0", "1", "small"):
-        raise ValueError(f"MOELORA_LORA_PREFETCH must be 0, 1 or small, got {mode!r}")
+    mode = overrides.value("lora_prefetch")
     if mode == "0":
         return False
     if config.block_m <= 32:
@@ -772,12 +766,12 @@ def lora_unroll_slots(config: GemmConfig, *, gated: bool, group: int, prefetch: 
     holds to one block per SM: there nothing else on the SM hides the epilogue. Off on two-block tiles,
     where the other block hides the epilogue and the extra registers (spills under the register cap) lost;
     loading several slots' B tiles per round cost the K-loop more registers than the latency it saved
-    (docs/performance.md, 'Levers': one slot per round). ``MOELORA_LORA_UNROLL=0`` / ``=1`` forces either
+    (docs/performance.md, 'Levers': one slot per round). ``lora_unroll=0`` / ``=1`` forces either
     wherever ``group`` is 1 outside the prefetch (to compare)."""
     if prefetch or group > 1:
         return False
-    if os.environ.get("MOELORA_LORA_UNROLL", ""):
-        return env_switch("MOELORA_LORA_UNROLL", default=False)
+    if overrides.value("lora_unroll"):
+        return overrides.switch("lora_unroll", default=False)
     return gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) < 2
 
 
@@ -792,9 +786,9 @@ def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, 
       and the GEMM waiting for it;
     - without, only if the partials are one chunk of splits (held raw through the loop, then summed):
       with two chunks it lost in GEMM2.
-    (docs/performance.md, 'Levers': one-row LoRA prologue.) ``MOELORA_ONE_ROW_LORA=0`` turns it off (to
+    (docs/performance.md, 'Levers': one-row LoRA prologue.) ``one_row_lora=0`` turns it off (to
     compare)."""
-    if not (direct and prefetch) or not env_switch("MOELORA_ONE_ROW_LORA", default=True):
+    if not (direct and prefetch) or not overrides.switch("one_row_lora", default=True):
         return False
     if late_wait:
         return _fits_one_wave(programs, device)
@@ -814,12 +808,10 @@ def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: in
     (K 14336) lost, hence the K bound; GEMM1 lost wherever it took it, as did GEMM2 tiles that hold one
     block (Qwen3-30B-A3B's 128x256) and stacking four rank-16 slots a dot (spills) (docs/performance.md,
     'Levers': slot-range expand).
-    ``MOELORA_LORA_EXT=0`` / ``=1`` forces either on every aligned GEMM, ``=gemm1`` / ``=gemm2`` forces it on
+    ``lora_ext=0`` / ``=1`` forces either on every aligned GEMM, ``=gemm1`` / ``=gemm2`` forces it on
     that GEMM and leaves the other to the rule (to compare). FP8 GEMMs (``block_scaled``) take it only
     where forced: the rule was measured on bf16 GEMMs only."""
-    forced = os.environ.get("MOELORA_LORA_EXT", "")
-    if forced not in ("", "0", "1", "gemm1", "gemm2"):
-        raise ValueError(f"MOELORA_LORA_EXT must be 0, 1, gemm1 or gemm2, got {forced!r}")
+    forced = overrides.value("lora_ext")
     if forced in ("0", "1"):
         return forced == "1"
     if forced == ("gemm1" if gated else "gemm2"):
@@ -833,9 +825,9 @@ def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
     """Stacked columns per dot of the slot-range expand: two rank-16 slots, one slot from rank tile 32
     on, and no more slots than the batch has adapters (0: unknown). Four rank-16 slots a dot spilled on
     128x64 / 128x128 tiles and lost to no slot-range expand at all (docs/performance.md, 'Levers':
-    slot-range expand). ``MOELORA_LORA_EXT_SLOTS=N`` sets the
+    slot-range expand). ``lora_ext_slots=N`` sets the
     slots a dot (to compare)."""
-    forced = env_count("MOELORA_LORA_EXT_SLOTS", "slot count")
+    forced = overrides.count("lora_ext_slots")
     slots = max(1, forced) if forced is not None else max(1, 32 // rank_block)
     if num_adapters > 0:
         slots = min(slots, next_power_of_2(num_adapters))
@@ -884,7 +876,7 @@ def invoke_fused_moe_kernel(
     complete before that launch started (a plain launch after its writer), so only the precomputed shrink
     partials are read after the wait.
 
-    ``dependent`` (sm_90+, ignored elsewhere): launched dependently whatever ``MOELORA_PDL`` says, waiting
+    ``dependent`` (sm_90+, ignored elsewhere): launched dependently whatever ``pdl`` says, waiting
     for the launch before it as its first instruction (``one_token_dependent_gemm2``).
 
     ``bias`` (E, b.shape[1]), contiguous rows: the experts' biases, added to each pair's product (and
@@ -978,8 +970,8 @@ def invoke_fused_moe_kernel(
         TILE_B_SCALE=block_scaled and tile_b_scale(config.block_n, scale_block_n, out_n, gated),
         SCALE_BLOCK_N=scale_block_n if block_scaled else 1,
         FP32_IEEE=a.dtype == torch.float32,
-        EVEN_K=K % config.block_k == 0 and planned("MOELORA_EVEN_K",
-                                                    lambda: env_switch("MOELORA_EVEN_K", default=True)),
+        EVEN_K=K % config.block_k == 0 and planned("even_k",
+                                                    lambda: overrides.switch("even_k", default=True)),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -1082,7 +1074,7 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
         split_chunk=split_chunk,
         group=group,
         down_shrink=down_shrink,
-        down_prefetch=(env_switch("MOELORA_DOWN_PREFETCH", default=True) and prefetch and down_shrink
+        down_prefetch=(overrides.switch("down_prefetch", default=True) and prefetch and down_shrink
                        and _fits_one_wave(numel * cdiv(out_n, config.block_n), a.device)),
         ext_k=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
         max_registers=lora_register_cap(config, gated=gated, elem_bytes=elem_bytes, lora_cols=inline_cols),
@@ -1222,10 +1214,10 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
 def tile_b_scale(block_n: int, scale_block_n: int, out_n: int, gated: bool) -> bool:
     """Whether every N tile of a block-scaled GEMM lies in one weight scale block, and so does its up tile
     when gated (up columns start at ``out_n``): then each K step has one weight scale per tile. Tiles start
-    at multiples of ``block_n``; ``MOELORA_FP8_TILE_SCALE=0`` reads a scale per column (to compare)."""
+    at multiples of ``block_n``; ``fp8_tile_scale=0`` reads a scale per column (to compare)."""
     fits = scale_block_n % block_n == 0 and (not gated or out_n % scale_block_n == 0)
-    return fits and planned("MOELORA_FP8_TILE_SCALE",
-                            lambda: env_switch("MOELORA_FP8_TILE_SCALE", default=True))
+    return fits and planned("fp8_tile_scale",
+                            lambda: overrides.switch("fp8_tile_scale", default=True))
 
 
 def _check_block_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None,

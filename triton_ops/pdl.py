@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from triton_ops.configs import env_switch
+from triton_ops import overrides
 from triton_ops.launch import planned
 
 
@@ -67,8 +67,8 @@ def decode_shrink_overlap(device: torch.device) -> bool:
     """Whether one decode token's GEMM1 overlaps the gate/up shrink launch before it: that launch lets
     the next one be scheduled as soon as its programs start, and GEMM1 (launched dependently) streams its
     base weights first and waits for the shrink only before its epilogue. On by default where dependent
-    launch exists; ``MOELORA_SHRINK_OVERLAP=0`` turns it off (to compare)."""
-    return env_switch("MOELORA_SHRINK_OVERLAP", default=True) and dependent_launch_supported(device)
+    launch exists; ``shrink_overlap=0`` turns it off (to compare)."""
+    return overrides.switch("shrink_overlap", default=True) and dependent_launch_supported(device)
 
 
 def prefill_shrink_overlap(device: torch.device) -> bool:
@@ -79,19 +79,19 @@ def prefill_shrink_overlap(device: torch.device) -> bool:
     ``fused_experts.overlap_through_split_sum`` says so: enough routed pairs or a wide rank tile). The
     shrinks read the LoRA A weights and re-read x or h: memory-bound work that the GEMMs' K-loops leave
     room for (docs/performance.md, 'Levers': GEMMs overlap prefill shrinks).
-    On by default where dependent launch exists; ``MOELORA_PREFILL_SHRINK_OVERLAP=0`` turns it off."""
-    return env_switch("MOELORA_PREFILL_SHRINK_OVERLAP", default=True) and dependent_launch_supported(device)
+    On by default where dependent launch exists; ``prefill_shrink_overlap=0`` turns it off."""
+    return overrides.switch("prefill_shrink_overlap", default=True) and dependent_launch_supported(device)
 
 
 def one_token_dependent_gemm2(device: torch.device) -> bool:
     """Whether one decode token's GEMM2 with adapters is launched dependently (waiting for GEMM1 as its
     first instruction, ``invoke_fused_moe_kernel(dependent=True)``), so its launch is not a gap after
     GEMM1 ends. Same bits as the plain launch (GPU test over graph replays). The gap weighs most where the
-    decode layer is shortest (the small models). It is part of what ``MOELORA_PDL=1`` gains for the LoRA
+    decode layer is shortest (the small models). It is part of what ``pdl=1`` gains for the LoRA
     layer, which for the base layer went both ways, so that switch stays off (docs/performance.md,
     'Levers': GEMM2 dependent on GEMM1, every launch dependent).
-    On by default where dependent launch exists; ``MOELORA_ONE_TOKEN_DEPENDENT_GEMM2=0`` turns it off."""
-    return (env_switch("MOELORA_ONE_TOKEN_DEPENDENT_GEMM2", default=True)
+    On by default where dependent launch exists; ``one_token_dependent_gemm2=0`` turns it off."""
+    return (overrides.switch("one_token_dependent_gemm2", default=True)
             and dependent_launch_supported(device))
 
 
@@ -101,8 +101,8 @@ def dependent_fp8_decode(device: torch.device) -> bool:
     first instruction, so only the launch gaps shrink (same bits). With adapters (where GEMM2 is launched
     dependently anyway, ``one_token_dependent_gemm2``) the gate/up shrink's launch is the link after the
     x quantization, and GEMM1 keeps its late wait on that launch.
-    On by default where dependent launch exists; ``MOELORA_FP8_DEPENDENT_DECODE=0`` turns it off."""
-    return (env_switch("MOELORA_FP8_DEPENDENT_DECODE", default=True)
+    On by default where dependent launch exists; ``fp8_dependent_decode=0`` turns it off."""
+    return (overrides.switch("fp8_dependent_decode", default=True)
             and dependent_launch_supported(device))
 
 
@@ -110,19 +110,19 @@ def releasing_launch(device: torch.device, release_next: bool, *, dependent: boo
     """Keyword arguments for a launch of a kernel whose ``USE_PDL`` prologue waits for the kernel before
     it and then releases the next (``wait_for_previous_kernel``): ``programmatic_launch``'s, plus the
     prologue compiled in with ``release_next`` (the launch itself dependent with ``dependent``, else only
-    with ``MOELORA_PDL=1``)."""
+    with ``pdl=1``)."""
     return programmatic_launch(device, always=dependent) | ({"USE_PDL": True} if release_next else {})
 
 
 def programmatic_launch(device: torch.device, *, always: bool = False) -> dict:
     """Keyword arguments for a launch with PDL: ``{"USE_PDL": True, "launch_pdl": True}`` with
-    ``MOELORA_PDL=1`` (or ``always``: a launch whose own rule says so) on an sm_90+ GPU, else ``{}``.
-    ``MOELORA_PDL`` is off by default until it is measured on the device (``benchmarks/ab_env.py --env
-    MOELORA_PDL=1``). Made once per device in the active ``LaunchCache``."""
+    ``pdl=1`` (or ``always``: a launch whose own rule says so) on an sm_90+ GPU, else ``{}``.
+    ``pdl`` is off by default until it is measured on the device (``benchmarks/ab_env.py --env
+    pdl=1``). Made once per device in the active ``LaunchCache``."""
     return planned(("programmatic_launch", device, always), lambda: _programmatic_launch(device, always))
 
 
 def _programmatic_launch(device: torch.device, always: bool) -> dict:
-    if not (always or env_switch("MOELORA_PDL", default=False)) or not dependent_launch_supported(device):
+    if not (always or overrides.switch("pdl", default=False)) or not dependent_launch_supported(device):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}

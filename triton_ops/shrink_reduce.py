@@ -18,12 +18,11 @@ epilogue would round it, so the GEMM loads it as a dot operand straight from mem
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from triton_ops import overrides
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.pdl import release_next_then_wait, require_dependent_launch
@@ -217,14 +216,12 @@ MIN_REREADS_TO_REDUCE = 24
 def reduce_splits_pays(splits: int, consumer_n_tiles: int) -> bool:
     """Whether to sum the partials once (one more launch, a few us in a CUDA graph) rather than in every
     consumer program: each of the ``consumer_n_tiles`` GEMM programs of a block re-reads ``splits``
-    partials of its rows. ``MOELORA_LORA_REDUCE_SPLITS=1`` / ``=0`` forces either (to compare).
+    partials of its rows. ``lora_reduce_splits=1`` / ``=0`` forces either (to compare).
 
     It pays where many N tiles re-read several partials (Mixtral-8x7B's 224 GEMM1 tiles); where few
     tiles re-read few partials it is a wash either way, hence the threshold (docs/performance.md,
     'Levers': split-K partials summed once)."""
-    forced = os.environ.get("MOELORA_LORA_REDUCE_SPLITS", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"MOELORA_LORA_REDUCE_SPLITS must be 0 or 1, got {forced!r}")
+    forced = overrides.value("lora_reduce_splits")
     if splits <= 1:
         return False
     if forced:
