@@ -32,14 +32,11 @@ loads allocate no pinned memory while serving. All public methods are thread-saf
 
 from __future__ import annotations
 
-import array
 import copy
 import threading
-import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,100 +44,23 @@ import torch
 
 from moelora.adapter_weights import AdapterLoadError, ReferenceLoRA
 from moelora.arena import RankRowAllocator
-from moelora.batch_info import MoELoRABatchInfo, StaleBatchError
+from moelora.batch_info import StaleBatchError
 from moelora.load_worker import LoadWorker
 from moelora.parallel import MoEShard
 from moelora.peft_loader import ExpertParamLayout, arena_bytes_of, check_adapter_path
+from moelora.pool_batches import _Hold, _PoolBatches
+from moelora.pool_buffers import DenseLoRA, LoRALayerBuffers, _alloc_blocks, _ArenaWrites
 from moelora.pool_report import AdapterMemory, PoolMemoryReport, PoolState
 from moelora.stager import AdapterStager, StagedAdapter, _check_positive_int, _dtype_name, _is_int
 from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
 
 if TYPE_CHECKING:  # imported where used: importing moelora does not import Triton
-    from triton_ops.lora_weights import LoRAWeights
+    pass
 
 __all__ = ["AdapterLoadError", "DenseLoRA", "LoRALayerBuffers", "MoELoRAMemoryPool", "StaleBatchError"]
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The token index of a batch is int32 on the device.
-_MAX_TOKENS = (1 << 31) - 1
-
-
-@dataclass(frozen=True)
-class DenseLoRA:
-    """Adapter weights in the dense layout of DESIGN.md §2, gathered from the arena for some slots and
-    experts (``LoRALayerBuffers.dense``): what the reference and the PyTorch path read."""
-
-    gate_up_a: torch.Tensor  # (slots, experts, 2R, H): rows [0, R) gate A, [R, 2R) up A
-    gate_up_b: torch.Tensor  # (slots, experts, 2I, R): rows [0, I) gate B, [I, 2I) up B
-    down_a: torch.Tensor  # (slots, experts, R, I)
-    down_b: torch.Tensor  # (slots, experts, H, R)
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
-
-
-@dataclass(frozen=True)
-class LoRALayerBuffers:
-    """One MoE layer's adapters, every slot, as the kernels read them: four :class:`LoRAWeights` views of
-    the pool's arena, sharing the layer's block table ``(L, E)`` int32 (first unit of each slot and
-    expert), and the pool's per-slot ranks."""
-
-    gate_up_a: LoRAWeights
-    gate_up_b: LoRAWeights
-    down_a: LoRAWeights
-    down_b: LoRAWeights
-    slot_ranks: torch.Tensor  # (L,) int32, the pool's
-
-    def tensors(self) -> tuple[LoRAWeights, LoRAWeights, LoRAWeights, LoRAWeights]:
-        """The four matrices, in the order gate_up_a, gate_up_b, down_a, down_b."""
-        return (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
-
-    @property
-    def blocks(self) -> torch.Tensor:
-        """``(L, E)`` int32: the first arena unit of each (slot, expert)."""
-        return self.gate_up_a.blocks
-
-    def dense(self, slots: torch.Tensor | Sequence[int] | None = None,
-              experts: torch.Tensor | Sequence[int] | None = None) -> DenseLoRA:
-        """The weights of ``slots`` x ``experts`` (default: all) in the dense layout, rank rows past each
-        slot's rank zero. A gather (device work, no host sync): for references and the PyTorch path."""
-        dev = self.blocks.device
-        n_slots, n_experts = self.blocks.shape
-        slots = torch.arange(n_slots, device=dev) if slots is None else torch.as_tensor(slots, device=dev)
-        experts = (torch.arange(n_experts, device=dev) if experts is None
-                   else torch.as_tensor(experts, device=dev))
-        big_r = self.gate_up_a.max_rank
-        offs = torch.arange(big_r, device=dev)
-        units = self.blocks[slots.long()][:, experts.long()].long()  # (s, e)
-        live = offs < self.slot_ranks[slots.long()].long()[:, None, None]  # (s, 1, R)
-        # Rows past a slot's rank read unit 0: the zero block, always in bounds and always zero.
-        rows = torch.where(live, units[..., None] + offs, 0)  # (s, e, R)
-        gate_up_a = self.gate_up_a.data
-        gate_up_b = self.gate_up_b.data
-        return DenseLoRA(
-            gate_up_a=torch.cat((gate_up_a[0][rows], gate_up_a[1][rows]), dim=2),
-            gate_up_b=gate_up_b[rows].transpose(2, 3),
-            down_a=self.down_a.data[rows],
-            down_b=self.down_b.data[rows].transpose(2, 3),
-        )
-
-
 _LOADING = object()  # marks a slot reserved by an asynchronous load that is not visible yet
-
-
-_NAME_TYPES = frozenset((str, type(None)))
-
-
-class _Hold:
-    """A live batch's claim on its slots: LRU eviction passes over a slot while a hold records its current
-    generation. ``names`` are the batch's adapters in the order a step touches them (first use first)."""
-
-    __slots__ = ("every_name_held", "generations", "names", "slots")
-
-    def __init__(self, slots: tuple[int, ...], generations: tuple[int, ...], names: tuple[str, ...],
-                 every_name_held: bool) -> None:
-        self.slots, self.generations, self.names = slots, generations, names
-        self.every_name_held = every_name_held  # no adapter of the batch is named with zero tokens
 
 
 class _PendingLoad:
@@ -180,32 +100,7 @@ class _Transaction:
             pool._lock.release()
 
 
-def _alloc_blocks(units: RankRowAllocator, needs: dict[int, int]) -> dict[int, list[int]] | None:
-    """``needs`` (rank -> block count) from ``units``, largest ranks first: rank -> starts, or None with
-    ``units`` as it was."""
-    got: dict[int, list[int]] = {}
-    for rank in sorted(needs, reverse=True):
-        starts = units.alloc(rank, needs[rank])
-        if starts is None:
-            units.free(u for taken in got.values() for u in taken)
-            return None
-        got[rank] = starts
-    return got
-
-
-def _block_runs(starts: Sequence[int], rank: int) -> list[tuple[int, int, int, int]]:
-    """``starts`` (blocks of ``rank`` units, each aligned to ``step``, the power of two >= rank) as runs of
-    blocks ``step`` apart: (first index, end index, first unit, step). A run is one strided copy."""
-    step = 1 << (rank - 1).bit_length()
-    runs, first = [], 0
-    for k in range(1, len(starts) + 1):
-        if k == len(starts) or starts[k] != starts[k - 1] + step:
-            runs.append((first, k, starts[first], step))
-            first = k
-    return runs
-
-
-class MoELoRAMemoryPool(AdapterStager):
+class MoELoRAMemoryPool(_PoolBatches, _ArenaWrites, AdapterStager):
     """GPU (or CPU) memory pool holding up to ``max_loras`` LoRA adapters of one MoE model.
 
     Args:
@@ -395,21 +290,6 @@ class MoELoRAMemoryPool(AdapterStager):
         ``n * r`` units."""
         return arena_bytes_of(1, 1, hidden_size, intermediate_size, dtype)
 
-    def _layer_buffers(self, blocks: torch.Tensor, ranks: torch.Tensor) -> LoRALayerBuffers:
-        """The kernels' view of the arena for one layer whose block table is ``blocks`` (L, E) and whose
-        slots' ranks in this layer are ``ranks`` (L,)."""
-        from triton_ops.lora_weights import arena_lora_weights
-
-        return LoRALayerBuffers(**arena_lora_weights(**self._arena, blocks=blocks, max_rank=self.max_rank),
-                                slot_ranks=ranks)
-
-    def _arena_rows(self, key: str) -> torch.Tensor:
-        """The (units, width) rows of the arena a host stack ``key`` (``gate_a``, ``up_b``, ...) goes to."""
-        i = self.intermediate_size
-        return {"gate_a": self._arena["gate_up_a"][0], "up_a": self._arena["gate_up_a"][1],
-                "gate_b": self._arena["gate_up_b"][:, :i], "up_b": self._arena["gate_up_b"][:, i:],
-                "down_a": self._arena["down_a"], "down_b": self._arena["down_b"]}[key]
-
     # ----------------------------------------------------------------------------------------------
     # Queries (each answers from one consistent state: taken under the lock)
     # ----------------------------------------------------------------------------------------------
@@ -506,38 +386,6 @@ class MoELoRAMemoryPool(AdapterStager):
         """The pool's lock. A layer holds it from :meth:`check_batch` until its kernels are queued, so no
         slot write can be queued between the check and the forward that relies on it."""
         return self._lock
-
-    def is_current(self, batch: MoELoRABatchInfo) -> bool:
-        """True when ``batch`` was built by this pool and none of its slots changed since."""
-        gens = self._slot_generation
-        return batch.pool is self and all(
-            gens[s] == g for s, g in zip(batch.slots_used, batch.slot_generations, strict=True))
-
-    def check_batch(self, batch: MoELoRABatchInfo) -> None:
-        """Refuses a batch that would run with weights other than its own: one built by another pool
-        (ValueError), or one whose adapter was unloaded, evicted or replaced in its slot since it was built
-        (:class:`StaleBatchError`; :meth:`refresh` rebuilds it in place). Host-side comparisons only (no
-        device read)."""
-        if not isinstance(batch, MoELoRABatchInfo):
-            raise TypeError(
-                f"batch must be a MoELoRABatchInfo from pool.prepare_batch, got {type(batch).__name__}")
-        if batch.pool is not self:
-            owner = "no pool (built by hand)" if batch.pool is None else f"another pool ({batch.pool!r})"
-            raise ValueError(
-                f"this batch was built by {owner}, not by this layer's pool {self!r}: build it with this "
-                "pool's prepare_batch"
-            )
-        gens = self._slot_generation
-        seen = zip(batch.slots_used, batch.slot_generations, batch.slot_adapters, strict=True)
-        for slot, gen, name in seen:
-            if gens[slot] != gen:
-                now = self.slot_adapters[slot]
-                now = f"now holds {now!r}" if isinstance(now, str) else "is now empty"
-                raise StaleBatchError(
-                    f"stale batch: adapter {name!r} was unloaded or evicted since this batch was built (its "
-                    f"slot {slot} {now}); call pool.refresh(batch) (or pool.prepare_batch(..., out=batch)) "
-                    "before this forward"
-                )
 
     def __repr__(self) -> str:
         return (
@@ -854,37 +702,6 @@ class MoELoRAMemoryPool(AdapterStager):
         for name in names:
             recent.move_to_end(name)
 
-    def _hold(self, batch: MoELoRABatchInfo, slots: tuple[int, ...], generations: tuple[int, ...],
-              names: tuple[str, ...], every_name_held: bool) -> None:
-        """Makes ``batch`` a live user of ``slots`` (at ``generations``) until it is released, garbage
-        collected, or rebuilt in place (which moves the hold)."""
-        hold = batch.__dict__.get("_pool_hold")
-        if hold is not None and hold in self._holds:  # rebuilt in place: the batch's hold moves
-            self._count_hold(hold, -1)
-            hold.slots, hold.generations, hold.names = slots, generations, names
-            hold.every_name_held = every_name_held
-        else:
-            hold = _Hold(slots, generations, names, every_name_held)
-            self._holds.add(hold)
-            batch.__dict__["_pool_hold"] = hold
-            # The finalizer only queues the hold: the next transaction drops it.
-            batch.__dict__["_pool_finalizer"] = weakref.finalize(batch, self._released.append, hold)
-        self._count_hold(hold, +1)
-
-    def _count_hold(self, hold: _Hold, sign: int) -> None:
-        gens = self._slot_generation
-        for slot, gen in zip(hold.slots, hold.generations, strict=True):
-            if gens[slot] == gen:  # a slot emptied or rewritten since no longer counts this hold
-                self._slot_users[slot] += sign
-
-    def _drop_released_holds(self) -> None:
-        released = self._released
-        while released:
-            hold = released.popleft()
-            if hold in self._holds:
-                self._holds.discard(hold)
-                self._count_hold(hold, -1)
-
     def _take_slot(self, staged: StagedAdapter, protected: frozenset[int] | set[int] = frozenset()) -> int:
         """A free slot and arena blocks for ``staged`` (for each (layer, expert) it trains, a block of that
         layer's rank), evicting least recently used adapters that are neither pinned, nor used by a live
@@ -954,23 +771,6 @@ class MoELoRAMemoryPool(AdapterStager):
             f"used by live batches ({held}); release a batch, unpin or unload one first"
         )
 
-    def _clear_slot(self, slot: int) -> None:
-        """Gives the slot's arena blocks back and points every (layer, expert) of it at the zero block, with
-        rank and scaling 0. Kernels queued before read the old entries (the fills are queued after them)."""
-        self._units.free(u for starts in self._slot_units[slot] for u in starts)
-        self._slot_units[slot] = []
-        self.blocks[:, slot].zero_()
-        self.layer_ranks[:, slot].zero_()
-        self.slot_rank_host[slot] = 0
-        self.slot_scaling_host[slot] = 0.0
-        self._fill_slot_tables(slot, 0, 0.0)
-
-    def _fill_slot_tables(self, slot: int, rank: int, scaling: float) -> None:
-        # In place, one element (a device fill, no host round trip): kernels and captured CUDA graphs
-        # hold these exact tensors.
-        self.slot_ranks[slot].fill_(int(rank))
-        self.slot_scalings[slot].fill_(float(scaling))
-
     def check_invariants(self) -> None:
         """Asserts the invariants of the pool's state (docs/architecture.md, "Pool state"); AssertionError
         naming the first one broken. Reads the device tables (a sync): for tests and debugging. Run after
@@ -1027,230 +827,8 @@ class MoELoRAMemoryPool(AdapterStager):
             expect(not bool(self.blocks[:, free].any()) and not bool(self.layer_ranks[:, free].any()),
                    "an empty slot's block table or layer ranks are not zero")
 
-    def _write_slot(self, slot: int, staged: StagedAdapter, *, stream: torch.cuda.Stream | None = None
-                    ) -> None:
-        """Writes ``staged`` into the arena blocks :meth:`_take_slot` gave ``slot`` (each layer's rank rows
-        of each block, zeros where the adapter has no module), then the slot's block table entries and the
-        device rank and scaling tables (the host mirrors change at :meth:`_publish`). Only the adapter's own
-        rows cross the bus, through the pinned staging buffer on CUDA. Queued on ``stream`` (default: the
-        current stream). Touches only ``slot``'s rows and entries, so it may run outside the lock while
-        the slot is reserved."""
-        if self._staging is not None and stream is None:
-            stream = torch.cuda.current_stream(self.device)
-        table = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.int32)
-        ranks = torch.zeros(len(self.layer_ids), dtype=torch.int32)
-        for li, lid in enumerate(self.layer_ids):
-            layer_starts = self._slot_units[slot][li]
-            if not layer_starts:
-                continue
-            experts, rank = staged.experts[lid], staged.layer_ranks[lid]
-            table[li, experts] = torch.tensor(layer_starts, dtype=torch.int32)
-            ranks[li] = rank
-            stacks = staged.layers[lid]
-            for first, end, unit, step in _block_runs(layer_starts, rank):
-                run = experts[first:end]
-                if run[-1] - run[0] == end - first - 1:
-                    pick = slice(run[0], run[-1] + 1)
-                else:
-                    pick = torch.tensor(run)
-                for key in ("gate_a", "up_a", "gate_b", "up_b", "down_a", "down_b"):
-                    dst = self._arena_rows(key)[unit : unit + (end - first) * step]
-                    dst = dst.unflatten(0, (end - first, step))[:, :rank]
-                    host = stacks.get(key)
-                    if host is None:  # no module of this projection: the rows still held an older adapter
-                        dst.zero_()
-                        continue
-                    if key.endswith("_b"):  # (n, out, r) on the host: the device copy transposes it
-                        dst, src = dst.transpose(1, 2), host[pick][:, :, :rank]
-                    else:
-                        src = host[pick][:, :rank]
-                    if self._staging is not None:
-                        self._staging.copy(dst, src, stream)
-                    else:
-                        dst.copy_(src)
-        self.blocks[:, slot].copy_(table.to(self.device))
-        self.layer_ranks[:, slot].copy_(ranks.to(self.device))
-        live = any(self._slot_units[slot])
-        self._fill_slot_tables(slot, staged.rank if live else 0, staged.scaling if live else 0.0)
-
     # ----------------------------------------------------------------------------------------------
     # Batches
     # ----------------------------------------------------------------------------------------------
 
-    def prepare_batch(
-        self,
-        adapter_names: Sequence[str | None],
-        seq_lens: Sequence[int] | None = None,
-        *,
-        out: MoELoRABatchInfo | None = None,
-    ) -> MoELoRABatchInfo:
-        """Builds the per-token slot mapping of one step.
 
-        Args:
-            adapter_names: one entry per sequence, an adapter name or ``None`` (no adapter).
-            seq_lens: tokens per sequence (default: 1 each, i.e. decode). Tokens of a sequence are
-                contiguous, sequences in the given order.
-            out: an earlier batch info to update in place (same total token count required): its
-                ``token_slots`` tensor keeps its address, e.g. for CUDA-graph replay.
-
-        Adapters named that are in the host tier are brought back into slots first (never evicting
-        another adapter of this batch). The batch is a live user of its adapters' slots until it is
-        released, garbage collected or rebuilt (LRU eviction passes over them), and its adapters become
-        the most recently used, in the order of their first use. The slot ids are built on the host and
-        sent with a single non-blocking host->device copy; nothing is read back from the device. With
-        ``out=`` and the same names and lengths as ``out`` was built with, while its slots still hold the
-        same adapters, ``out`` is returned as it is.
-        """
-        if isinstance(adapter_names, (str, bytes)):
-            raise ValueError("adapter_names must be a sequence with one entry per sequence, not a str")
-        if not isinstance(adapter_names, Iterable):
-            raise TypeError(
-                "adapter_names must be a sequence with one entry per sequence (str or None), "
-                f"got {type(adapter_names).__name__}"
-            )
-        names = tuple(adapter_names)
-        if not set(map(type, names)) <= _NAME_TYPES:  # the exact check only where the quick one fails
-            bad_names = [n for n in names if n is not None and not isinstance(n, str)]
-            if bad_names:
-                raise TypeError(f"adapter names must be str or None, got {bad_names!r}")
-        if seq_lens is None:
-            lens = (1,) * len(names)
-            num_tokens = len(names)
-        else:
-            if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Iterable):
-                raise TypeError(f"seq_lens must be a sequence of ints, got {type(seq_lens).__name__}")
-            lens = tuple(seq_lens)
-            if len(lens) != len(names):
-                raise ValueError(f"seq_lens has {len(lens)} entries for {len(names)} sequences")
-            bad = [n for n in lens if not _is_int(n) or n < 0]
-            if bad:
-                raise ValueError(f"seq_lens must be non-negative ints, got {bad!r}")
-            lens = tuple(int(n) for n in lens)
-            num_tokens = sum(lens)
-        if num_tokens > _MAX_TOKENS:
-            raise ValueError(f"a batch of {num_tokens} tokens is more than the {_MAX_TOKENS} a batch's int32 "
-                             "token index can address; split it into steps")
-        if out is not None:
-            if not isinstance(out, MoELoRABatchInfo):
-                raise TypeError(
-                    f"out must be a MoELoRABatchInfo from prepare_batch, got {type(out).__name__}")
-            if out.pool is not self:
-                raise ValueError("out= was built by another pool; in-place updates need a batch of this pool")
-            if out.num_tokens != num_tokens or out.token_slots.numel() != num_tokens:
-                raise ValueError(
-                    f"out= holds {out.token_slots.numel()} tokens but this batch has {num_tokens}; "
-                    "in-place update needs the same token count"
-                )
-            if out.token_slots.device != self.slot_ranks.device:
-                raise ValueError(f"out.token_slots is on {out.token_slots.device}, the pool on {self.device}")
-
-        with self._transaction:
-            return self._prepare_batch_locked(names, lens, num_tokens, out, one_token_each=seq_lens is None)
-
-    def refresh(self, batch: MoELoRABatchInfo) -> bool:
-        """Makes a stale ``batch`` current again, in place, when every adapter it names is still held
-        (resident, or in the host tier: brought back): what a serving loop calls when an unload or an
-        eviction landed between its ``prepare_batch`` and its forward, so the step is not lost. Returns
-        False (and changes nothing) for a current batch, True after a rebuild; ValueError naming the
-        adapters that are gone when one is. Its tokens then use the same adapters' weights, in whatever
-        slots they now occupy; ``token_slots`` keeps its tensor (CUDA-graph replay)."""
-        if not isinstance(batch, MoELoRABatchInfo):
-            raise TypeError(f"batch must be a MoELoRABatchInfo from pool.prepare_batch, got "
-                            f"{type(batch).__name__}")
-        with self._transaction:
-            if self.is_current(batch):
-                return False
-            self.prepare_batch(batch.adapter_names, batch.seq_lens, out=batch)
-            return True
-
-    def _prepare_batch_locked(
-        self, names: tuple[str | None, ...], lens: tuple[int, ...], num_tokens: int,
-        out: MoELoRABatchInfo | None, *, one_token_each: bool = False
-    ) -> MoELoRABatchInfo:
-        if out is not None and out.adapter_names == names and out.seq_lens == lens:
-            hold = out.__dict__.get("_pool_hold")
-            # Unless a name has no tokens: it holds no slot, so only the full check below sees it is gone.
-            if hold is not None and hold in self._holds and hold.every_name_held and self.is_current(out):
-                # The same mapping as when ``out`` was built, and each of its slots still holds the same
-                # adapter (a decode step whose rows did not change): token_slots already says it all.
-                self._touch(hold.names)
-                return out
-        distinct = dict.fromkeys(names)
-        distinct.pop(None, None)
-        # An adapter being loaded asynchronously is not usable until published, host copy or not.
-        unknown = [n for n in distinct if n in self._pending
-                   or (n not in self.adapter_slots and n not in self._host_tier)]
-        if unknown:
-            loading = sorted(n for n in unknown if n in self._pending)
-            gone = sorted(n for n in unknown if n not in self._pending)
-            what = [f"unknown adapter(s) {gone}"] if gone else []
-            what += [f"adapter(s) {loading} still loading (load_adapter_async)"] if loading else []
-            raise ValueError(f"{'; '.join(what)}; {self._known()}")
-        # A name with no tokens takes no slot (it may stay in the host tier).
-        every_sequence_has_tokens = one_token_each or min(lens, default=1) > 0
-        if every_sequence_has_tokens:
-            wanted = tuple(distinct)
-        else:
-            wanted = tuple(dict.fromkeys(n for n, k in zip(names, lens, strict=True)
-                                         if n is not None and k > 0))
-        slot_of = self.adapter_slots
-        # Taken out of the host tier before anything is placed: placing one can evict a resident adapter
-        # into the host tier, which may push another wanted one out of it. The batch's resident adapters
-        # and those brought back are protected, so bringing one back never evicts another of the batch.
-        missing = [self._host_tier[n] for n in wanted if n not in slot_of]
-        if missing:
-            protected = {slot_of[n] for n in wanted if n in slot_of}
-            for staged in missing:
-                protected.add(self._place(staged, protected=protected))
-        self._touch(wanted)
-        if every_sequence_has_tokens:
-            table = {n: slot_of[n] for n in wanted}
-            table[None] = -1
-            seq_slots = array.array("i", [table[n] for n in names])
-        else:
-            seq_slots = array.array("i", (slot_of[n] if n is not None and k > 0 else -1
-                                          for n, k in zip(names, lens, strict=True)))
-        used = tuple(sorted(map(slot_of.__getitem__, wanted)))
-        max_rank = max(map(self.slot_rank_host.__getitem__, used), default=0)
-        generations = tuple(map(self._slot_generation.__getitem__, used))
-        slot_names = tuple(map(self.slot_adapters.__getitem__, used))
-
-        # One int per token: per sequence, repeated on the host by torch (not a Python list of M ints).
-        host = (torch.frombuffer(seq_slots, dtype=torch.int32) if seq_slots
-                else torch.empty((0,), dtype=torch.int32))
-        if not (every_sequence_has_tokens and num_tokens == len(names)):  # not one token each (decode)
-            host = host.repeat_interleave(torch.tensor(lens))
-        # From pageable memory: the driver stages a host->device copy this small before returning (no
-        # device sync), which costs the host less than pinning a buffer for it.
-        on_cuda = self.device.type == "cuda"
-
-        if out is None:
-            batch = MoELoRABatchInfo(
-                token_slots=host.to(self.device, non_blocking=on_cuda),
-                slot_ranks=self.slot_ranks,
-                slot_scalings=self.slot_scalings,
-                num_tokens=num_tokens,
-                has_lora=bool(used),
-                max_rank=max_rank,
-                slots_used=used,
-                adapter_names=names,
-                seq_lens=lens,
-                pool=self,
-                slot_generations=generations,
-                slot_adapters=slot_names,
-            )
-            self._hold(batch, used, generations, wanted, len(wanted) == len(distinct))
-            return batch
-
-        out.token_slots.copy_(host, non_blocking=on_cuda)
-        out.slot_ranks = self.slot_ranks
-        out.slot_scalings = self.slot_scalings
-        out.has_lora = bool(used)
-        out.max_rank = max_rank
-        out.slots_used = used
-        out.adapter_names = names
-        out.seq_lens = lens
-        out.slot_generations = generations
-        out.slot_adapters = slot_names
-        self._hold(out, used, generations, wanted, len(wanted) == len(distinct))
-        return out
