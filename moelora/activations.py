@@ -1,6 +1,6 @@
 """The gated activations of MoE experts: ``h = act(g, u)`` from an expert's gate and up projections.
 
-DESIGN §1 writes ``h = silu(g) ⊙ u``; families differ in what stands there. Every path (the Triton
+docs/design.md §1 writes ``h = silu(g) ⊙ u``; families differ in what stands there. Every path (the Triton
 kernels, the PyTorch path, the reference) takes one :class:`GatedActivation` (or the name of a plain
 one) and computes the same function of ``g`` and ``u``, each already holding its LoRA delta.
 """

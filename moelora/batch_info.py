@@ -1,4 +1,4 @@
-"""Per-step batch description for the MoE LoRA layers (DESIGN.md §2).
+"""Per-step batch description for the MoE LoRA layers (docs/design.md §2).
 
 A :class:`MoELoRABatchInfo` is built once per forward step by
 :meth:`moelora.pool.MoELoRAMemoryPool.prepare_batch` and shared, unchanged, by every MoE layer of the

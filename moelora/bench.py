@@ -210,7 +210,7 @@ def token_slots_for(m: int, n_adapters: int, popularity: str, seed: int) -> torc
 
 @dataclass
 class LoRABuffers:
-    """Random adapters in every slot: the dense tensors (DESIGN §2, what the naive loop reads) and the
+    """Random adapters in every slot: the dense tensors (docs/design.md §2, what the naive loop reads) and the
     same values in the pool's arena layout (``weights``: what the kernels read, as they do when serving)."""
 
     gate_up_a: torch.Tensor  # (L, E, 2R, H)

@@ -1,4 +1,4 @@
-"""``FusedMoEWithLoRA``: one MoE layer that adds every token's own adapter delta (DESIGN §1).
+"""``FusedMoEWithLoRA``: one MoE layer that adds every token's own adapter delta (docs/design.md §1).
 
 Paths (``path=``):
   "fused"   all-in-one: the LoRA shrink runs inside the base GEMMs (the activation tile is already
@@ -57,7 +57,8 @@ class FusedMoEWithLoRA(nn.Module):
             an ungated up projection standing as both halves); shared, not copied; any strides.
         w2: (E, H, I) base down weights; shared, not copied.
         pool: the adapter pool; ``layer_id`` (the model's own layer index) must be one of its layers.
-        routed_scaling_factor: rsf of DESIGN §1 (DeepSeek-V3: 2.5 unless the router already applied it).
+        routed_scaling_factor: rsf of docs/design.md §1 (DeepSeek-V3: 2.5 unless the router already applied
+            it).
         activation: the gated activation: "silu" (default), "gelu" (exact), "gelu_tanh", or a
             :class:`moelora.activations.GatedActivation` (the clamped SwiGLUs of gpt-oss-style families).
         apply_router_weight_on_input: scale x by the routing weight before GEMM1 (top-1 models, Llama-4).
@@ -141,7 +142,7 @@ class FusedMoEWithLoRA(nn.Module):
             check_block_fp8(w13, w2, fp8)
             if path == "fused":
                 raise ValueError("FP8 experts take path 'auto', 'split', 'staged' or 'torch': the fused "
-                                 "path's LoRA shrink would read the FP8 copy of x (DESIGN §1)")
+                                 "path's LoRA shrink would read the FP8 copy of x (docs/design.md §1)")
         elif w13.dtype != pool.dtype or w2.dtype != pool.dtype:
             raise TypeError(f"w13/w2 must have the pool's dtype {pool.dtype}, got {w13.dtype}/{w2.dtype}")
         if w13.device.type != torch.device(pool.device).type or w2.device.type != w13.device.type:
@@ -225,7 +226,8 @@ class FusedMoEWithLoRA(nn.Module):
         topk_ids: torch.Tensor,
         batch: MoELoRABatchInfo | None = None,
     ) -> torch.Tensor:
-        """(M, H) = rsf * sum_k w_k * W2'(act(W_gate' x) * W_up' x) with each token's adapter (DESIGN §1).
+        """(M, H) = rsf * sum_k w_k * W2'(act(W_gate' x) * W_up' x) with each token's adapter
+        (docs/design.md §1).
 
         ``batch`` must come from this layer's pool and be current: a batch from another pool, or one
         whose adapter was unloaded or evicted since ``prepare_batch``, is refused (a host-side check).

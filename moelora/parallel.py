@@ -1,20 +1,20 @@
 """Tensor- and expert-parallel MoE layers: which part of the experts and of each adapter a rank holds.
 
 A :class:`MoEShard` names one rank's part of a MoE layer of ``E`` experts of intermediate size ``I``
-(DESIGN §7). With T tensor-parallel ranks, rank t holds the rows ``[t I/T, (t+1) I/T)`` of the gate and of
-the up projection and the same columns of the down projection; with P expert-parallel ranks, rank p holds
-``E/P`` experts (contiguous, or any list). A pool built with a shard stores only that part of every adapter
-(``MoELoRAMemoryPool(..., shard=)``: gate/up A whole, gate/up B the local rows, down A the local columns,
-down B whole, local experts only), and a layer on that pool takes the local base weights
+(docs/design.md §7). With T tensor-parallel ranks, rank t holds the rows ``[t I/T, (t+1) I/T)`` of the gate
+and of the up projection and the same columns of the down projection; with P expert-parallel ranks, rank p
+holds ``E/P`` experts (contiguous, or any list). A pool built with a shard stores only that part of every
+adapter (``MoELoRAMemoryPool(..., shard=)``: gate/up A whole, gate/up B the local rows, down A the local
+columns, down B whole, local experts only), and a layer on that pool takes the local base weights
 (``shard.split_weights``) and global ``topk_ids``.
 
-Math. Each rank computes, for its experts and its I share, the layer of DESIGN §1: its gate/up rows give
-exactly its share ``h_t`` of every pair's activated ``h`` (the gate/up delta ``s B_t (A x)`` is row-local),
-and its down projection adds ``W2_t h_t + s B (A_t h_t)``. Summed over the tensor-parallel ranks that is
-``W2 h + s B (A h)``, since ``A h = sum_t A_t h_t``: the down LoRA needs no communication of its own and
-rides in the all-reduce that sums the base's partial outputs. A pair routed to another expert-parallel rank's
-expert has expert id -1 here (``expert_map``) and contributes nothing (DESIGN §4), so summing the ranks'
-outputs over the expert-parallel ranks too gives the whole layer: ``FusedMoEWithLoRA(...,
+Math. Each rank computes, for its experts and its I share, the layer of docs/design.md §1: its gate/up rows
+give exactly its share ``h_t`` of every pair's activated ``h`` (the gate/up delta ``s B_t (A x)`` is
+row-local), and its down projection adds ``W2_t h_t + s B (A_t h_t)``. Summed over the tensor-parallel ranks
+that is ``W2 h + s B (A h)``, since ``A h = sum_t A_t h_t``: the down LoRA needs no communication of its own
+and rides in the all-reduce that sums the base's partial outputs. A pair routed to another expert-parallel
+rank's expert has expert id -1 here (``expert_map``) and contributes nothing (docs/design.md §4), so summing
+the ranks' outputs over the expert-parallel ranks too gives the whole layer: ``FusedMoEWithLoRA(...,
 process_group=, reduce_results=True)`` all-reduces over the group that spans both.
 """
 

@@ -1,6 +1,6 @@
 """Memory pool of MoE LoRA adapters: one arena per device, adapters stored at their own rank.
 
-Storage (DESIGN.md §7): the pool owns one arena of *units*, a unit being one rank row of one (layer,
+Storage (docs/design.md §7): the pool owns one arena of *units*, a unit being one rank row of one (layer,
 expert) across the four LoRA matrices::
 
     gate_up_a (2, U, H)   plane 0 gate A rows, plane 1 up A rows

@@ -24,7 +24,7 @@ __all__ = ["DenseLoRA", "LoRALayerBuffers"]
 
 @dataclass(frozen=True)
 class DenseLoRA:
-    """Adapter weights in the dense layout of DESIGN.md §2, gathered from the arena for some slots and
+    """Adapter weights in the dense layout of docs/design.md §2, gathered from the arena for some slots and
     experts (``LoRALayerBuffers.dense``): what the reference and the PyTorch path read."""
 
     gate_up_a: torch.Tensor  # (slots, experts, 2R, H): rows [0, R) gate A, [R, 2R) up A

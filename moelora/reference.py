@@ -1,4 +1,4 @@
-"""Slow, obviously-correct PyTorch oracle for the MoE + multi-LoRA math (DESIGN.md §1, §2).
+"""Slow, obviously-correct PyTorch oracle for the MoE + multi-LoRA math (docs/design.md §1, §2).
 
 Every fast path in moelora (staged Triton kernels, all-in-one kernels, the layer) is tested against
 the functions here. They favour clarity over speed: explicit Python loops over tokens and top-k
@@ -134,7 +134,7 @@ def _used_adapters(adapters: list[ReferenceLoRA | None], slots: list[int], hidde
 
 def _check_ids_and_activation(topk_ids: torch.Tensor, activation: str | GatedActivation) -> GatedActivation:
     """Raises on non-integer expert ids or an unknown activation; returns the activation. Ids outside
-    [0, E) are valid input: such a pair contributes nothing (DESIGN §4)."""
+    [0, E) are valid input: such a pair contributes nothing (docs/design.md §4)."""
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     return as_gated_activation(activation)
@@ -254,7 +254,7 @@ def reference_moe(
     """MoE layer output with per-token LoRA adapters, ``(M, H)``.
 
     ``out_t = rsf · Σ_k w_k · y_k`` with ``y_k = W'_down (act(W'_gate x_t) ⊙ W'_up x_t)`` and
-    ``W' = W + s · B · A`` of token ``t``'s adapter (DESIGN.md §1). With
+    ``W' = W + s · B · A`` of token ``t``'s adapter (docs/design.md §1). With
     ``apply_router_weight_on_input`` the weight scales the input instead:
     ``out_t = rsf · Σ_k y_k(w_k · x_t)``.
 
@@ -368,7 +368,7 @@ def reference_moe_from_pool(
     apply_router_weight_on_input: bool = False,
     activation: str | GatedActivation = "silu",
 ) -> torch.Tensor:
-    """:func:`reference_moe` on adapters stored in the pool layout of DESIGN.md §2, ``(M, H)``.
+    """:func:`reference_moe` on adapters stored in the pool layout of docs/design.md §2, ``(M, H)``.
 
     Buffers (``L`` slots, ``R`` = max rank)::
 

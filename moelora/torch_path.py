@@ -1,6 +1,6 @@
 """Vectorised PyTorch MoE + multi-LoRA forward on the pool layout (the path used for CPU tensors).
 
-Same math as :func:`moelora.reference.reference_moe` (DESIGN.md §1), but without Python loops over
+Same math as :func:`moelora.reference.reference_moe` (docs/design.md §1), but without Python loops over
 tokens: one iteration per expert that has (token, k) pairs, with the base GEMMs of all its pairs done
 as one matmul and the LoRA of all its pairs done at once.
 
@@ -169,7 +169,7 @@ def moe_lora_forward_torch(
     """MoE layer output with per-token LoRA adapters from the pool, ``(M, H)`` in ``x.dtype``.
 
     For token ``t`` with slot ``a = batch.token_slots[t]`` (``-1`` = none) and its (expert ``e``,
-    weight ``w``) pairs (DESIGN.md §1)::
+    weight ``w``) pairs (docs/design.md §1)::
 
         xin = w · x_t if apply_router_weight_on_input else x_t
         gu  = w13[e] xin + b13[e] + s_a · [B_gate(A_gate xin); B_up(A_up xin)]     (before the activation)

@@ -4,7 +4,7 @@ Hunyuan-V4, MiniMax-M3 (gpt-oss' form, chunked halves) and Step-3.7, on every pa
 The families' experts modules are built from transformers with minimal configs; their own forward is the
 oracle of the activation (``_check_supported`` must find exactly the gate function each one computes).
 The Triton paths (fused, split, staged) are checked against the PyTorch path in the interpreter (fp32)
-and on the GPU (bf16), with LoRA deltas entering before the activation (DESIGN §1).
+and on the GPU (bf16), with LoRA deltas entering before the activation (docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from moelora.torch_path import moe_lora_forward_torch
 
 F32, BF16 = torch.float32, torch.bfloat16
 # E=5 (prime), H=24, I=20 (H != I, neither a power of two): a gate/up or H/I mix-up fails.
-E, H, I = 5, 24, 20  # noqa: E741  (I = intermediate size, as in DESIGN.md)
+E, H, I = 5, 24, 20  # noqa: E741  (I = intermediate size, as in docs/design.md)
 
 # Small limits so that gate and up values of randn-scale inputs pass them: every clamp is exercised.
 KINDS = {

@@ -22,7 +22,7 @@ F32 = torch.float32
 
 # H=24, I=20: H != I and neither a power of two, so a gate/up/down or B-transpose mix-up fails.
 # E=5 (prime): an expert index used as a unit or a slot lands on the wrong rows.
-H, I, E = 24, 20, 5  # noqa: E741  (I = intermediate size, as in DESIGN.md)
+H, I, E = 24, 20, 5  # noqa: E741  (I = intermediate size, as in docs/design.md)
 # Non-contiguous model layer ids: a table indexed by id instead of position fails.
 LAYERS = (1, 4)
 DIMS = {"gate": (H, I), "up": (H, I), "down": (I, H)}  # (in, out)

@@ -397,8 +397,8 @@ def test_with_lora_tiles_by_rank_and_as_lora():
 @pytest.mark.interpreter
 def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
     """benchmarks/ab_env.py (dry run, interpreter): B's launches see --env, A's and base's the launch
-    overrides as they were, which are restored afterwards. M=80 x top-2: 160 pairs, the prefill split path with its
-    epilogue prefetch decision; 3 adapters: blocks with several slots."""
+    overrides as they were, which are restored afterwards. M=80 x top-2: 160 pairs, the prefill split path
+    with its epilogue prefetch decision; 3 adapters: blocks with several slots."""
     import ab_env
 
     import triton_ops.fused_moe as fused_moe_module

@@ -330,7 +330,7 @@ def test_no_adapter_batch_is_base_bit_for_bit(path, dtype, names, seq_lens):
 @pytest.mark.parametrize("path", TRITON_PATHS)
 @pytest.mark.parametrize("dtype", [F32, F16], ids=DTYPE_IDS.get)
 def test_tokens_without_adapter_get_base_output(path, dtype):
-    """DESIGN §1: a token with no adapter gets the base MoE output, also inside a batch with adapters.
+    """docs/design.md §1: a token with no adapter gets the base MoE output, also inside a batch with adapters.
 
     Both paths add nothing for slot -1 rows: the fused path runs the base GEMMs unchanged, the staged path
     keeps the raw GEMM1 output in fp32 so its activation sees what the base epilogue sees. Bit for bit."""

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 # H=16, I=12, E=4: H != I and H != 2I, so every F2 tensor's orientation is decided by its shape and an
 # H/I mix-up fails. Layer 0 is dense (mlp_only_layers=[0]); layers 1 and 2 are MoE.
-H, I, E, TOP_K = 16, 12, 4, 2  # noqa: E741  (I = intermediate size, as in DESIGN.md)
+H, I, E, TOP_K = 16, 12, 4, 2  # noqa: E741  (I = intermediate size, as in docs/design.md)
 MOE_LAYERS = (1, 2)
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"

@@ -22,7 +22,7 @@ F32 = torch.float32
 
 # H=48, I=40: not powers of two and H != I, so a swapped gate/up/down shape or an H/I mix-up fails.
 # E=6: not a power of two; with top-k 6 every token visits every expert.
-H, I, E = 48, 40, 6  # noqa: E741  (I = intermediate size, as in DESIGN.md)
+H, I, E = 48, 40, 6  # noqa: E741  (I = intermediate size, as in docs/design.md)
 # Layer ids 3 and 7: non-contiguous model indices (DeepSeek's first layers are dense), so a pool that
 # indexes its layers by position instead of by id fails.
 LAYERS = (3, 7)

@@ -24,7 +24,7 @@ F64 = torch.float64
 
 # H=48, I=40: not powers of two and H != I, so a swapped gate/up/down shape or an H/I mix-up fails.
 # E=6: not a power of two; with top-k 6 every token visits every expert.
-H, I, E = 48, 40, 6  # noqa: E741  (I = intermediate size, as in DESIGN.md)
+H, I, E = 48, 40, 6  # noqa: E741  (I = intermediate size, as in docs/design.md)
 # M=11: odd, prime token count; no accidental alignment to any block size.
 M = 11
 

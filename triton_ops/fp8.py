@@ -10,7 +10,7 @@ Semantics (DeepSeek-V3's fine-grained FP8, transformers' ``FineGrainedFP8`` and 
                   accumulated in fp32 (``fused_moe._gemm_k_loop`` with BLOCK_SCALED: BLOCK_K = block_k,
                   one dot per group, scaled as it is added)
 
-The LoRA side stays in the activations' dtype (DESIGN §1): the shrinks read the original x and the
+The LoRA side stays in the activations' dtype (docs/design.md §1): the shrinks read the original x and the
 unquantized intermediate h; only the base GEMMs read x_q and h_q.
 """
 

@@ -232,7 +232,7 @@ def sparse_routing_aligns(hidden: int, intermediate: int, elem_bytes: int) -> bo
 
 @dataclass(frozen=True)
 class MoELoRAInputs:
-    """One layer's adapter buffers (DESIGN §2) plus the batch's slot per token.
+    """One layer's adapter buffers (docs/design.md §2) plus the batch's slot per token.
 
     ``max_rank`` is the largest real rank among the slots this batch uses (known on the host): it sets
     the rank tile, so a batch of rank-8 adapters in a max-rank-64 pool does rank-8 (tile 16) work.
@@ -293,7 +293,7 @@ def fused_experts(
         no_combine: return (M, top_k, H) per-pair outputs rsf * w * y instead of their sum.
         config: force a launch config (default: ``triton_ops.configs.get_moe_config``); on the split LoRA
             path its LoRA tiles for the rank tile and ``lora.num_adapters`` when it has them.
-        lora: per-token adapter deltas (DESIGN §1: gate/up before the activation, down after it).
+        lora: per-token adapter deltas (docs/design.md §1: gate/up before the activation, down after it).
         lora_path: "fused" (shrinks in the GEMM K-loops, expands in their epilogues: the base path's
             launches), "split" (each shrink once per pair by ``moe_lora_a``, expands in the GEMM
             epilogues: two more launches, no recomputation across N tiles; at decode the gate/up
@@ -319,7 +319,7 @@ def fused_experts(
         if lora is not None and lora_path == "fused":
             raise ValueError("FP8 experts take lora_path 'split' or 'staged': the fused path's shrink rides "
                              "on the GEMM's a tiles, the FP8 copy of x, and the LoRA must read x itself "
-                             "(DESIGN §1)")
+                             "(docs/design.md §1)")
     activation_args(activation)  # raises for an unknown one
     _check_biases(w13, w2, x, w13_bias, w2_bias)
     if inplace and no_combine:
@@ -362,7 +362,7 @@ def fused_experts(
         rank_block = lora_rank_block(lora.max_rank)
     if staged:
         # fp32 and computed with the gated tiles, so rows without an adapter see exactly the activation
-        # input of the base path's fused epilogue and come out bit for bit equal to it (DESIGN §1).
+        # input of the base path's fused epilogue and come out bit for bit equal to it (docs/design.md §1).
         gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=torch.float32, device=x.device)
     scale_block_n, scale_block_k = fp8.block_shape if block_scaled else (0, 0)
     gemm1_fp8 = gemm2_fp8 = {}

@@ -15,7 +15,7 @@ Semantics:  for every routed pair p = t*top_k + j with expert e = topk_ids[t, j]
 Grid:       (cdiv(max_padded, BLOCK_M) * cdiv(N, BLOCK_N),), grouped GROUP_M blocks of M at a time so
             consecutive programs reuse the same weight tiles from L2.
 
-With LORA (any variant but LORA_NONE) every pair also gets its adapter's delta, per DESIGN §1:
+With LORA (any variant but LORA_NONE) every pair also gets its adapter's delta, per docs/design.md §1:
             GEMM1: g += s_a B_gate[a,e] (A_gate[a,e] x),  u += s_a B_up[a,e] (A_up[a,e] x)  before act;
             GEMM2: y += s_a B_down[a,e] (A_down[a,e] h)  before the routed weight and rsf,
             with a = token_slots[p // slot_row_div] (-1: no delta). Where the shrink comes from (inside the
@@ -1240,7 +1240,7 @@ def _check_block_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor 
         raise TypeError(f"FP8 scales must be float32, got {a_scale.dtype} and {b_scale.dtype}")
     if lora is not None and lora.shrunk is None and lora.packed is None:
         raise ValueError("an FP8 GEMM's LoRA needs its shrink precomputed from the unquantized input "
-                         "(lora.shrunk or lora.packed): the K-loop's a is the FP8 copy (DESIGN §1)")
+                         "(lora.shrunk or lora.packed): the K-loop's a is the FP8 copy (docs/design.md §1)")
 
 
 def _fits_one_wave(programs: int, device: torch.device) -> bool:

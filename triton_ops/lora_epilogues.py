@@ -4,7 +4,7 @@ loads what it needs before the base K-loop and the epilogue that adds the delta 
 Semantics (every variant): for each row m of the block with adapter slot s = row_slot[m] >= 0,
             acc[m, :]    += scaling_s * B[s, e, :N] (A[s, e] a_m)          (gate, or the only projection)
             acc_up[m, :] += scaling_s * B[s, e, N:2N] (A[s, e, R:2R] a_m)  (up, when GATED)
-before the activation and the routed weight (DESIGN §1). The variants differ only in where the shrink
+before the activation and the routed weight (docs/design.md §1). The variants differ only in where the shrink
 A a_m comes from and how the expand is tiled; ``fused_moe.plan_lora_epilogue`` picks one per launch from
 host-known sizes, and the kernel takes it as its ``LORA`` meta-parameter:
 

@@ -7,7 +7,7 @@ is at element
     blocks[slot, expert] * stride_unit + r * stride_rank + c * stride_col
 
 of ``data``. The pool's arena stores each adapter at its own rank and only for the experts it trains, and
-points every other (slot, expert) at a shared zero block; a dense ``(L, E, R, .)`` buffer (DESIGN.md §2,
+points every other (slot, expert) at a shared zero block; a dense ``(L, E, R, .)`` buffer (docs/design.md §2,
 what tests and benchmarks build) is the table ``slot * E + expert`` with the expert stride as its unit.
 """
 

@@ -1,4 +1,4 @@
-"""Staged MoE LoRA kernels (seed 002's interface with DESIGN §1's math).
+"""Staged MoE LoRA kernels (seed 002's interface with docs/design.md §1's math).
 
 Staged path, around the base GEMMs of ``fused_moe.py``:
   1. moe_lora_a          a1[p, :]  = A_gate_up[a_p, e_p] @ x[t_p]                      (shrink, grouped)
