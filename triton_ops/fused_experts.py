@@ -223,9 +223,9 @@ def sparse_routing_aligns(hidden: int, intermediate: int, elem_bytes: int) -> bo
     """Whether a token whose pairs often name other ranks' experts (``sparse_routing``) is aligned, so
     those pairs take null blocks that read nothing, instead of a direct program each that runs on expert 0
     and stores zeros (``decode_direct_pairs``): where an expert's weights (3 x H x I) outgrow L2, each such
-    program streams expert 0 from memory again. DeepSeek-V3 (88 MB an expert), 2 expert-parallel H200s,
-    M=1: 170 -> 146 µs; Qwen3-30B-A3B (9 MB): 41 -> 47 µs, hence the bound (docs/performance.md, 'Levers':
-    expert-parallel decode). ``sparse_align=0`` / ``=1`` forces it (to compare)."""
+    program streams expert 0 from memory again. It paid on DeepSeek-V3 (88 MB an expert) and lost on
+    Qwen3-30B-A3B (9 MB), hence the bound (docs/performance.md, 'Levers': expert-parallel decode).
+    ``sparse_align=0`` / ``=1`` forces it (to compare)."""
     usual = 3 * hidden * intermediate * elem_bytes >= SPARSE_ALIGN_MIN_EXPERT_BYTES
     return overrides.switch("sparse_align", default=usual)
 
@@ -596,7 +596,7 @@ def fp8_lora_takes_bf16_tiles(rows: int) -> bool:
     """Whether FP8 GEMMs with adapters (split path) take the activations' dtype's tuned LoRA tiles (BLOCK_K
     set to the scale group) instead of the FP8 files' base tiles, which hold no LoRA tiles: for one decode
     token, whose one-row LoRA epilogue those tiles were tuned for. Past it the FP8 base tiles win: the bf16
-    LoRA tiles with FP8's 128-wide K steps took 1.2-3x the time at prefill (docs/performance.md, 'FP8').
+    LoRA tiles with FP8's 128-wide K steps lost at prefill (docs/performance.md, 'FP8').
     ``fp8_lora_tiles=bf16`` or ``fp8`` takes those tiles at every size (to compare)."""
     choice = overrides.value("fp8_lora_tiles") or "auto"
     return choice == "bf16" or (choice == "auto" and rows == 1)
