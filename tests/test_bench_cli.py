@@ -187,16 +187,16 @@ def test_median_round_keeps_one_rounds_pair():
 
 def test_graph_rounds_time_each_call_once_a_round(monkeypatch):
     # CPU stand-ins for the graph capture and the interleaved timer: round r times call j as 10*r + j ms.
-    from moelora import bench
+    from moelora import bench, bench_timing
 
     rounds_seen = []
-    monkeypatch.setattr(bench, "_capture", lambda fn: None)  # capture failed: the calls are timed eagerly
+    monkeypatch.setattr(bench_timing, "_capture", lambda fn: None)  # capture failed: the calls are timed eagerly
 
     def fake_timer(fns, warmup_ms, rep_ms, flush):
         rounds_seen.append(len(fns))
         return [10.0 * (len(rounds_seen) - 1) + j for j in range(len(fns))]
 
-    monkeypatch.setattr(bench, "cold_l2_times_ms", fake_timer)
+    monkeypatch.setattr(bench_timing, "cold_l2_times_ms", fake_timer)
     times, used = bench.graph_rounds_us([lambda: None, lambda: None], 1.0, 1.0, rounds=3)
     assert times == [[0.0, 10e3, 20e3], [1e3, 11e3, 21e3]] and used == [False, False]
     assert rounds_seen == [2, 2, 2]
