@@ -419,6 +419,41 @@ def test_step_selection_rebuilds_in_place_and_holds_nothing_between_steps(qwen3_
     assert len(tensors) == 1  # one token count, one batch info, rebuilt in place at each step
 
 
+def test_step_padding_routes_filler_to_no_expert(qwen3_fixture, monkeypatch):
+    """handle.step(padding=): the left padding of a batch of prompts of different lengths reaches the MoE
+    layers with expert id -1 (no expert work), the real tokens' logits are those of the unmasked run, and
+    a padding that is not a 1-D bool tensor is refused."""
+    from moelora.layer import FusedMoEWithLoRA
+
+    model, handle = qwen3_fixture
+    gen = torch.Generator().manual_seed(21)
+    lens, width = [6, 3, 5], 6
+    ids = torch.randint(1, 128, (3, width), generator=gen)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, n in enumerate(lens):
+        mask[row, width - n:] = 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    rows = ["chat", None, "math"]
+    seen = []
+    forward = FusedMoEWithLoRA.forward
+    monkeypatch.setattr(FusedMoEWithLoRA, "forward",
+                        lambda self, x, w, i, b=None: seen.append(i.clone()) or forward(self, x, w, i, b))
+    with torch.no_grad():
+        with handle.step(rows):
+            want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        seen.clear()
+        with handle.step(rows, padding=(mask == 0).flatten()):
+            got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    assert seen, "the MoE layers ran"
+    for routed in seen:  # (tokens, top_k): filler rows all -1, real rows all experts
+        assert (routed[~real.flatten()] == -1).all() and (routed[real.flatten()] >= 0).all()
+    with pytest.raises(TypeError, match="padding must be a 1-D bool tensor"):
+        with handle.step(rows, padding=mask.flatten()):
+            pass
+
+
 def test_base_experts_choice(monkeypatch):
     """base_experts="kernels": a step with no adapter runs the layer's kernels (the model's numbers, within
     fp32 rounding); outside any adapter context the model's own experts module runs; bad values refused."""

@@ -162,6 +162,11 @@ class MoELoRAExperts(nn.Module):
             weights, ids = _dense_routing(x, self.num_experts)
         else:
             weights, ids = top_k_weights.reshape(num_tokens, -1), top_k_index.reshape(num_tokens, -1)
+            selection = self._selector.active()
+            padding = None if selection is None else selection.padding
+            if padding is not None and padding.numel() == num_tokens:
+                # Tokens whose outputs nobody reads (a padded batch's filler) route to no expert: no work.
+                ids = ids.masked_fill(padding.view(num_tokens, 1), -1)
         lora_batch = batch if batch is not None and batch.has_lora else None
         if self.post_expert_norm is not None:
             def run(rows: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor) -> torch.Tensor:

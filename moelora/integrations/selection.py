@@ -19,6 +19,7 @@ class _Selection:
     def __init__(self, names: tuple[str | None, ...], seq_lens: tuple[int, ...] | None) -> None:
         self.names = names
         self.seq_lens = seq_lens
+        self.padding: torch.Tensor | None = None  # (tokens,) bool: filler tokens, routed to no expert
         self.any_adapter = any(n is not None for n in names)
         self.batches: dict[Any, MoELoRABatchInfo] = {}  # by token count (and set, copies, rows)
         self.built: dict[Any, int] = {}  # the epoch each batch was last built for
@@ -29,6 +30,7 @@ class _Selection:
         """Takes ``other``'s names and lengths for the next step; the batch infos are kept and rebuilt in
         place (``prepare_batch(..., out=)``) at their first use in that step."""
         self.names, self.seq_lens, self.any_adapter = other.names, other.seq_lens, other.any_adapter
+        self.padding = other.padding
         self.epoch += 1
 
     def lens_for(self, num_tokens: int) -> tuple[int, ...]:

@@ -339,14 +339,25 @@ class MoELoRAHandle:
             yield self
 
     @contextlib.contextmanager
-    def step(self, names: Sequence[str | None], seq_lens: Sequence[int] | None = None
-             ) -> Iterator[MoELoRAHandle]:
+    def step(self, names: Sequence[str | None], seq_lens: Sequence[int] | None = None, *,
+             padding: torch.Tensor | None = None) -> Iterator[MoELoRAHandle]:
         """Like :meth:`adapters`, for a serving loop's steps: one selection lives across steps, and its
         batch infos (one per token count) are rebuilt in place each step (``prepare_batch(..., out=)``)
         instead of allocated. On exit they release their slots, so between steps nothing keeps an
-        adapter from LRU eviction. One serving loop per handle: its steps do not nest or overlap."""
+        adapter from LRU eviction. One serving loop per handle: its steps do not nest or overlap.
+
+        ``padding``: a bool tensor with one entry per token of the step's forward (rows flattened), True
+        for filler tokens whose outputs nobody reads (the left padding of prompts of different lengths
+        run as one batch): the MoE layers route them to no expert, so they cost no expert work. Their own
+        hidden states then differ from an unpadded run's; every other token's are unchanged as long as
+        the attention mask hides the filler from them."""
         self._require_attached()
+        if padding is not None and (not isinstance(padding, torch.Tensor) or padding.dtype != torch.bool
+                                    or padding.dim() != 1):
+            got = f"{padding.dtype} {tuple(padding.shape)}" if isinstance(padding, torch.Tensor) else padding
+            raise TypeError(f"padding must be a 1-D bool tensor (one entry per token), got {got!r}")
         fresh = self._selector.make(names, seq_lens)
+        fresh.padding = padding
         with self._selector.lock:
             if self._step_selection is None:
                 self._step_selection = fresh

@@ -398,7 +398,9 @@ class Engine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        with self.handle.step([job.request.adapter for job in jobs]):
+        # The left padding costs no expert work: its tokens route to no expert (their outputs are masked).
+        padding = (mask == 0).flatten() if any(len(job.request.prompt_ids) < width for job in jobs) else None
+        with self.handle.step([job.request.adapter for job in jobs], padding=padding):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              **{self._cache_arg: cache})
         rows = []
