@@ -125,9 +125,9 @@ class MoELoRAExperts(nn.Module):
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """``sum_k w_k * W2'(act(W_gate' x) * W_up' x)`` with each token's adapter (DESIGN §1). The dense
-        form (Llama-4) takes ``hidden_states`` alone, every expert's rows stacked, and returns each row's
-        expert output."""
+        """``sum_k w_k * W2'(act(W_gate' x) * W_up' x)`` with each token's adapter (docs/design.md §1). The
+        dense form (Llama-4) takes ``hidden_states`` alone, every expert's rows stacked, and returns each
+        row's expert output."""
         if self.routed_block:
             return self._block_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         hidden = hidden_states.shape[-1]
