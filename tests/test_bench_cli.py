@@ -190,7 +190,8 @@ def test_graph_rounds_time_each_call_once_a_round(monkeypatch):
     from moelora import bench, bench_timing
 
     rounds_seen = []
-    monkeypatch.setattr(bench_timing, "_capture", lambda fn: None)  # capture failed: the calls are timed eagerly
+    # Capture failed: the calls are timed eagerly.
+    monkeypatch.setattr(bench_timing, "_capture", lambda fn: None)
 
     def fake_timer(fns, warmup_ms, rep_ms, flush):
         rounds_seen.append(len(fns))

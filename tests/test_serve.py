@@ -485,3 +485,39 @@ def test_streaming_n_and_stop(server, oracle):
     parts = c.completions.create(model="chat", prompt="ab", max_tokens=8, temperature=0, stop=stop,
                                  stream=True)
     assert "".join(p.choices[0].text for p in parts) == full[: full.index(stop)]
+
+
+def test_a_request_behind_busy_adapters_waits_a_bounded_time():
+    """One pool slot kept busy by a stream of requests for one adapter: a request for another adapter lets
+    younger ones go ahead for ``max_defer_seconds`` only, then the stream drains and it runs."""
+    import moelora.integrations as mi
+    from moelora.serve.engine import Engine, EngineRequest, SamplingParams
+
+    model, tokenizer = load_model(None, "cpu", None)
+    handle = mi.attach(model, max_loras=1, max_cpu_loras=2)
+    for name in ("chat", "math"):
+        handle.load_adapter(name, ADAPTERS_DIR / name)
+    engine = Engine(model, handle, decode=tokenizer.decode, max_running=2, max_defer_seconds=0.5)
+    done = threading.Event()
+    try:
+        def feed() -> None:  # always a "chat" request waiting, until the "math" one is done (bounded)
+            deadline = time.monotonic() + 30
+            while not done.is_set() and time.monotonic() < deadline:
+                if engine.waiting < 2:
+                    engine.submit(EngineRequest(TOK.encode("c"), "chat", SamplingParams(max_tokens=3,
+                                                                                         temperature=0)))
+                time.sleep(0.01)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        time.sleep(0.3)  # the stream runs
+        started = time.monotonic()
+        finished = []
+        engine.submit(EngineRequest(TOK.encode("m"), "math", SamplingParams(max_tokens=2, temperature=0),
+                                    on_finish=lambda reason: (finished.append(reason), done.set())))
+        assert done.wait(20), "the request behind the busy adapter never ran"
+        assert finished == ["length"] and time.monotonic() - started < 20
+        feeder.join(35)
+    finally:
+        done.set()
+        engine.shutdown(cancel=True)

@@ -108,6 +108,9 @@ class Engine:
         max_step_tokens: a step's token budget: every decode row's token, then prompt chunks.
         min_prefill_tokens: prompt tokens a step takes at least, even when decode rows fill the budget.
         max_waiting: requests waiting at most; :meth:`submit` refuses more (the server answers 429).
+        max_defer_seconds: how long a request whose adapter finds no free pool slot lets younger requests
+            of the running adapters go ahead of it; past it the engine admits nothing new until the running
+            requests leave it a slot (no request waits forever behind busy adapters).
     """
 
     def __init__(
@@ -121,11 +124,13 @@ class Engine:
         max_waiting: int = 256,
         max_step_tokens: int = 512,
         min_prefill_tokens: int = 32,
+        max_defer_seconds: float = 2.0,
     ) -> None:
         self.model, self.handle, self.decode = model, handle, decode
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_running, self.max_waiting = max_running, max_waiting
         self.max_step_tokens, self.min_prefill_tokens = max_step_tokens, min_prefill_tokens
+        self.max_defer_seconds = max_defer_seconds
         self.device = next(model.parameters()).device
         # transformers renamed ``past_key_values`` to ``cache`` (5.24); older releases take the old name.
         self._cache_arg = (
@@ -366,9 +371,11 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting requests start, oldest first, while fewer than ``max_running`` run and their adapters fit
-        the pool's slots beside those of the running ones (a request whose adapter does not fit yet waits,
-        and younger requests of running adapters go ahead of it)."""
+        the pool's slots beside those of the running ones. A request whose adapter does not fit yet waits,
+        and younger requests of running adapters go ahead of it, for ``max_defer_seconds``; after that
+        nothing younger starts until it does."""
         slots = self.handle.pool.max_loras
+        now = time.monotonic()
         with self._lock:
             active = {r.request.adapter for r in self._rows} | {p.request.adapter for p in self._prefilling}
             active.discard(None)
@@ -378,6 +385,8 @@ class Engine:
                 name = request.adapter
                 if name is not None and name not in active and len(active) >= slots:
                     later.append(request)
+                    if now - request.arrived > self.max_defer_seconds:
+                        break  # it has waited long enough: the running adapters drain until it fits
                     continue
                 if name is not None:
                     active.add(name)

@@ -86,6 +86,7 @@ def build_server(
     max_waiting: int = 256,
     max_step_tokens: int = 512,
     min_prefill_tokens: int = 32,
+    max_defer_seconds: float = 2.0,
     base_experts: str = "auto",
     **config,
 ) -> Server:
@@ -117,6 +118,7 @@ def build_server(
         max_waiting=max_waiting,
         max_step_tokens=max_step_tokens,
         min_prefill_tokens=min_prefill_tokens,
+        max_defer_seconds=max_defer_seconds,
     )
     app = build_app(engine, tokenizer, ServeConfig(base_name=base_name, **config))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
