@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moelora.bench import MODELS  # noqa: E402
-from triton_ops import fused_moe, lora_epilogues  # noqa: E402
+from triton_ops import fused_moe, lora_epilogues, plan  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     MAX_SHARED_BYTES,
     MoEConfig,
@@ -166,7 +166,7 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, 
         variants.insert(3, ("gemm1 split+down", split_cfg.gemm1, with_down))
     caught = _CaughtLaunch(fused_moe._fused_moe_kernel)
     real, fused_moe._fused_moe_kernel = fused_moe._fused_moe_kernel, caught
-    real_wave, fused_moe._fits_one_wave = fused_moe._fits_one_wave, lambda programs, device: (
+    real_wave, plan._fits_one_wave = plan._fits_one_wave, lambda programs, device: (
         programs <= HOPPER_SMS)
     try:
         out_launches = []
@@ -181,7 +181,7 @@ def gemm_launches(model: str, m: int, rank: int, adapters: int, cfg: MoEConfig, 
             out_launches.append((name, caught.launches[-1]))
     finally:
         fused_moe._fused_moe_kernel = real
-        fused_moe._fits_one_wave = real_wave
+        plan._fits_one_wave = real_wave
     return out_launches
 
 

@@ -401,16 +401,16 @@ def test_ab_env_runs_b_under_its_switches(monkeypatch, capsys):
     with its epilogue prefetch decision; 3 adapters: blocks with several slots."""
     import ab_env
 
-    import triton_ops.fused_moe as fused_moe_module
+    import triton_ops.plan as plan_module
 
     seen = []
-    real = fused_moe_module.lora_prefetch_pays
+    real = plan_module.lora_prefetch_pays
 
     def spy(*args, **kwargs):
         seen.append(LAUNCH_OVERRIDES.get("lora_prefetch"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused_moe_module, "lora_prefetch_pays", spy)
+    monkeypatch.setattr(plan_module, "lora_prefetch_pays", spy)
     monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_prefetch", raising=False)
     assert ab_env.main(["--dry-run", "--env", "lora_prefetch=0", "--M", "80", "--adapters", "3",
                         "--rounds", "2"]) == 0

@@ -491,7 +491,8 @@ def test_prefill_overlap_plan(monkeypatch, min_pairs, ranks, reduce):
     lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=3, ranks=ranks,
                                             pool_rank=ranks[1])
     monkeypatch.setattr(fe, "prefill_shrink_overlap", lambda device: True)
-    monkeypatch.setattr(fe, "PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS", min_pairs)
+    monkeypatch.setattr(importlib.import_module("triton_ops.plan"), "PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS",
+                        min_pairs)
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_reduce_splits", reduce if reduce != "pack" else "0")
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1" if reduce == "pack" else "0")
     events = record_overlap_launches(monkeypatch, drop_flags=True)
@@ -838,19 +839,19 @@ def test_packed_shrink_of_the_wrong_form_is_refused(monkeypatch, change, message
 
 
 def test_one_row_rule(monkeypatch):
-    """When a direct-pair GEMM takes the one-row prologue (``fused_moe.one_row_lora``): never without
+    """When a direct-pair GEMM takes the one-row prologue (``plan.one_row_lora``): never without
     the prefetch or off the direct pairs; partials read before the K-loop only as one chunk (held raw
     through it); a launch that waits late only while its grid is one program per SM; the switch turns
     it off."""
-    from triton_ops import fused_moe
+    from triton_ops import plan
 
     # An H100's 132 SMs, whatever runs the test.
-    monkeypatch.setattr(fused_moe, "_fits_one_wave", lambda programs, device: programs <= 132)
+    monkeypatch.setattr(plan, "_fits_one_wave", lambda programs, device: programs <= 132)
 
     def rule(**kw):
         args = dict(direct=True, prefetch=True, late_wait=False, splits=16, split_chunk=16, programs=256,
                     device=torch.device("cuda"))
-        return fused_moe.one_row_lora(**(args | kw))
+        return plan.one_row_lora(**(args | kw))
 
     assert rule() and not rule(direct=False) and not rule(prefetch=False)
     # Two chunks of partials before the loop (DeepSeek-V3's 32 down partials): the general prefetch.

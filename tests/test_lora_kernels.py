@@ -109,7 +109,7 @@ def test_down_shrink_without_gemm1_epilogue(monkeypatch):
     alignment's launch."""
     path = "split"
     monkeypatch.setattr(fused_experts_module, "MAX_DOWN_PARTIALS", 1)
-    monkeypatch.setattr(fused_experts_module, "MAX_DECODE_DOWN_PARTIALS", 0)
+    monkeypatch.setattr(importlib.import_module("triton_ops.plan"), "MAX_DECODE_DOWN_PARTIALS", 0)
     launches = []
     shrink = fused_experts_module.moe_lora_a
     monkeypatch.setattr(fused_experts_module, "moe_lora_a",
@@ -132,8 +132,8 @@ def test_decode_down_shrink_with_and_without_prefetch(monkeypatch, one_wave, pre
     prefetched before the K-loop only when the grid fits one wave (forced both ways here), and none of the
     epilogue operands are with lora_prefetch=0. Three slots (ranks 5, 16, 9) and rows without an
     adapter share 16-row blocks, so the prefetched slot is followed by slots loaded in the epilogue."""
-    fused_moe_module = importlib.import_module("triton_ops.fused_moe")
-    monkeypatch.setattr(fused_moe_module, "_fits_one_wave", lambda programs, device: one_wave)
+    monkeypatch.setattr(importlib.import_module("triton_ops.plan"), "_fits_one_wave",
+                        lambda programs, device: one_wave)
     if not prefetch:
         monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "0")
     gen = torch.Generator().manual_seed(12)

@@ -503,7 +503,7 @@ def test_rank_tile_follows_batch_not_pool(pool_rank, monkeypatch):
     fe = importlib.import_module("triton_ops.fused_experts")
     tiles = []
     real_rank_block = fe.lora_rank_block
-    monkeypatch.setattr(fe, "lora_rank_block", lambda r: tiles.append(r) or real_rank_block(r))
+    monkeypatch.setattr(fe, "lora_rank_block", lambda r: tiles.append(real_rank_block(r)) or tiles[-1])
 
     names, lens = ["r4", None, "r4"], [3, 2, 4]
     m = sum(lens)
@@ -517,7 +517,9 @@ def test_rank_tile_follows_batch_not_pool(pool_rank, monkeypatch):
         outs[path], _, _ = run_and_check(
             pool, adapters, names, lens, x, w13, w2, topk_weights, topk_ids, path=path, tol=TOL[dtype]
         )
-    assert tiles and set(tiles) == {4}, f"rank tile computed from {tiles}, expected the batch's max rank 4"
+    # The batch's rank tile (rank 4 -> 16), not the pool's 64: the layer plans for the tile (its launches
+    # are the same for every batch of that tile).
+    assert tiles and set(tiles) == {16}, f"rank tiles {tiles}, expected the batch's 16"
     assert_matches(outs["fused"], outs["staged"], 1e-5, "fused vs staged")
 
     tiles.clear()

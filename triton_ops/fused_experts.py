@@ -36,14 +36,10 @@ from triton_ops.decode_shrink import (
 )
 from triton_ops.fp8 import FP8_DTYPE, BlockFp8Weights, check_block_fp8, quantize_fp8_groups, uses_block_fp8
 from triton_ops.fused_moe import (
-    LONG_K_SLOT_GROUP_MIN_K,
     LoRAOperands,
     TopkSumOperands,
     activation_args,
     invoke_fused_moe_kernel,
-    lora_ext_expand,
-    lora_rank_block,
-    sm_count,
 )
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import active_cache
@@ -65,169 +61,37 @@ from triton_ops.pdl import (
     one_token_dependent_gemm2,
     prefill_shrink_overlap,
 )
+from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from here as before)
+    LONG_K_SLOT_GROUP_MIN_K,
+    MAX_DECODE_DOWN_PARTIALS,
+    MAX_DOWN_PARTIALS,
+    ONE_SPLIT_SHRINK_MANY_PASSES,
+    ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS,
+    ONE_SPLIT_SHRINK_MAX_PASSES,
+    ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS,
+    ONE_TOKEN_SHRINK_MIN_SPLITS,
+    PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS,
+    PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK,
+    SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS,
+    SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS,
+    SLOT_PROGRAM_SHRINK_MIN_ADAPTERS,
+    SPARSE_ALIGN_MIN_EXPERT_BYTES,
+    decode_direct_pairs,
+    decode_down_partials_limit,
+    fp8_lora_takes_bf16_tiles,
+    fused_topk_sum,
+    lora_ext_expand,
+    lora_rank_block,
+    one_split_shrink,
+    one_token_shrink_splits,
+    overlap_through_split_sum,
+    slot_program_shrink,
+    sm_count,
+    sparse_routing_aligns,
+)
 from triton_ops.shrink_reduce import pack_shrink_partials, reduce_shrink_splits, reduce_splits_pays
 
 LORA_PATHS = ("fused", "split", "staged")
-
-# At decode on the split path GEMM1's epilogue writes GEMM2's LoRA shrink, one partial per GEMM1 N tile,
-# when there are at most this many at rank 16 (fewer for wider ranks; GEMM2 sums them): that saves the
-# shrink launch (a CUDA-graph node) for a little GEMM1 epilogue. GEMM2's sum grows with tiles x rank, so
-# with more partials it costs more than the launch, and at prefill the extra epilogue costs GEMM1 more
-# than the launch. With at most 32 pairs (a few decode tokens) GEMM2 has few programs and more partials
-# are still cheaper than the launch (docs/performance.md, 'Levers': decode shrink in the alignment's
-# launch).
-MAX_DOWN_PARTIALS = 16
-# Rank-16-equivalent partials GEMM2 sums when the batch has at most 32 pairs (see above). Past them one
-# token's down shrink is a GEMV launch on its routed pairs (``one_token_down_shrink``), which GEMM2
-# overlaps like GEMM1 the gate/up shrink: the launch pays only where GEMM2 would sum many partials; with
-# few, the epilogue is cheaper (docs/performance.md, 'Levers': one token's down shrink as a GEMV launch).
-MAX_DECODE_DOWN_PARTIALS = 64
-
-
-def decode_down_partials_limit() -> int:
-    """``MAX_DECODE_DOWN_PARTIALS``, or the launch override ``decode_down_partials=N`` (to compare on a
-    GPU)."""
-    forced = overrides.count("decode_down_partials")
-    return MAX_DECODE_DOWN_PARTIALS if forced is None else forced
-
-
-# Past decode the GEMMs overlap the shrink launch before them (``prefill_shrink_overlap``); where a
-# split-sum launch (``reduce_shrink_splits``) follows the shrink, only from this many routed pairs on, or
-# from this rank tile on (``overlap_through_split_sum``).
-PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS = 1024
-PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK = 64
-
-
-def overlap_through_split_sum(pairs: int, rank_block: int) -> bool:
-    """Whether a GEMM overlaps its shrink through the split-sum launch between them (the sum releases
-    the GEMM, then waits for the shrink), where there is one. At rank tile 16 the shrinks are short, so
-    the overlap pays only from enough routed pairs (a few hundred pairs gained nothing); at rank tile 64
-    the shrinks it hides are 4x longer and it pays with fewer (docs/performance.md, 'Levers': overlap
-    through the split sum)."""
-    return pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS or rank_block >= PREFILL_OVERLAP_SPLIT_SUM_MIN_RANK
-
-
-# A prefill shrink launch walks all of K in each program (no split-K) only when its alignment gives at least
-# this many programs (``one_split_shrink``): Mixtral-8x7B's 8 experts give ~48 at M=1024.
-ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS = 96
-# ... and only when the block's slots take at most this many 64-column passes over K, or up to the second
-# bound from the second count of routed pairs on (see there).
-ONE_SPLIT_SHRINK_MAX_PASSES = 2
-ONE_SPLIT_SHRINK_MANY_PASSES = 4
-ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS = 4096
-
-
-def one_split_shrink(pairs: int, rank_block: int, num_adapters: int, row_programs: int,
-                     longest_k: int) -> bool:
-    """Whether a prefill shrink launch of the split path (``moe_lora_a``) walks all of K in each program
-    instead of splitting K for two programs an SM (``shrink_k_splits``): then no split-sum launch follows
-    it, and the GEMM after it overlaps it directly. Where the GEMMs overlap their shrinks anyway (from
-    ``PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS`` routed pairs), the block's slots take at most
-    ``ONE_SPLIT_SHRINK_MAX_PASSES`` passes over K (64 // rank_block adapters a pass, ``lora_slot_group``;
-    ``ONE_SPLIT_SHRINK_MANY_PASSES`` from ``ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS`` pairs on), the
-    alignment gives at least ``ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS`` programs, and neither shrink's K
-    (``longest_k``: hidden or intermediate size) reaches ``LONG_K_SLOT_GROUP_MIN_K``.
-
-    Each pass walks all of K again, so a program's walk grows with the block's slots: the GEMM that
-    overlaps the shrink waits for its longest program, and only a long enough K-loop (enough routed
-    pairs) hides four passes. Left out for the same reason: fewer pairs, and a long K (one program walking
-    Mixtral-8x7B's 14336 alone lost); DeepSeek-V3 (K 7168) splits no shrink at these M anyway
-    (docs/performance.md, 'Levers': one pass over K per shrink program).
-    ``one_split_shrink=0`` / ``=1`` forces either on every prefill shrink of the split path (to
-    compare)."""
-    passes = (ONE_SPLIT_SHRINK_MANY_PASSES if pairs >= ONE_SPLIT_SHRINK_MANY_PASSES_MIN_PAIRS
-              else ONE_SPLIT_SHRINK_MAX_PASSES)
-    max_adapters = passes * max(1, 64 // rank_block)
-    usual = (pairs >= PREFILL_OVERLAP_SPLIT_SUM_MIN_PAIRS and 0 < num_adapters <= max_adapters
-             and row_programs >= ONE_SPLIT_SHRINK_MIN_ROW_PROGRAMS and longest_k < LONG_K_SLOT_GROUP_MIN_K)
-    return overrides.switch("one_split_shrink", default=usual)
-
-
-# A prefill shrink runs a program per slot of each block from this many adapters, where it would split K,
-# and where it would walk K in one pass (``one_split_shrink``) below the second count of routed pairs.
-SLOT_PROGRAM_SHRINK_MIN_ADAPTERS = 4
-SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS = 2048
-SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS = 5
-
-
-def slot_program_shrink(num_adapters: int, longest_k: int, pairs: int, one_pass: bool) -> bool:
-    """Whether a prefill shrink launch of the split path runs a program per slot of each block over all of K
-    (``moe_lora_a(slot_programs=True)``) instead of splitting K (``shrink_k_splits``) or, where the one-pass
-    rule holds (``one_pass``, ``one_split_shrink``), instead of one program walking all of K for all the
-    block's slots: about as many programs as the split with several adapters (the one pass's times the
-    slots), and no split-sum launch after it, so the GEMM overlaps it directly. From
-    ``SLOT_PROGRAM_SHRINK_MIN_ADAPTERS`` adapters, over the one pass only below
-    ``SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS`` pairs and from ``SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS``
-    adapters, while neither shrink's K (``longest_k``) reaches
-    ``LONG_K_SLOT_GROUP_MIN_K`` (Mixtral-8x7B's 14336 was not measured; one program walking it alone is
-    what cost the one-pass rule there).
-
-    Over split K it pays from a few adapters; over the one pass only with more adapters (the one pass's
-    programs then walk many slots each) and fewer pairs (from more it lost), hence the two bounds
-    (docs/performance.md, 'Levers': a shrink program per slot). Fewer adapters were not measured (one
-    adapter would get a program per block walking all of K: the loss ``one_split_shrink`` records at few
-    pairs).
-    ``slot_program_shrink=0`` / ``=1`` forces it off or on (for any known adapter count; on, over the
-    one pass too)."""
-    over_one_pass = (pairs < SLOT_PROGRAM_OVER_ONE_PASS_MAX_PAIRS
-                     and num_adapters >= SLOT_PROGRAM_OVER_ONE_PASS_MIN_ADAPTERS)
-    usual = (num_adapters >= SLOT_PROGRAM_SHRINK_MIN_ADAPTERS and longest_k < LONG_K_SLOT_GROUP_MIN_K
-             and (not one_pass or over_one_pass))
-    return num_adapters >= 1 and overrides.switch("slot_program_shrink", default=usual)
-
-
-# Fewest K splits a pair one decode token's gate/up shrink is cut to so that its programs sit beside
-# GEMM1's: each program then walks 512 of a 2048-wide K; at two splits its walk outlasts GEMM1's K-loop.
-ONE_TOKEN_SHRINK_MIN_SPLITS = 4
-
-
-def one_token_shrink_splits(pairs: int, usual: int, gemm1_programs: int, sm_count: int) -> int:
-    """K splits of one decode token's gate/up shrink launch: ``usual`` (``decode_shrink_splits``), or fewer
-    where GEMM1 leaves SMs idle that hold at least ``ONE_TOKEN_SHRINK_MIN_SPLITS`` programs a pair but not
-    ``usual``: then every shrink program gets an SM of its own instead of sharing one with a GEMM1 program
-    (GEMM1 runs beside the shrink, ``decode_shrink_overlap``, and ends with its slowest program).
-    ``sm_count`` 0 (no GPU) keeps ``usual``. It pays where GEMM1 leaves SMs idle (Qwen3-30B-A3B's 96
-    GEMM1 programs); where GEMM1 takes every SM fewer splits only lengthen each program, so those keep
-    ``usual``; fewer than ``ONE_TOKEN_SHRINK_MIN_SPLITS`` outlast GEMM1 (docs/performance.md, 'Levers': one
-    token's shrink fits idle SMs). ``one_token_shrink_fit=0`` keeps ``usual`` (to compare)."""
-    fit = (sm_count - gemm1_programs) // max(pairs, 1)
-    if not ONE_TOKEN_SHRINK_MIN_SPLITS <= fit < usual:
-        return usual
-    return fit if overrides.switch("one_token_shrink_fit", default=True) else usual
-
-
-def decode_direct_pairs(num_tokens: int) -> bool:
-    """Whether the GEMMs take the routed pairs straight from topk_ids, without the alignment launch: for
-    one token, whose top-k experts are distinct, so the alignment would only put each pair in a block of
-    its own. For more tokens, pairs that share an expert would each read its weights again. With
-    ``fused_topk_sum`` it saves a decode token two launches (docs/performance.md, 'Levers': two-launch
-    decode). ``decode_direct=0`` turns it off (to compare)."""
-    return num_tokens == 1 and overrides.switch("decode_direct", default=True)
-
-
-def fused_topk_sum(num_tokens: int, top_k: int) -> bool:
-    """Whether the last GEMM2 program of each N-tile column sums the top-k rows, instead of a launch of
-    its own: for one token. With more, that program sums every token of the column by itself, serially,
-    and it lost to the separate launch (docs/performance.md, 'Levers': two-launch decode).
-    ``fused_sum=0`` turns it off (to compare)."""
-    return top_k > 1 and num_tokens == 1 and overrides.switch("fused_sum", default=True)
-
-
-# An expert-parallel rank aligns one token's pairs from this many bytes of base weights per expert: below,
-# the direct programs of other ranks' pairs re-read expert 0 mostly from L2 (50 MB on an H100/H200), and
-# the two launches the alignment adds (alignment, top-k sum) cost more than they save.
-SPARSE_ALIGN_MIN_EXPERT_BYTES = 32 * 1024**2
-
-
-def sparse_routing_aligns(hidden: int, intermediate: int, elem_bytes: int) -> bool:
-    """Whether a token whose pairs often name other ranks' experts (``sparse_routing``) is aligned, so
-    those pairs take null blocks that read nothing, instead of a direct program each that runs on expert 0
-    and stores zeros (``decode_direct_pairs``): where an expert's weights (3 x H x I) outgrow L2, each such
-    program streams expert 0 from memory again. It paid on DeepSeek-V3 (88 MB an expert) and lost on
-    Qwen3-30B-A3B (9 MB), hence the bound (docs/performance.md, 'Levers': expert-parallel decode).
-    ``sparse_align=0`` / ``=1`` forces it (to compare)."""
-    usual = 3 * hidden * intermediate * elem_bytes >= SPARSE_ALIGN_MIN_EXPERT_BYTES
-    return overrides.switch("sparse_align", default=usual)
 
 
 @dataclass(frozen=True)
@@ -590,16 +454,6 @@ class ChunkPlan:
     gemm2_late_wait: bool = False
     dependent_gemm2: bool = False
     fp8_chain: bool = False
-
-
-def fp8_lora_takes_bf16_tiles(rows: int) -> bool:
-    """Whether FP8 GEMMs with adapters (split path) take the activations' dtype's tuned LoRA tiles (BLOCK_K
-    set to the scale group) instead of the FP8 files' base tiles, which hold no LoRA tiles: for one decode
-    token, whose one-row LoRA epilogue those tiles were tuned for. Past it the FP8 base tiles win: the bf16
-    LoRA tiles with FP8's 128-wide K steps lost at prefill (docs/performance.md, 'FP8').
-    ``fp8_lora_tiles=bf16`` or ``fp8`` takes those tiles at every size (to compare)."""
-    choice = overrides.value("fp8_lora_tiles") or "auto"
-    return choice == "bf16" or (choice == "auto" and rows == 1)
 
 
 def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
