@@ -34,10 +34,11 @@ Usage::
     python benchmarks/family_coverage.py --families mixtral,olmoe --json out.json
     python benchmarks/family_coverage.py --markdown               # the table as markdown
     python benchmarks/family_coverage.py --json benchmarks/results/family_coverage.json
-    python benchmarks/supported_table.py --write                  # the README's table from that JSON
+    python benchmarks/supported_table.py --write                  # docs/models.md's table from that JSON
 
-The README's model-family table is rendered from the committed ``benchmarks/results/family_coverage.json``;
-``tests/test_family_coverage.py`` checks every family's verdict live and that the JSON holds the same.
+The model-family table of docs/models.md is rendered from the committed
+``benchmarks/results/family_coverage.json``; ``tests/test_family_coverage.py`` checks every family's
+verdict live and that the JSON holds the same.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The documentation follows the code: the README's generated tables, its first lines, links and wording.
+"""The documentation follows the code: the generated tables, the README's first lines, links and wording.
 
-- The supported-models section of README.md is exactly what ``benchmarks/supported_table.py`` prints
+- The supported-models section of docs/models.md is exactly what ``benchmarks/supported_table.py`` prints
   (``python benchmarks/supported_table.py --write`` regenerates it).
 - The README's performance table holds the committed H100 results (``benchmarks/results/``).
-- README.md starts with the two commands a newcomer runs.
+- README.md starts with the two commands a newcomer runs, then how to get a CPU build of PyTorch.
 - README.md and docs/ link only files that exist, document every CLI subcommand and never use the word
-  the project keeps out of its docs (``test_docs_never_say_issue``)."""
+  the project keeps out of its docs (``test_docs_never_say_issue``).
+- ``tests/test_readme.py`` runs the README's code."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from moelora.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+MODELS = ROOT / "docs" / "models.md"
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
 H100_LORA = ROOT / "benchmarks" / "results" / "bench_lora_NVIDIA_H100.json"
 
@@ -31,7 +33,8 @@ QUICKSTART = "\n".join([
     "# install the test extra and run the tests (CPU: Triton interpreter)",
     "```",
     "",
-    "On a machine without a GPU install a CPU build of PyTorch first",
+    "On a machine without a GPU, install a CPU build of PyTorch first",
+    "(`pip install torch --index-url https://download.pytorch.org/whl/cpu`), then the two lines above.",
 ])
 
 
@@ -43,12 +46,14 @@ def _supported_table():
     return module
 
 
-def test_readme_supported_section_matches_the_code():
+def test_models_doc_supported_section_matches_the_code():
     table = _supported_table()
-    assert table.readme_section(README.read_text()) == table.section(), (
-        "README.md's supported-models section is out of date: run "
+    assert table.MODELS_DOC == MODELS
+    assert table.doc_section(MODELS.read_text()) == table.section(), (
+        "docs/models.md's supported-models section is out of date: run "
         "python benchmarks/supported_table.py --write"
     )
+    assert table.START not in README.read_text(), "the generated table lives in docs/models.md"
 
 
 def test_supported_section_names_what_the_code_knows():
@@ -63,11 +68,15 @@ def test_supported_section_names_what_the_code_knows():
 
 def test_supported_table_write_is_idempotent(tmp_path):
     table = _supported_table()
-    copy = tmp_path / "README.md"
-    copy.write_text(README.read_text().replace(table.section(), f"{table.START}\nstale\n{table.END}"))
+    copy = tmp_path / "models.md"
+    copy.write_text(MODELS.read_text().replace(table.section(), f"{table.START}\nstale\n{table.END}"))
     assert table.write(copy) is True
-    assert copy.read_text() == README.read_text()
+    assert copy.read_text() == MODELS.read_text()
     assert table.write(copy) is False
+    fresh = tmp_path / "new.md"
+    assert table.write(fresh) is True
+    assert fresh.read_text().startswith(table.INTRO)
+    assert table.doc_section(fresh.read_text()) == table.section()
 
 
 def test_readme_starts_with_the_quickstart_commands():

@@ -112,7 +112,7 @@ def test_family_on_cuda(family, tmp_path):
 
 
 def test_committed_table_holds_these_verdicts():
-    """The README's family table is rendered from benchmarks/results/family_coverage.json: it must say
+    """docs/models.md's family table is rendered from benchmarks/results/family_coverage.json: it must say
     what the live checks above find."""
     assert {r["family"]: r["category"] for r in COMMITTED} == EXPECTED
     for r in COMMITTED:

@@ -261,8 +261,8 @@ def test_fp8_packed_shrinks_interpreter(forced, monkeypatch):
 
 def test_deepseek_per_expert_checkpoint_stacks_into_the_block_layout():
     """DeepSeek-V3's checkpoints hold each expert's gate, up and down weights with their own
-    ``weight_scale_inv``; stacked as the README says (gate rows, then up rows) they are the block layout:
-    the stacked weights dequantize to the per-expert ones. I = 256: whole 128-row blocks per half."""
+    ``weight_scale_inv``; stacked as docs/architecture.md says (gate rows, then up rows) they are the block
+    layout: the stacked weights dequantize to the per-expert ones. I = 256: whole 128-row blocks per half."""
     experts, hidden, inter = 3, 200, 256
     torch.manual_seed(6)
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
