@@ -21,7 +21,7 @@ Importable helpers for tests (``import adapters.make_adapters as mk`` or load th
 * ``tiny_qwen3_moe_config()`` / ``load_tiny_qwen3_moe()`` / ``load_tiny_qwen3_moe_peft(adapter)`` /
   ``tiny_qwen3_moe_experts()`` (fused w13 / w2 / router per MoE layer).
 * ``f2_expert_deltas(adapter_dir)``  the verified F2 formula: per-layer per-expert dense deltas.
-* ``moe_reference(x, w13, w2, topk_w, topk_ids)``  plain fp32 loop reference of DESIGN.md §1.
+* ``moe_reference(x, w13, w2, topk_w, topk_ids)``  plain fp32 loop reference of docs/design.md §1.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def load_f1_peft(name: str, root: str | os.PathLike | None = None):
 
 
 # ----------------------------------------------------------------------------------------------
-# reference math (DESIGN.md §1) and the F2 formula
+# reference math (docs/design.md §1) and the F2 formula
 # ----------------------------------------------------------------------------------------------
 
 
@@ -723,7 +723,7 @@ def write_readme(report: dict, verification: dict) -> None:
     a(f"- Fused experts (`Qwen3MoeExperts`, module `model.layers.{{L}}.mlp.experts`): parameters "
       f"`gate_up_proj` (E, 2I, H) = {[E, 2 * I, H]} with rows `[0, I)` = gate and `[I, 2I)` = up "
       f"(`linear(x, gate_up_proj[e]).chunk(2, -1)` -> gate, up), and `down_proj` (E, H, I) = {[E, H, I]}; "
-      "i.e. exactly the DESIGN.md §2 `w13` / `w2` layout, no transpose. Router: `mlp.gate` is a "
+      "i.e. exactly the docs/design.md §2 `w13` / `w2` layout, no transpose. Router: `mlp.gate` is a "
       "`Qwen3MoeTopKRouter` with a parameter `mlp.gate.weight` (E, H) (softmax -> top-k -> renormalise since "
       "`norm_topk_prob=True`).")
     a(f"- {verification['layout'][-1]}")
@@ -760,13 +760,13 @@ def write_readme(report: dict, verification: dict) -> None:
     a(f"- gate_up_proj: in = H = {H}, out = 2I = {2 * I}. ONE A_e (r, H) is shared by gate and up; "
       f"B_e rows `[0, I)` give the gate delta and rows `[I, 2I)` the up delta: "
       "`dW_gate[e] = s * B[:I, e::E] @ A_e`, `dW_up[e] = s * B[I:, e::E] @ A_e`. "
-      "In the DESIGN.md §2 pool this A is stored in both halves of `gate_up_a` (gate rows and up rows), "
+      "In the docs/design.md §2 pool this A is stored in both halves of `gate_up_a` (gate rows and up rows), "
       "B rows `[0,I)` -> gate B, `[I,2I)` -> up B.")
     a(f"- down_proj: in = I = {I}, out = H = {H}; A (E*r, I), B (H, E*r).")
     a("- PEFT's own code (`ParamWrapper.get_delta_weight`): `A.reshape(E, r, in)`, `B.reshape(out, r, E)`, "
       "`einsum('o r e, e r i -> e o i') * scaling`; the forward uses `get_delta_factors` "
       "(same factors) and a parametrization W + delta of the parameter, so gate/up deltas enter before SiLU "
-      "and the down delta after, as in DESIGN.md §1.")
+      "and the down delta after, as in docs/design.md §1.")
     a("- Key naming / nesting: one `ParamWrapper` per parameter; two targeted parameters on the same module nest. "
       "PEFT (`BaseTuner._inject_parameters`) walks `named_modules()` and, per module, its "
       "`named_parameters(recurse=False)` in registration order (`Qwen3MoeExperts`: `gate_up_proj`, then `down_proj`); "
