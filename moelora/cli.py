@@ -15,14 +15,93 @@ from pathlib import Path
 import torch
 
 
-def _select_device(requested: str) -> torch.device:
+class UsageError(ValueError):
+    """Bad input on the command line: :func:`main` prints it as one line, ``moelora <cmd>: error: ...``,
+    and exits with code 2."""
+
+
+def _check_device(requested: str) -> str:
+    """The device ``--device`` names ("auto": CUDA where torch sees a GPU, else the CPU); a UsageError for
+    CUDA on a machine without it, before any model is read."""
     if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but torch sees no CUDA GPU")
-    if requested == "cpu":
+        raise UsageError("--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() "
+                         "is False); expected --device cpu or auto")
+    return requested
+
+
+def _select_device(requested: str) -> torch.device:
+    """:func:`_check_device`, and on the CPU Triton's interpreter switched on for the kernels to come."""
+    device = _check_device(requested)
+    if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return torch.device(requested)
+    return torch.device(device)
+
+
+# The files one of which a transformers checkpoint's weights are in (``save_pretrained`` writes one of them).
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def _check_model_dir(flag: str, value: str) -> Path:
+    """``value`` as a transformers checkpoint directory (config.json and weights), or a UsageError that
+    names the flag, the value and what is missing, before transformers reads anything."""
+    import json
+
+    folder = Path(value)
+    expected = "expected a transformers model directory (config.json and model weights, as save_pretrained " \
+               "writes them)"
+    if not folder.exists():
+        raise UsageError(f"{flag} {value}: no such directory; {expected}")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {value}: a file, not a directory; {expected}")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise UsageError(f"{flag} {value}: not a transformers checkpoint (no config.json in it); {expected}")
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"{flag} {value}: config.json is not readable JSON ({err}); {expected}") from None
+    if not isinstance(parsed, dict) or "model_type" not in parsed:
+        raise UsageError(f"{flag} {value}: config.json has no model_type, so it is not a transformers "
+                         f"config; {expected}")
+    if not any((folder / name).is_file() for name in _WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
+        raise UsageError(f"{flag} {value}: no model weights in it (none of {', '.join(_WEIGHT_FILES)}); "
+                         f"{expected}")
+    return folder
+
+
+def _parse_adapters(specs: list[str]) -> dict[str, Path]:
+    """``--adapter NAME=DIR`` flags as {name: directory}; a UsageError for a spec without ``=``, an empty
+    name or directory, a name given twice, or a directory that is not a servable PEFT adapter (read from
+    its config and safetensors header only)."""
+    from moelora.adapter_weights import AdapterLoadError
+    from moelora.peft_loader import AdapterInputError, describe_peft_adapter
+
+    adapters: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise UsageError(f"--adapter {spec}: no '='; expected NAME=DIR (a name, then a PEFT adapter "
+                             "directory)")
+        if not name.strip():
+            raise UsageError(f"--adapter {spec}: empty name; expected NAME=DIR with a non-empty NAME")
+        if not path.strip():
+            raise UsageError(f"--adapter {spec}: empty directory; expected NAME=DIR with a PEFT adapter "
+                             "directory")
+        if name in adapters:
+            raise UsageError(f"--adapter {spec}: the name {name!r} is given twice; expected distinct names")
+        try:
+            describe_peft_adapter(path)
+        except AdapterInputError as err:
+            raise UsageError(f"--adapter {spec}: {_one_line(err)}; expected a PEFT adapter directory "
+                             "(adapter_config.json and adapter_model.safetensors)") from None
+        except AdapterLoadError as err:
+            raise UsageError(f"--adapter {spec}: moelora cannot serve this adapter: {_one_line(err)}") \
+                from None
+        adapters[name] = Path(path)
+    return adapters
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
@@ -33,7 +112,8 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     if device.type == "cpu" and dtype == torch.bfloat16:
-        raise SystemExit("bf16 needs the GPU: Triton's interpreter computes bf16 dot products wrongly")
+        raise UsageError("--dtype bf16 on the CPU: Triton's interpreter computes bf16 dot products wrongly; "
+                         "expected --dtype fp32 or fp16 (or a CUDA GPU)")
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     failed = False
@@ -68,29 +148,31 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job: serve a MoE model with several adapters at once and check it against PEFT."""
-    from pathlib import Path
+    from moelora.demo import default_adapters, default_model, run_demo
 
-    from moelora.demo import DEFAULT_ADAPTERS, DEFAULT_MODEL, run_demo
-
-    adapters = dict(DEFAULT_ADAPTERS)
-    if args.adapter:
-        adapters = {}
-        for spec in args.adapter:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                print(f"moelora demo: --adapter expects NAME=DIR, got {spec!r}", file=sys.stderr)
-                return 2
-            adapters[name] = Path(path)
+    # usage errors first (exit code 2), before the model is loaded
+    if args.tp < 1 or args.ep not in (1, args.tp):
+        raise UsageError(f"--tp {args.tp} --ep {args.ep}: expected --tp at least 1 and --ep 1 or equal to "
+                         "--tp")
+    if args.tp == 1:
+        _check_device(args.device)  # with --tp, each torchrun rank picks its own
     if args.model and not args.adapter:
-        print("moelora demo: with --model give the adapters too (--adapter NAME=DIR, at least two)",
+        raise UsageError(f"--model {args.model} without --adapter: expected the adapters too (--adapter "
+                         "NAME=DIR, at least two)")
+    model = _check_model_dir("--model", args.model) if args.model else default_model()
+    adapters = _parse_adapters(args.adapter) if args.adapter else default_adapters()
+    if len(adapters) < 2:
+        raise UsageError(f"--adapter: {len(adapters)} adapter given; expected at least two (the demo "
+                         "hot-loads the last one while the others serve)")
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        print(f"moelora demo needs the transformers extra: pip install -e \".[transformers]\" ({err})",
               file=sys.stderr)
         return 2
-    if args.tp < 1 or args.ep not in (1, args.tp):
-        print(f"moelora demo: --tp must be at least 1 and --ep 1 or equal to --tp, got --tp {args.tp} --ep "
-              f"{args.ep}", file=sys.stderr)
-        return 2
-    return run_demo(Path(args.model) if args.model else DEFAULT_MODEL, adapters, device=args.device,
-                    new_tokens=args.new_tokens, check=not args.no_check, tp=args.tp, ep=args.ep)
+    return run_demo(model, adapters, device=args.device, new_tokens=args.new_tokens, check=not args.no_check,
+                    tp=args.tp, ep=args.ep)
 
 
 def _local_model_dir(name: str, adapter_dir: Path) -> Path | None:
@@ -195,8 +277,7 @@ def _print_check(args: argparse.Namespace, shape, source: str) -> int:
         print(f"moelora inspect: cannot serve this adapter on {source}: {err}", file=sys.stderr)
         return 1
     except ValueError as err:  # invalid sizes or --max-rank (not an adapter problem)
-        print(f"moelora inspect: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(str(err)) from None
     ranks = sorted(set(report.ranks.values()))
     scalings = sorted({round(s, 6) for s in report.scalings.values()})
     experts = {lid: len(e) for lid, e in report.experts_per_layer.items()}
@@ -228,28 +309,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         try:
             shape = moe_shape_from_dir(args.model)
         except ValueError as err:
-            print(f"moelora inspect: --model: {err}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--model {args.model}: {err}") from None
         source = f"--model {args.model}"
     elif any(f is not None for f in flags):
         if None in flags:
-            print("moelora inspect: give all of --experts, --hidden, --intermediate and --layers (or "
-                  "--model DIR, a Hugging Face model directory)", file=sys.stderr)
-            return 2
+            raise UsageError("expected all of --experts, --hidden, --intermediate and --layers (or --model "
+                             "DIR, a Hugging Face model directory)")
         try:
             layer_ids = tuple(int(n) for n in args.layers.split(","))
         except ValueError:
-            print(f"moelora inspect: --layers expects comma-separated layer ids, e.g. 1,2,3; got "
-                  f"{args.layers!r}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--layers {args.layers}: expected comma-separated layer ids, e.g. 1,2,3") \
+                from None
         shape = MoEShape(args.experts, args.hidden, args.intermediate, layer_ids, 0, "given")
         source = "the given shape (--experts/--hidden/--intermediate/--layers)"
 
     try:
         summary = describe_peft_adapter(args.path)
     except AdapterInputError as err:
-        print(f"moelora inspect: not a readable PEFT adapter: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.path}: not a readable PEFT adapter: {err}") from None
     except AdapterLoadError as err:
         print(f"moelora inspect: cannot serve this adapter: {err}", file=sys.stderr)
         return 1
@@ -357,13 +434,13 @@ def _add_bench_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moelora", description="Serve many LoRA adapters of one MoE model.")
+    parser = _OneLineErrorParser(prog="moelora", description="Serve many LoRA adapters of one MoE model.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve a MoE model with several adapters, checked against PEFT")
     demo.add_argument("--model", help="Hugging Face MoE model dir (default: the tiny Qwen3-MoE in adapters/)")
     demo.add_argument("--adapter", action="append", metavar="NAME=DIR", help="PEFT adapter (repeat; >= 2)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo.add_argument("--new-tokens", type=int, default=8)
+    demo.add_argument("--new-tokens", type=_positive_int, default=8)
     demo.add_argument("--no-check", action="store_true", help="skip the comparison with PEFT")
     demo.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel processes: run under torchrun --nproc-per-node N (transformers' "
@@ -427,6 +504,7 @@ exit status:
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve a MoE model and its adapters over an OpenAI-compatible API")
     serve.add_argument("model", nargs="?", help="transformers MoE model directory (with its tokenizer)")
+    serve.add_argument("--model", dest="model_flag", metavar="DIR", help="the same as MODEL")
     serve.add_argument("--demo", action="store_true",
                        help="the embedded tiny Qwen3-MoE with the shipped adapters (no download)")
     serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
@@ -452,7 +530,22 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serves a model and its adapters over the OpenAI-compatible API until SIGINT/SIGTERM."""
+    # usage errors first (exit code 2), before the serve extra is imported and the model is loaded
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise UsageError(f"MODEL {args.model} and --model {args.model_flag}: expected one model directory")
+    model_arg = args.model or args.model_flag
+    flag = "MODEL" if args.model else "--model"
+    if args.demo == bool(model_arg):
+        raise UsageError("expected a MODEL directory (or --model DIR) or --demo, not both and not neither")
+    device = _check_device(args.device)
+    model_dir = _check_model_dir(flag, model_arg) if model_arg else None
+    from moelora.demo import default_adapters, embedded_adapters_dir
+
+    adapters = default_adapters() if args.demo else {}
+    for name, path in _parse_adapters(args.adapter).items():
+        adapters[name] = path  # a name of the demo's set is replaced by the one given
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -462,31 +555,12 @@ def cmd_serve(args) -> int:
         return 2
     import logging
 
-    from moelora.demo import ADAPTERS_DIR, DEFAULT_ADAPTERS
     from moelora.serve.server import build_server, load_model, serve_forever
 
-    if args.demo == bool(args.model):
-        print("give a MODEL directory or --demo (not both)", file=sys.stderr)
-        return 2
-    adapters = dict(DEFAULT_ADAPTERS) if args.demo else {}
-    for spec in args.adapter:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            print(f"--adapter wants NAME=DIR, got {spec!r}", file=sys.stderr)
-            return 2
-        adapters[name] = Path(path)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device is available here", file=sys.stderr)
-        return 2
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model_dir = None if args.demo else Path(args.model)
-    if model_dir is not None and not (model_dir / "config.json").is_file():
-        print(f"{model_dir}: not a model directory (no config.json)", file=sys.stderr)
-        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, tokenizer = load_model(model_dir, device, None)
     name = args.served_model_name or ("tiny-qwen3-moe" if args.demo else model_dir.name)
-    root = args.adapter_root or (ADAPTERS_DIR if args.demo else None)
+    root = args.adapter_root or (embedded_adapters_dir() if args.demo else None)
     try:
         server = build_server(
             model, tokenizer, adapters=adapters, base_name=name, host=args.host, port=args.port,
@@ -495,17 +569,39 @@ def cmd_serve(args) -> int:
             allow_runtime_adapters=args.allow_runtime_adapters, adapter_root=root,
             max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens)
     except (ValueError, OSError) as err:
-        print(f"moelora serve: {err}", file=sys.stderr)
+        print(f"moelora serve: error: {_one_line(err)}", file=sys.stderr)
         return 1
     serve_forever(server)
     return 0
 
 
+def _one_line(err: BaseException) -> str:
+    """An exception's message on one line (a multi-line message would read as several errors)."""
+    return "; ".join(part.strip() for part in str(err).splitlines() if part.strip()) or type(err).__name__
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown choice, a missing value) in the commands' format: one line,
+    ``moelora <cmd>: error: ...``, exit code 2; the usage is one ``--help`` away."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code. Bad input (a :class:`UsageError`, or a ValueError, TypeError
+    or AdapterLoadError the library raises about it) is one line on stderr and exit code 2; any other
+    exception keeps its traceback."""
+    from moelora.adapter_weights import AdapterLoadError
+
     args = build_parser().parse_args(argv)
     if args.command == "smoke" and args.dtype is None:
         args.dtype = "bf16" if args.device != "cpu" and torch.cuda.is_available() else "fp32"
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, AdapterLoadError) as err:
+        print(f"moelora {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ on the same inputs (max |delta| of the logits and the greedy continuation). Exit
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,11 +18,35 @@ from pathlib import Path
 
 import torch
 
+# The tiny model and adapters are the repository's adapters/ folder, beside the package in a checkout (an
+# editable install included); a wheel does not carry them (embedded_adapters_dir says so).
 ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "adapters"
 DEFAULT_MODEL = ADAPTERS_DIR / "tiny-qwen3-moe"
-# Expert-only fixture adapters (the ``sql`` fixture also carries attention LoRA, which the MoE layers
-# do not serve, so it would not match PEFT).
-DEFAULT_ADAPTERS = {n: ADAPTERS_DIR / n for n in ("chat", "math", "v4-style", "gate-up-only")}
+# Expert-only fixture adapters, whose every LoRA weight the demo serves (``sql`` also carries attention
+# LoRA; given with --adapter, the demo leaves it out of the PEFT comparison and says so).
+DEFAULT_ADAPTER_NAMES = ("chat", "math", "v4-style", "gate-up-only")
+DEFAULT_ADAPTERS = {n: ADAPTERS_DIR / n for n in DEFAULT_ADAPTER_NAMES}
+
+
+def embedded_adapters_dir() -> Path:
+    """The checkout's ``adapters/`` folder (the embedded tiny model and its adapters); ValueError, in one
+    line, where this install has none (a wheel installed with ``pip install .``)."""
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        raise ValueError(f"the embedded tiny model and adapters live in the repository's adapters/ folder, "
+                         f"which this install does not have (looked in {ADAPTERS_DIR}): run from a git "
+                         "checkout (pip install -e .), or give --model DIR and --adapter NAME=DIR")
+    return ADAPTERS_DIR
+
+
+def default_model() -> Path:
+    """The embedded tiny Qwen3-MoE (:func:`embedded_adapters_dir`)."""
+    return embedded_adapters_dir() / DEFAULT_MODEL.name
+
+
+def default_adapters() -> dict[str, Path]:
+    """The demo's default adapters by name (:func:`embedded_adapters_dir`)."""
+    root = embedded_adapters_dir()
+    return {name: root / name for name in DEFAULT_ADAPTER_NAMES}
 
 
 @dataclass
@@ -68,43 +93,103 @@ def _generate(model, handle, requests: list[Request], new_tokens: int) -> None:
         r.tokens = row
 
 
+def not_applied_modules(path: Path) -> dict[str, list[str]]:
+    """The modules of the adapter at ``path`` whose LoRA moelora does not apply (attention, shared experts,
+    dense MLPs, ``modules_to_save``: everything outside the routed experts), as {module: its safetensors
+    keys}; read from the config and safetensors header alone."""
+    from moelora.peft_loader import describe_peft_adapter
+
+    modules: dict[str, list[str]] = {}
+    for key in describe_peft_adapter(path).ignored_keys:
+        module = re.sub(r"\.(lora_[A-Za-z_]+|modules_to_save)(\..*)?$", "", key)
+        module = module.removeprefix("base_model.model.")
+        modules.setdefault(module, []).append(key)
+    return modules
+
+
+def _fold_layers(modules: list[str]) -> list[str]:
+    """Module names with their layer ids folded: ``model.layers.{0,1,2}.self_attn.q_proj``."""
+    layers_of: dict[str, list[str]] = {}
+    for module in modules:
+        match = re.match(r"(.*\.layers\.)(\d+)(\..*)$", module)
+        pattern, layer = (match.group(1) + "{}" + match.group(3), match.group(2)) if match else (module, "")
+        layers_of.setdefault(pattern, []).append(layer)
+    folded = []
+    for pattern, layers in layers_of.items():
+        ids = sorted({int(n) for n in layers if n})
+        folded.append(pattern.format("{" + ",".join(map(str, ids)) + "}" if len(ids) > 1 else ids[0])
+                      if ids else pattern)
+    return folded
+
+
+def _reference_adapter(path: Path, left_out: dict[str, list[str]], folder: Path) -> Path:
+    """A copy of the adapter at ``path`` in ``folder`` without the keys of ``left_out``, for PEFT to apply
+    only what moelora applies. PEFT still wraps those modules (their names stay in the config) but, with
+    ``init_lora_weights`` true and their weights absent, as a LoRA whose B is zero or, for
+    ``modules_to_save``, as an unchanged copy: they leave the outputs as the base model's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dropped = {key for keys in left_out.values() for key in keys}
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    kept = {key: tensor for key, tensor in tensors.items() if key not in dropped}
+    save_file(kept, str(folder / "adapter_model.safetensors"))
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["init_lora_weights"] = True  # other inits (gaussian, PiSSA, ...) would change the outputs
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
 def _check_against_peft(
-    model_dir: Path, adapters: dict[str, Path], requests: list[Request], handle, model, progress: Progress
+    model_dir: Path, adapters: dict[str, Path], requests: list[Request], handle, model, progress: Progress,
+    left_out: dict[str, dict[str, list[str]]],
 ) -> None:
     """Logits of the served model on each request's full token sequence vs PEFT's, and PEFT's greedy
-    continuation of the same prompt."""
+    continuation of the same prompt. PEFT applies only what moelora serves: an adapter's ``left_out``
+    modules (outside the routed experts) are taken out of its PEFT reference."""
+    import tempfile
+    import warnings
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     by_adapter: dict[str | None, list[Request]] = {}
     for r in requests:
         by_adapter.setdefault(r.adapter, []).append(r)
-    for name, group in by_adapter.items():
-        ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        if name is not None:
-            ref = PeftModel.from_pretrained(ref, str(adapters[name])).eval()
-        ref.to(model.device)
-        for r in group:
-            seq = r.tokens.unsqueeze(0).to(model.device)
-            with torch.no_grad():
-                want = ref(seq).logits.float()
-                with handle.adapters([name]):
-                    got = model(seq).logits.float()
-                prompt = r.prompt.unsqueeze(0).to(model.device)
-                cont = ref.generate(
-                    prompt,
-                    max_new_tokens=len(r.tokens) - len(r.prompt),
-                    do_sample=False,
-                    min_new_tokens=len(r.tokens) - len(r.prompt),
-                    pad_token_id=0,
-                )
-            r.max_delta = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-            r.same_tokens = torch.equal(cont[0].cpu(), r.tokens)
-            progress.step(f"PEFT check {name or 'base'}")
+    with tempfile.TemporaryDirectory(prefix="moelora-demo-ref-") as scratch:
+        for name, group in by_adapter.items():
+            ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+            if name is not None:
+                path = adapters[name]
+                if left_out.get(name):
+                    path = _reference_adapter(path, left_out[name], Path(tempfile.mkdtemp(dir=scratch)))
+                with warnings.catch_warnings():
+                    # the left-out modules' keys are missing from the copy on purpose
+                    warnings.filterwarnings("ignore", message=".*missing adapter keys.*")
+                    ref = PeftModel.from_pretrained(ref, str(path)).eval()
+            ref.to(model.device)
+            for r in group:
+                seq = r.tokens.unsqueeze(0).to(model.device)
+                with torch.no_grad():
+                    want = ref(seq).logits.float()
+                    with handle.adapters([name]):
+                        got = model(seq).logits.float()
+                    prompt = r.prompt.unsqueeze(0).to(model.device)
+                    cont = ref.generate(
+                        prompt,
+                        max_new_tokens=len(r.tokens) - len(r.prompt),
+                        do_sample=False,
+                        min_new_tokens=len(r.tokens) - len(r.prompt),
+                        pad_token_id=0,
+                    )
+                r.max_delta = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+                r.same_tokens = torch.equal(cont[0].cpu(), r.tokens)
+                progress.step(f"PEFT check {name or 'base'}")
 
 
 def run_demo(
-    model_dir: Path = DEFAULT_MODEL,
+    model_dir: Path | None = None,
     adapters: dict[str, Path] | None = None,
     *,
     device: str = "auto",
@@ -120,10 +205,11 @@ def run_demo(
     --nproc-per-node tp``, the model is loaded with transformers' tensor-parallel plan
     (``DistributedConfig(tp_size=tp)``; with ``ep == tp`` also its expert-parallel plan over the same
     ranks), every rank serves the same requests and checks them against PEFT run in its own process,
-    unsharded; rank 0 prints."""
+    unsharded; rank 0 prints. ``model_dir`` None: the embedded tiny Qwen3-MoE."""
+    model_dir = model_dir if model_dir is not None else default_model()
     if ep not in (1, tp):
-        raise SystemExit(f"moelora demo: --ep must be 1 or equal to --tp ({tp}): the expert-parallel ranks "
-                         "are the tensor-parallel ones (they hold the same batch)")
+        raise ValueError(f"--ep {ep}: expected 1 or equal to --tp ({tp}): the expert-parallel ranks are the "
+                         "tensor-parallel ones (they hold the same batch)")
     if tp > 1:
         return _run_tensor_parallel(model_dir, adapters, device=device, new_tokens=new_tokens,
                                     prompt_len=prompt_len, check=check, tol=tol, seed=seed, tp=tp, ep=ep)
@@ -139,7 +225,7 @@ def _run_tensor_parallel(model_dir: Path, adapters: dict[str, Path] | None, *, d
     import torch.distributed as dist
 
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", 1)) != tp:
-        raise SystemExit(f"moelora demo --tp {tp}: run it under torchrun --nproc-per-node {tp}")
+        raise ValueError(f"--tp {tp}: expected to run under torchrun --nproc-per-node {tp}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -180,9 +266,11 @@ def _run(
     # PEFT 0.21 warns that pattern keys on target_parameters match nothing; they do apply (adapters/).
     warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated")
-    adapters = dict(adapters or DEFAULT_ADAPTERS)
+    # The handle warns of LoRA outside the routed experts; the demo says it in its own line below.
+    warnings.filterwarnings("ignore", message="adapter .* outside the routed experts are not applied")
+    adapters = dict(adapters or default_adapters())
     if len(adapters) < 2:
-        raise SystemExit("moelora demo needs at least two adapters")
+        raise ValueError(f"expected at least two adapters, got {len(adapters)}")
     names = list(adapters)
     resident, hot = names[:-1][:3], names[-1]
     if device == "auto":
@@ -190,6 +278,12 @@ def _run(
     where = device if tp == 1 else f"{tp} {device} processes, tensor parallel" + (
         ", experts expert-parallel" if ep > 1 else "")
     print(f"moelora demo: {model_dir.name} on {where}, adapters {names} (pool of {len(resident)} slots)")
+    left_out = {name: not_applied_modules(path) for name, path in adapters.items()}
+    for name, modules in left_out.items():
+        if modules:
+            keys = sum(len(k) for k in modules.values())
+            print(f"adapter {name!r}: LoRA of {', '.join(_fold_layers(list(modules)))} ({keys} tensors, "
+                  "outside the routed experts) is not applied, and left out of the comparison with PEFT")
 
     t0 = time.perf_counter()
     if tp > 1:
@@ -256,7 +350,7 @@ def _run(
     progress.step("round 4")
 
     if check:
-        _check_against_peft(model_dir, adapters, requests, handle, model, progress)
+        _check_against_peft(model_dir, adapters, requests, handle, model, progress, left_out)
 
     ok = True
     print()

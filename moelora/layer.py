@@ -232,6 +232,12 @@ class FusedMoEWithLoRA(nn.Module):
         ``batch`` must come from this layer's pool and be current: a batch from another pool, or one
         whose adapter was unloaded or evicted since ``prepare_batch``, is refused (a host-side check).
         A routed pair whose expert id is outside ``[0, E)`` contributes nothing."""
+        if (isinstance(x, torch.Tensor) and self.fp8 is None and x.dtype != self.w13.dtype
+                and self.w13.dtype != torch.float8_e4m3fn):
+            # said here, for the layer's user: the kernels' own check would blame the weights
+            name = str(self.w13.dtype).removeprefix("torch.")
+            raise TypeError(f"x's dtype ({str(x.dtype).removeprefix('torch.')}) differs from the layer's "
+                            f"expert weights' dtype ({name}): cast x first, x.to(torch.{name})")
         if batch is None:
             return self._call(x, topk_weights, topk_ids, None)
         # Held until the kernels are queued: a slot write queued by another thread after the check lands

@@ -27,7 +27,7 @@ H100_LORA = ROOT / "benchmarks" / "results" / "bench_lora_NVIDIA_H100.json"
 
 QUICKSTART = "\n".join([
     "```bash",
-    "pip install -e . && moelora demo                  "
+    "pip install -e \".[transformers]\" && moelora demo  "
     "# install, serve the embedded tiny MoE with 4 adapters, check vs PEFT",
     'pip install -e ".[test]" && pytest -q -n 2 tests  '
     "# install the test extra and run the tests (CPU: Triton interpreter)",

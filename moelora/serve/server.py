@@ -55,19 +55,31 @@ class Server:
 
 def load_model(model_dir: Path | None, device: str, dtype: torch.dtype | None):
     """The model and its tokenizer: ``model_dir`` (a transformers checkpoint with its tokenizer), or the
-    embedded tiny Qwen3-MoE with the ASCII tokenizer when None."""
+    embedded tiny Qwen3-MoE with the ASCII tokenizer when None. ValueError, naming the directory or the
+    device, for a CUDA device torch does not see or a checkpoint transformers cannot load."""
     from transformers import AutoModelForCausalLM
 
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU on this machine; expected 'cpu'")
     if model_dir is None:
-        from moelora.demo import DEFAULT_MODEL
+        from moelora.demo import default_model
 
-        model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(default_model(), dtype=dtype or torch.float32)
         tokenizer = AsciiTokenizer()
     else:
         from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # transformers says OSError for missing files and ValueError for an unknown model type
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
+        except (OSError, ValueError) as err:
+            raise ValueError(f"model directory {model_dir}: transformers cannot load it as a causal LM "
+                             f"({err})") from err
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"model directory {model_dir}: transformers finds no tokenizer in it ({err}); "
+                             "expected the tokenizer files beside the model") from err
     return model.to(device).eval(), tokenizer
 
 
