@@ -232,9 +232,10 @@ class FusedMoEWithLoRA(nn.Module):
         ``batch`` must come from this layer's pool and be current: a batch from another pool, or one
         whose adapter was unloaded or evicted since ``prepare_batch``, is refused (a host-side check).
         A routed pair whose expert id is outside ``[0, E)`` contributes nothing."""
-        if (isinstance(x, torch.Tensor) and self.fp8 is None and x.dtype != self.w13.dtype
-                and self.w13.dtype != torch.float8_e4m3fn):
-            # said here, for the layer's user: the kernels' own check would blame the weights
+        if (isinstance(x, torch.Tensor) and x.is_floating_point() and self.fp8 is None
+                and x.dtype != self.w13.dtype and self.w13.dtype != torch.float8_e4m3fn):
+            # Said here, for the layer's user: the kernels' own check would blame the weights. (A
+            # non-float x gets the inputs' check, which lists the dtypes x may have.)
             name = str(self.w13.dtype).removeprefix("torch.")
             raise TypeError(f"x's dtype ({str(x.dtype).removeprefix('torch.')}) differs from the layer's "
                             f"expert weights' dtype ({name}): cast x first, x.to(torch.{name})")

@@ -412,9 +412,9 @@ def test_readme_serve_examples_run_as_written(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["serve"], "give a MODEL directory or --demo"),
-    (["serve", "/nonexistent-model-dir"], "not a model directory"),
-    (["serve", "--demo", "--adapter", "oops"], "--adapter wants NAME=DIR"),
+    (["serve"], "expected a MODEL directory (or --model DIR) or --demo"),
+    (["serve", "/nonexistent-model-dir"], "no such directory; expected a transformers model directory"),
+    (["serve", "--demo", "--adapter", "oops"], "--adapter oops: no '='; expected NAME=DIR"),
 ])
 def test_serve_cli_refusals(argv, words, capsys):
     from moelora.cli import main
