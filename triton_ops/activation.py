@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_ops.fused_moe import _gated_activation, activation_args
+from triton_ops.gemm_tiles import _gated_activation, activation_args
 from triton_ops.hostmath import cdiv, next_power_of_2
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_ops.fused_moe import _gated_activation, activation_args, lora_slot_group
+from triton_ops.gemm_tiles import _gated_activation, activation_args
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
 from triton_ops.lora_tiles import (
@@ -36,6 +36,7 @@ from triton_ops.lora_tiles import (
 )
 from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.pdl import releasing_launch, require_dependent_launch, wait_for_previous_kernel
+from triton_ops.plan import lora_slot_group
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import torch
 
 from triton_ops import overrides
 from triton_ops.configs import GemmConfig, blocks_per_sm_by_shared, pipeline_smem_bytes
+from triton_ops.gemm_tiles import ACTIVATION_GATED_RAW, ACTIVATION_NONE
 from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import planned
 from triton_ops.lora_epilogues import (
@@ -408,8 +409,6 @@ def _check_packed(lora: LoRAOperands, a: torch.Tensor, numel: int, *, gated: boo
 
 def _check_down_shrink(lora: LoRAOperands, activation_code: int, numel: int, out_n: int,
                        block_n: int) -> None:
-    from triton_ops.fused_moe import ACTIVATION_GATED_RAW, ACTIVATION_NONE  # the codes live beside the kernel
-
     if activation_code in (ACTIVATION_NONE, ACTIVATION_GATED_RAW):
         raise ValueError("down_shrunk is written by GEMM1's activated epilogue: activation must be silu/gelu")
     rank = lora.lora_b.max_rank
