@@ -51,7 +51,6 @@ import torch
 from moelora.activations import GatedActivation, as_gated_activation
 from moelora.bench_timing import (  # noqa: F401  (the benchmarks import the timers from here)
     Progress,
-    _capture,
     cold_l2_time_ms,
     cold_l2_times_ms,
     eager_time_us,

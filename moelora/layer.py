@@ -526,12 +526,11 @@ class _GraphedCall:
         static_x = x.new_zeros(rows, *x.shape[1:])
         static_w = topk_weights.new_zeros(rows, *topk_weights.shape[1:])
         static_ids = topk_ids.new_full((rows, *topk_ids.shape[1:]), -1)
+        # A batch without adapters runs the base path, which reads nothing of it.
         static_batch, token_slots = None, None
         if batch is not None and batch.has_lora:
             token_slots = batch.token_slots.new_full((rows,), -1)
             static_batch = dataclasses.replace(batch, token_slots=token_slots, num_tokens=rows)
-        elif batch is not None:
-            static_batch = None  # no adapter in it: the base path, which reads nothing of it
         graphed = cls(None, static_x, static_w, static_ids, token_slots, None)
         graphed.fill(x, topk_weights, topk_ids, batch)
 
