@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moelora.bench import (  # noqa: E402
     MODELS,
     LoRABuffers,
-    _capture,
     cold_l2_times_ms,
     lora_inputs,
     make_lora_buffers,
@@ -54,6 +53,7 @@ from moelora.bench import (  # noqa: E402
     make_weights,
     token_slots_for,
 )
+from moelora.bench_timing import _capture  # noqa: E402
 from triton_ops.configs import (  # noqa: E402
     MULTI_ADAPTER_TILES_MIN_ADAPTERS,
     GemmConfig,
