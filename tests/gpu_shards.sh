@@ -10,7 +10,7 @@
 # The shards share the GPU's memory: expandable segments (unless PYTORCH_CUDA_ALLOC_CONF is set) and the
 # conftest's empty_cache after each GPU test keep one shard's freed blocks from starving another; 8 shards
 # fit an 80 GB H100.
-# Prints each shard's summary line; the exit status is nonzero if any shard failed or none collected.
+# Prints each shard's summary line and its failed tests; the exit status is nonzero if any shard failed or none collected.
 set -u
 shards=4
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then
@@ -55,5 +55,6 @@ for pid in "${pids[@]}"; do
 done
 for log in "$logs"/shard_*.log; do
     echo "$(basename "$log"): $(tail -n 1 "$log")"
+    grep -E "^(FAILED|ERROR) " "$log" | sed 's/^/    /'
 done
 exit $status

@@ -521,3 +521,28 @@ def test_a_request_behind_busy_adapters_waits_a_bounded_time():
     finally:
         done.set()
         engine.shutdown(cancel=True)
+
+
+def test_engine_forwards_run_without_cudnn_attention():
+    """cuDNN's SDPA plans every new key length, and a serving batch's changes every step: the engine's
+    forwards run with it off, and the process-wide flag is back on between steps."""
+    import moelora.integrations as mi
+    from moelora.serve.engine import Engine, EngineRequest, SamplingParams
+
+    model, tokenizer = load_model(None, "cpu", None)
+    handle = mi.attach(model, max_loras=1)
+    seen: list[bool] = []
+    hook = model.register_forward_pre_hook(lambda module, args: seen.append(
+        torch.backends.cuda.cudnn_sdp_enabled()))
+    engine = Engine(model, handle, decode=tokenizer.decode)
+    finished = threading.Event()
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0)
+        engine.submit(EngineRequest(TOK.encode("hello there"), None, params,
+                                    on_finish=lambda reason: finished.set()))
+        assert finished.wait(60)
+    finally:
+        engine.shutdown(cancel=True)
+        hook.remove()
+    assert seen and not any(seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -33,7 +33,7 @@ from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program,
 from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "max_padded", "max_blocks"])
 def _align_and_pair_shrink_kernel(
     # Pointers: alignment
     topk_ids_ptr,  # (numel,) int32/int64 flat routed expert ids

@@ -145,7 +145,7 @@ def check_block_fp8(w13: torch.Tensor, w2: torch.Tensor, fp8: object) -> None:
     fp8.check(w13, w2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _quantize_groups_kernel(
     x_ptr,  # (rows, K) fp16/bf16/fp32
     stride_xm,

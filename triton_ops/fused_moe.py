@@ -143,7 +143,9 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
 )
 
 
-@triton.jit
+# Sizes that change with every batch are not specialized (a compile per divisibility class otherwise);
+# num_tokens keeps its == 1 specialization, the one-token decode.
+@triton.jit(do_not_specialize=["numel", "max_padded"], do_not_specialize_on_alignment=["num_tokens"])
 def _fused_moe_kernel(
     # The GEMM: a (rows, K) @ b[e] (N or 2N, K)^T -> c (numel, N), rows of a picked per routed pair
     a_ptr,  # (rows, K) fp16/bf16/fp32: x for GEMM1, the activated intermediate for GEMM2

@@ -45,7 +45,7 @@ def _load_expert_ids(topk_ids_ptr, offs, numel, num_experts):
     return tl.where(valid, tl.where(in_range, ids, -2), -1).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _count_kernel(
     # Pointers
     topk_ids_ptr,  # (numel,) int32/int64, flat routed expert ids
@@ -124,7 +124,7 @@ def _expert_layout(
     return starts, total_padded + null_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "num_chunks", "max_blocks"])
 def _offsets_kernel(
     # Pointers
     chunk_counts_ptr,  # (num_chunks, E) int32, in: counts; out: exclusive prefix over chunks
@@ -181,7 +181,7 @@ def _offsets_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "max_padded", "fill_stripe"])
 def _scatter_kernel(
     # Pointers
     topk_ids_ptr,  # (numel,) int32/int64
@@ -276,7 +276,7 @@ def align_single_program(
                  mask=(pos >= padded_end) & (pos < max_padded))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "max_padded", "max_blocks"])
 def _align_single_kernel(
     # Pointers
     topk_ids_ptr,  # (numel,) int32/int64, numel <= CHUNK

@@ -39,7 +39,7 @@ from triton_ops.pdl import releasing_launch, require_dependent_launch, wait_for_
 from triton_ops.plan import lora_slot_group
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _moe_lora_shrink_kernel(
     # Pointers
     x_ptr,  # (rows, K) activations: x (GEMM1 side) or h (down side)
@@ -142,7 +142,7 @@ def _moe_lora_shrink_kernel(
             tl.store(out_rows[:, None] + LORA_R + offs_r[None, :], own_up, mask=in_group[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "max_padded"])
 def _moe_lora_gate_up_b_kernel(
     # Pointers
     c1_ptr,  # (numel, 2N) raw GEMM1 output, gate columns then up columns
@@ -227,7 +227,9 @@ def _moe_lora_gate_up_b_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# M changes with every batch: no divisibility specialization (a compile per class otherwise), but M == 1,
+# the one-token decode, keeps its own variant.
+@triton.jit(do_not_specialize_on_alignment=["M"])
 def _moe_lora_down_combine_kernel(
     # Pointers
     shrunk_ptr,  # (numel, splits, LORA_R) fp32 partials of A_down h per pair

@@ -45,7 +45,7 @@ def _sum_row_splits(partials_ptr, token_slots_ptr, numel, slot_row_div, stride_p
     return rows, slot, has_slot, ptrs, total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _reduce_shrink_splits_kernel(
     # Pointers
     partials_ptr,  # (numel, splits, WIDTH) fp32, in place: split 0 receives the sum
@@ -71,7 +71,7 @@ def _reduce_shrink_splits_kernel(
     tl.store(ptrs, total, mask=has_slot[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _pack_shrink_partials_kernel(
     # Pointers
     partials_ptr,  # (numel, splits, WIDTH) fp32 split-K shrink partials

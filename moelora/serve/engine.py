@@ -309,7 +309,7 @@ class Engine:
                 if self._stop and not self._waiting and not self._rows and not self._prefilling:
                     return
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), _attention_without_cudnn():
                     self._step()
             except Exception as err:  # noqa: BLE001 - a broken step fails its requests, not the server
                 log.exception("engine step failed")
@@ -588,6 +588,16 @@ class Engine:
             request.on_finish(reason)
         except Exception:  # noqa: BLE001 - a client callback must not stop the loop
             log.exception("on_finish of %s failed", request.request_id)
+
+
+def _attention_without_cudnn():
+    """SDPA without its cuDNN backend for the engine's forwards. cuDNN attention builds an execution plan
+    for every new query/key shape, and a serving batch's key length changes every step: each step then
+    waits on a plan build (tens to hundreds of milliseconds) where the other backends launch at once.
+    The flags are process-wide while a step runs (torch keeps them global)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
