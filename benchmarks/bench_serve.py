@@ -11,7 +11,8 @@ The load generator runs in its own process (``--client``), so its Python work ta
 server's. Per cell: output tokens/s over the cell's wall time, time to first token and inter-token latency
 p50/p99.
 
-After an untimed warm-up (the cells' workloads at the highest rate, other seeds), cells: N = 0 and N = 32
+After the engine's warm-up (every launch shape, as `moelora serve --warmup`) and an untimed warm-up (the
+cells' workloads at the highest rate, other seeds), cells: N = 0 and N = 32
 zipf at every rate; N = 1, 8 (uniform and zipf) and 32 uniform at the highest rate;
 N = 8 uniform at the middle rate with one adapter loaded through ``/v1/load_lora_adapter`` when half the
 requests were sent (inter-token p99 of the gaps that ended during the load, against those before it); and
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     adapter_root = Path(tempfile.mkdtemp(prefix="moelora-bench-"))
     server = build_server(model, _IdTokenizer(), base_name="base", max_loras=n_max + 2, max_rank=64,
                           max_cpu_loras=0, max_running=args.max_running, max_waiting=10_000,
-                          max_prompt_tokens=4096, allow_runtime_adapters=True, adapter_root=adapter_root)
+                          max_prompt_tokens=4096, allow_runtime_adapters=True, adapter_root=adapter_root,
+                          warmup=False)
     pool = server.engine.handle.pool
     ranks = {f"a{k}": RANKS[k % len(RANKS)] for k in range(n_max)}
     for k, (name, rank) in enumerate(ranks.items()):
@@ -236,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     # The adapter loaded at runtime: a PEFT directory under the server's adapter root.
     write_f1_adapter(adapter_root / "hot", list(server.engine.handle.layer_ids), pool.num_experts,
                      pool.hidden_size, pool.intermediate_size, 16, torch.bfloat16, seed=99)
+    started = time.perf_counter()
+    server.engine.warm_up()  # the server's --warmup, after the adapters are resident
+    print(f"# engine warm-up: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     low, mid, high = args.rates
     cells = [(0, "uniform", r) for r in args.rates] + [(n_max, "zipf", r) for r in args.rates]
     few = min(8, n_max)

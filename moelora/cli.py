@@ -527,6 +527,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--max-prompt-tokens", type=_positive_int, default=4096)
     serve.add_argument("--max-tokens", type=_positive_int, default=2048,
                        help="the largest max_tokens a request may ask")
+    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                       help="before listening, run every launch shape a step can meet, so no request waits "
+                            "on a kernel compile (default: on a GPU)")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -567,7 +570,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_loras=args.max_loras, max_rank=args.max_rank, max_cpu_loras=args.max_cpu_loras,
             max_running=args.max_running, max_waiting=args.max_waiting, api_key=args.api_key,
             allow_runtime_adapters=args.allow_runtime_adapters, adapter_root=root,
-            max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens)
+            max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens,
+            warmup=args.warmup if args.warmup is not None else next(model.parameters()).is_cuda)
     except (ValueError, OSError) as err:
         print(f"moelora serve: error: {_one_line(err)}", file=sys.stderr)
         return 1

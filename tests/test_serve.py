@@ -546,3 +546,56 @@ def test_engine_forwards_run_without_cudnn_attention():
         hook.remove()
     assert seen and not any(seen), seen
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_warm_up_runs_every_mix_and_changes_nothing(oracle):
+    """``Engine.warm_up`` runs the token counts up to ``max_step_tokens`` without adapter and with each
+    rank tile's mixes of 1, 2, 3 adapters, reports each, leaves the pool as it was (nothing loaded,
+    evicted or in use), and the engine then serves exactly; it refuses to run beside requests."""
+    import moelora.integrations as mi
+    from moelora.serve.engine import Engine, EngineRequest, SamplingParams
+
+    model, tokenizer = load_model(None, "cpu", None)
+    handle = mi.attach(model, max_loras=3, max_cpu_loras=1)
+    for name in ("chat", "math", "sql"):
+        handle.load_adapter(name, ADAPTERS_DIR / name)
+    before = handle.pool.state()
+    engine = Engine(model, handle, decode=tokenizer.decode, max_step_tokens=12)
+    shapes: list[tuple[int, int]] = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
+        tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    lines: list[str] = []
+    try:
+        forwards = engine.warm_up(progress=lines.append)
+        hook.remove()
+        after = handle.pool.state()
+        assert after.resident == before.resident and after.slots == before.slots
+        assert all(users == 0 for users in after.users.values()) and after.evictions == before.evictions
+        assert forwards == len(shapes) and {rows for rows, _ in shapes} == {1, 2, 4, 8, 12}
+        assert all(width == 1 for _, width in shapes)
+        labels = [line.split(",")[0] for line in lines[:-1]]
+        assert labels[0] == "warm-up: no adapter" and len(labels) >= 2
+        assert all(label.startswith("warm-up: rank tile ") for label in labels[1:])
+        # no adapter at the 5 counts; per rank tile t, mixes of 1..min(3, adapters of tile <= t) adapters,
+        # each at the counts >= its size
+        state = handle.pool.state()
+        ranks = [handle.pool.slot_rank_host[state.slots[n]] for n in state.resident]
+        tiles = sorted({max(16, 1 << (r - 1).bit_length()) for r in ranks})
+        usable = [sum(max(16, 1 << (r - 1).bit_length()) <= t for r in ranks) for t in tiles]
+        at_least = {1: 5, 2: 4, 3: 3}
+        assert len(labels) == 1 + len(tiles)
+        assert forwards == 5 + sum(at_least[n] for u in usable for n in range(1, min(u, 3) + 1))
+        assert lines[-1].startswith(f"warm-up done: {forwards} forwards")
+        done = threading.Event()
+        text: list[str] = []
+        engine.submit(EngineRequest(TOK.encode("Hello"), "chat", SamplingParams(max_tokens=6, temperature=0),
+                                    on_token=lambda token, delta: text.append(delta),
+                                    on_finish=lambda reason: done.set()))
+        assert done.wait(60)
+        assert "".join(text) == oracle("chat", "Hello", 6)
+        engine.submit(EngineRequest(TOK.encode("Hello"), None, SamplingParams(max_tokens=200, temperature=0)))
+        with pytest.raises(RuntimeError, match="before requests"):
+            engine.warm_up()
+    finally:
+        hook.remove()
+        engine.shutdown(cancel=True)

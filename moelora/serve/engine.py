@@ -285,6 +285,57 @@ class Engine:
                 except ValueError as err:  # pinned, or already gone
                     log.warning("adapter %s not unloaded: %s", name, err)
 
+    # ------------------------------------------------------------------------------------------ warm-up
+
+    def warm_up(self, *, progress: Callable[[str], None] | None = None) -> int:
+        """Runs, before any request, one forward of every launch shape a step can meet, so that no request
+        waits on a kernel compile, a launch plan or a CUDA graph capture later: token counts of powers of
+        two up to ``max_step_tokens`` (and it), each with no adapter and with 1, 2, 3, 4, 8, 16 and 32 of
+        the resident adapters (as many as there are), for each rank tile among them (every launch rule
+        decides by the token count, the adapter count as ``launch_adapter_count`` plans it, and the rank
+        tile). The forwards are one token per row, each row its own adapter, and change no state: no
+        adapter is loaded, evicted or left in use. ``progress`` gets a line per rank tile. Returns the
+        forwards run. RuntimeError while requests run or wait (a server calls it before it listens)."""
+        from triton_ops.plan import lora_rank_block
+
+        say = progress or log.info
+        pool = self.handle.pool
+        with self._lock:
+            if self._waiting or self._rows or self._prefilling:
+                raise RuntimeError("warm_up runs before requests: some are running or waiting")
+            state = pool.state()
+            tiles: dict[int, list[str]] = {}
+            for name in state.resident:
+                tile = lora_rank_block(pool.slot_rank_host[state.slots[name]])
+                tiles.setdefault(tile, []).append(name)
+            counts = sorted({1 << k for k in range(self.max_step_tokens.bit_length())
+                             if 1 << k <= self.max_step_tokens} | {self.max_step_tokens})
+            mixes: dict[str, list[list[str]]] = {"no adapter": [[]]}
+            for tile in sorted(tiles):
+                usable = tiles[tile] + [n for t in sorted(tiles) if t < tile for n in tiles[t]]
+                mixes[f"rank tile {tile}"] = [usable[:n] for n in (1, 2, 3, 4, 8, 16, 32)
+                                              if n <= min(len(usable), pool.max_loras)]
+            vocab = self.vocab_size
+            forwards, started = 0, time.monotonic()
+            with torch.inference_mode(), _attention_without_cudnn():
+                for label, name_sets in mixes.items():
+                    began = time.monotonic()
+                    for names in name_sets:
+                        for tokens in counts:
+                            if tokens < len(names):
+                                continue
+                            rows = [names[i % len(names)] if names else None for i in range(tokens)]
+                            ids = torch.randint(0, vocab, (tokens, 1), device=self.device)
+                            with self.handle.step(rows):
+                                self.model(input_ids=ids, use_cache=False)
+                            forwards += 1
+                    say(f"warm-up: {label}, {len(name_sets)} adapter mixes x {len(counts)} token counts "
+                        f"(1 to {counts[-1]}): {time.monotonic() - began:.1f} s")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            say(f"warm-up done: {forwards} forwards in {time.monotonic() - started:.1f} s")
+            return forwards
+
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def shutdown(self, *, cancel: bool = False, timeout: float = 30.0) -> None:

@@ -100,10 +100,12 @@ def build_server(
     min_prefill_tokens: int = 32,
     max_defer_seconds: float = 2.0,
     base_experts: str = "auto",
+    warmup: bool = False,
     **config,
 ) -> Server:
     """Attaches a pool to ``model``, loads ``adapters`` and starts the API on ``host:port`` (0: a free port)
-    in a background thread. ``config``: the fields of :class:`moelora.serve.api.ServeConfig`."""
+    in a background thread. ``warmup``: run :meth:`Engine.warm_up` first (every launch shape compiled and
+    captured before the first request). ``config``: the fields of :class:`moelora.serve.api.ServeConfig`."""
     import uvicorn
 
     import moelora.integrations as mi
@@ -132,6 +134,8 @@ def build_server(
         min_prefill_tokens=min_prefill_tokens,
         max_defer_seconds=max_defer_seconds,
     )
+    if warmup:
+        engine.warm_up()
     app = build_app(engine, tokenizer, ServeConfig(base_name=base_name, **config))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
