@@ -4,7 +4,9 @@
 
 For each model shape (one MoE layer, bf16), ``N`` adapters are loaded into a real ``MoELoRAMemoryPool``
 (``add_adapter_weights``; ranks cycle 8, 16, 32, 64, every expert trained) and a batch of ``M`` tokens
-spread over them (uniform or zipf popularity, ``moelora.bench.token_slots_for``) runs through
+spread over them (uniform or zipf popularity, ``moelora.bench.token_slots_for``; or, with ``--mixed D+P``,
+a serving step of D decode tokens, each its own sequence, and one P-token prefill chunk of one adapter,
+both drawn by the popularity: ``step_slots``) runs through
 ``FusedMoEWithLoRA`` (path "auto"). Each point is the median of CUDA-graph replays with L2 flushed before
 each (``moelora.bench.graph_rounds_us``), timed interleaved with the one-adapter batch of the same M
 (one adapter of rank 64: the costliest of the mix) and the base layer; throughput relative to one adapter
@@ -36,6 +38,7 @@ from moelora.bench import (  # noqa: E402
     graph_rounds_us,
     make_routing,
     make_weights,
+    popularity_weights,
     token_slots_for,
 )
 from moelora.reference import LoRAProjection, ReferenceLoRA  # noqa: E402
@@ -58,12 +61,27 @@ def adapter(shape, rank: int, pool_rng: torch.Tensor) -> dict[int, ReferenceLoRA
     return {0: lora}
 
 
-def floor_bytes(shape, m: int, n: int, popularity: str, one_rank: int | None = None) -> int:
+def step_slots(m: int, n: int, popularity: str, decode: int = 0) -> torch.Tensor:
+    """(M,) int32 slot of each token of a point: ``token_slots_for``, or with ``decode`` > 0 a mixed
+    serving step: ``decode`` one-token sequences, each drawing its adapter by the popularity, then one
+    prefill chunk of the other M - decode tokens, all of the adapter drawn for it."""
+    if not decode:
+        return token_slots_for(m, n, popularity, seed=7 * m + n)
+    if not 0 < decode < m:
+        raise ValueError(f"a mixed step needs 0 < decode tokens < M, got {decode} of {m}")
+    gen = torch.Generator().manual_seed(7 * m + n + decode)
+    rows = torch.multinomial(popularity_weights(n, popularity), decode + 1, replacement=True,
+                             generator=gen).to(torch.int32)
+    return torch.cat([rows[:decode], rows[decode:].expand(m - decode)])
+
+
+def floor_bytes(shape, m: int, n: int, popularity: str, one_rank: int | None = None,
+                decode: int = 0) -> int:
     """Bytes a call must move at least: the routed experts' base weights, each distinct (adapter, expert)
     pair's LoRA rows once (``rank`` units), x and the output. ``one_rank``: every token on one adapter of
     that rank instead of the N-adapter mix. Same routing and slots as the timed point."""
     _, ids = make_routing(m, shape, 100 + m, torch.device("cpu"))
-    slots = token_slots_for(m, n, popularity, seed=7 * m + n).long()
+    slots = step_slots(m, n, popularity, decode).long()
     elem, unit = 2, MoELoRAMemoryPool.unit_bytes_for(shape.H, shape.I, torch.bfloat16)
     experts = torch.unique(ids.long())
     base = experts.numel() * 3 * shape.H * shape.I * elem + 2 * m * shape.H * elem
@@ -78,8 +96,9 @@ def add_roofline(records: list[dict], hbm_tbps: float) -> None:
     throughput ratio the bytes allow, and the fraction of it reached."""
     for r in records:
         shape = MODELS[r["model"]]
-        many = floor_bytes(shape, r["M"], r["N"], r["popularity"])
-        one = floor_bytes(shape, r["M"], r["N"], r["popularity"], one_rank=64)
+        decode = r.get("decode", 0)
+        many = floor_bytes(shape, r["M"], r["N"], r["popularity"], decode=decode)
+        one = floor_bytes(shape, r["M"], r["N"], r["popularity"], one_rank=64, decode=decode)
         r["floor_us"] = many / hbm_tbps / 1e6
         r["one_adapter_floor_us"] = one / hbm_tbps / 1e6
         r["floor_throughput_vs_one"] = one / many
@@ -98,7 +117,8 @@ def adapters_per_gb(shape, layers: int) -> dict[str, float]:
 
 
 def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str], rounds: int,
-                warmup_ms: float, rep_ms: float) -> list[dict]:
+                warmup_ms: float, rep_ms: float, mixed: list[tuple[int, int]] = ()) -> list[dict]:
+    """Every (M, N, popularity) point, then every mixed step (decode, prefill) of ``mixed`` at each N."""
     shape = MODELS[name]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     w13, w2 = make_weights(shape, dtype, dev, seed=0)
@@ -118,7 +138,7 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
     print(f"{name}: {max_n + 1} adapters resident, arena {report.arena_bytes / 1e9:.2f} GB, used "
           f"{report.used_bytes / 1e9:.2f} GB", flush=True)
     records = []
-    for m in ms:
+    for m, decode in [(m, 0) for m in ms] + [(d + p, d) for d, p in mixed]:
         weights, ids = make_routing(m, shape, 100 + m, dev)
         x = torch.randn(m, shape.H, device=dev, dtype=dtype)
         one = pool.prepare_batch(["one64"] * m)
@@ -126,24 +146,33 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
             for pop in popularities:
                 if n == 1 and pop != popularities[0]:
                     continue
-                slots = token_slots_for(m, n, pop, seed=7 * m + n).tolist()
+                if decode and n == 1:
+                    continue  # a mixed step of one adapter is the one-adapter point itself
+                slots = step_slots(m, n, pop, decode).tolist()
                 batch = pool.prepare_batch([names[s] for s in slots])
                 calls = [lambda: layer(x, weights, ids, None),  # noqa: B023
                          lambda: layer(x, weights, ids, one),  # noqa: B023
                          lambda: layer(x, weights, ids, batch)]  # noqa: B023
                 (base, single, many), _ = graph_rounds_us(calls, warmup_ms, rep_ms, rounds=rounds)
                 mid = sorted(range(rounds), key=lambda r: many[r] / single[r])[rounds // 2]
-                rec = {"model": name, "M": m, "N": n, "popularity": pop, "ranks": list(RANKS),
+                rec = {"model": name, "M": m, "decode": decode, "N": n, "popularity": pop,
+                       "ranks": list(RANKS),
                        "base_us": base[mid], "one_adapter_us": single[mid], "n_adapters_us": many[mid],
                        "throughput_vs_one": single[mid] / many[mid],
                        "ranks_in_batch": sorted({RANKS[s % len(RANKS)] for s in slots})}
                 records.append(rec)
-                print(f"  M={m} N={n} {pop}: base {base[mid]:.1f} us, one r64 {single[mid]:.1f}, "
+                print(f"  {step_label(rec)} N={n} {pop}: base {base[mid]:.1f} us, one r64 {single[mid]:.1f}, "
                       f"N {many[mid]:.1f} -> {rec['throughput_vs_one']:.3f}", flush=True)
                 batch.release()
         one.release()
     pool.close()
     return records
+
+
+def step_label(record: dict) -> str:
+    """A point's M as the tables show it: ``M=1024``, or ``192 decode + 1856 prefill``."""
+    decode = record.get("decode", 0)
+    return f"{decode} decode + {record['M'] - decode} prefill" if decode else f"M={record['M']}"
 
 
 def render(result: dict, out: Path) -> None:
@@ -157,7 +186,8 @@ def render(result: dict, out: Path) -> None:
              "| model | M | N | popularity | base µs | 1 adapter (r64) µs | N adapters µs | "
              "throughput vs 1 | floor ratio | of floor |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['model']} | {r['M']} | {r['N']} | {r['popularity']} | {r['base_us']:.1f} | "
+        lines.append(f"| {r['model']} | {step_label(r).removeprefix('M=')} | {r['N']} | {r['popularity']} | "
+                     f"{r['base_us']:.1f} | "
                      f"{r['one_adapter_us']:.1f} | {r['n_adapters_us']:.1f} | {r['throughput_vs_one']:.3f} | "
                      f"{r['floor_throughput_vs_one']:.3f} | {r['of_floor_ratio']:.2f} |")
     lines += ["", "Resident adapters per GB of adapter memory, whole model (bf16, max rank 64):", "",
@@ -178,15 +208,15 @@ def render(result: dict, out: Path) -> None:
     models = list(dict.fromkeys(r["model"] for r in records))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for m in sorted({r["M"] for r in records if r["model"] == model}):
+        for step in dict.fromkeys(step_label(r) for r in records if r["model"] == model):
             for pop, style in (("uniform", "-"), ("zipf", "--")):
-                here = [r for r in records if r["model"] == model and r["M"] == m
+                here = [r for r in records if r["model"] == model and step_label(r) == step
                         and (r["popularity"] == pop or r["N"] == 1)]
                 pts = sorted((r["N"], r["throughput_vs_one"], r["floor_throughput_vs_one"]) for r in here)
                 if len(pts) < 2:
                     continue
                 line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
-                                label=f"M={m} {pop}")
+                                label=f"{step} {pop}")
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], style, color=line.get_color(), alpha=0.3)
         ax.axhline(0.85, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
@@ -201,7 +231,10 @@ def render(result: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MOE_LAYERS), choices=list(MOE_LAYERS))
-    parser.add_argument("--M", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--M", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096])
+    parser.add_argument("--mixed", nargs="*", default=["192+1856"], metavar="D+P",
+                        help="mixed serving steps: D decode tokens and a P-token prefill chunk "
+                             "(default 192+1856)")
     parser.add_argument("--N", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--popularity", nargs="+", default=["uniform", "zipf"])
     parser.add_argument("--rounds", type=int, default=3)
@@ -211,6 +244,12 @@ def main() -> None:
                         help="re-render OUT.md/.png (and the floors) from this JSON instead of measuring")
     parser.add_argument("--out", required=True, help="output path without extension")
     args = parser.parse_args()
+    try:
+        mixed = [tuple(int(v) for v in step.split("+")) for step in args.mixed]
+    except ValueError:
+        parser.error(f"--mixed takes D+P token counts (e.g. 192+1856), got {args.mixed}")
+    if any(len(step) != 2 or min(step) < 1 for step in mixed):
+        parser.error(f"--mixed takes D+P with D, P >= 1, got {args.mixed}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.render is not None:
@@ -219,7 +258,8 @@ def main() -> None:
         memory = {name: adapters_per_gb(MODELS[name], MOE_LAYERS[name]) for name in args.models}
         records = []
         for name in args.models:
-            records += bench_model(name, args.M, args.N, args.popularity, args.rounds, args.warmup, args.rep)
+            records += bench_model(name, args.M, args.N, args.popularity, args.rounds, args.warmup, args.rep,
+                                   mixed=mixed)
         result = {"device": torch.cuda.get_device_name(), "records": records, "memory": memory}
     add_roofline(result["records"], device_peaks(result["device"])["hbm_tbps"])
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

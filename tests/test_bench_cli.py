@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from moelora.cli import main
 
@@ -351,3 +352,32 @@ def test_merge_results_runs_split_by_m():
     large["records"] = [r for r in large["records"] if r["model"] == "qwen3-30b-a3b"]
     with pytest.raises(ValueError, match="deepseek-v2-lite has no M=1024/4096 in any run"):
         merge_runs([small, large])
+
+
+def _bench_many_adapters():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_many_adapters.py"
+    spec = importlib.util.spec_from_file_location("bench_many_adapters", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_many_adapters_mixed_step_layout_and_floor():
+    """A mixed serving step: the decode tokens draw their adapters one by one, the prefill chunk is one
+    adapter's; its byte floor counts the (adapter, expert) pairs of that layout."""
+    from moelora.bench import MODELS
+
+    bench = _bench_many_adapters()
+    slots = bench.step_slots(2048, 32, "zipf", decode=192)
+    assert slots.shape == (2048,) and slots.dtype == torch.int32
+    assert slots[192:].unique().numel() == 1 and slots[:192].unique().numel() > 8
+    assert torch.equal(slots, bench.step_slots(2048, 32, "zipf", decode=192))  # reproducible
+    with pytest.raises(ValueError, match="0 < decode tokens < M"):
+        bench.step_slots(64, 8, "uniform", decode=64)
+    shape = MODELS["qwen3-30b-a3b"]
+    mixed = bench.floor_bytes(shape, 2048, 32, "zipf", decode=192)
+    one = bench.floor_bytes(shape, 2048, 32, "zipf", one_rank=64, decode=192)
+    spread = bench.floor_bytes(shape, 2048, 32, "zipf")
+    assert one < mixed < spread  # one chunk of one adapter has fewer (adapter, expert) pairs than 32 runs
+    assert bench.step_label({"M": 2048, "decode": 192}) == "192 decode + 1856 prefill"
+    assert bench.step_label({"M": 1024}) == "M=1024"
