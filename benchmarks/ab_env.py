@@ -1,11 +1,12 @@
-"""Interleaved A/B of an environment switch on the MoE LoRA layer, for effects smaller than the drift
-between two ``moelora bench`` runs (a few % of the base time on an H100/H200).
+"""Interleaved A/B of a launch override (``triton_ops.overrides``) or an environment variable on the MoE
+LoRA layer, for effects smaller than the drift between two ``moelora bench`` runs (a few % of the base time
+on an H100/H200).
 
     python benchmarks/ab_env.py --env lora_prefetch=small --models mixtral-8x7b --M 256 1024
 
-For each (model, M, rank, adapters) three CUDA graphs are captured: the base layer, the LoRA layer with
-the environment as it is (A) and the LoRA layer with ``--env`` set while it is captured (B; the switches
-are read when the kernels are launched, so the graph keeps B's kernels). Then ``--rounds`` rounds time
+For each (model, M, rank, adapters) three CUDA graphs are captured: the base layer, the LoRA layer as the
+rules launch it (A) and the LoRA layer with ``--env`` set while it is captured (B; overrides are read when
+the kernels are launched, so the graph keeps B's kernels). Then ``--rounds`` rounds time
 base, A and B one after the other (``moelora.bench.cold_l2_time_ms`` median each, L2 flushed by a read),
 in a rotating order, so clock or thermal drift falls on all three alike. Reported per point: the median
 over rounds of each overhead t/t(base) - 1 and of t(B)/t(A), with the rounds' range of t(B)/t(A); a
