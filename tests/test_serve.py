@@ -599,3 +599,18 @@ def test_warm_up_runs_every_mix_and_changes_nothing(oracle):
     finally:
         hook.remove()
         engine.shutdown(cancel=True)
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], False), (["--warmup"], True), (["--no-warmup"], False)])
+def test_serve_cli_warmup_flag(flag, expected, monkeypatch):
+    """``--warmup`` / ``--no-warmup`` reach ``build_server``; without either, the warm-up runs on a GPU
+    only (the demo's model is on the CPU here)."""
+    import moelora.serve.server as server_module
+    from moelora.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_module, "build_server",
+                        lambda *args, **kwargs: seen.update(kwargs) or object())
+    monkeypatch.setattr(server_module, "serve_forever", lambda server: None)
+    assert main(["serve", "--demo", "--device", "cpu", *flag]) == 0
+    assert seen["warmup"] is expected
