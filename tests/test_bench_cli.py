@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -381,3 +382,21 @@ def test_many_adapters_mixed_step_layout_and_floor():
     assert one < mixed < spread  # one chunk of one adapter has fewer (adapter, expert) pairs than 32 runs
     assert bench.step_label({"M": 2048, "decode": 192}) == "192 decode + 1856 prefill"
     assert bench.step_label({"M": 1024}) == "M=1024"
+
+
+def test_ab_rules_covers_every_launch_override():
+    """benchmarks/ab_rules.py has one entry per launch override, each forcing a value the override takes,
+    on models the benchmarks know (its own check), and the verdict keeps a rule at a 2 % loss."""
+    from triton_ops.overrides import CHOICES
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_rules.py"
+    spec = importlib.util.spec_from_file_location("ab_rules", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ab_rules"] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["ab_rules"]
+    assert set(module.RULES) == set(CHOICES)
+    module.check_rules(module.RULES)
+    assert module.KEEP_AT == 1.02

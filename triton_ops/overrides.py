@@ -1,11 +1,12 @@
 """Launch overrides: force a launch rule one way, to compare its variants on a GPU.
 
-Every launch decision has a rule (in ``fused_moe``, ``fused_experts``, ``pdl``, ``shrink_reduce``) that
-picks the variant measured to win. An override replaces the rule's answer, for A/B runs
-(``benchmarks/ab_env.py --set NAME=VALUE``) and for tests that reach a variant the rule would not pick on
-their shapes. Overrides live in one process-wide dict, :data:`LAUNCH_OVERRIDES` (name -> value, both
-strings; unset = the rule decides); the names and their values are :data:`CHOICES`. Layers cache their
-launch plans per token count: set overrides before the first call, or clear ``layer.launch_cache``.
+Every launch decision has a rule (in ``fused_moe``, ``fused_experts``, ``pdl``, ``shrink_reduce``) that picks
+the variant measured to win. An override replaces the rule's answer, for A/B runs (``benchmarks/ab_env.py
+--env NAME=VALUE``, every rule at once: ``benchmarks/ab_rules.py``) and for tests that reach a variant the
+rule would not pick on their shapes. Overrides live in one process-wide dict, :data:`LAUNCH_OVERRIDES` (name
+-> value, both strings; unset = the rule decides); the names and their values are :data:`CHOICES`. Layers
+cache their launch plans per token count: set overrides before the first call, or clear
+``layer.launch_cache``.
 
 Nothing here reads the environment: the few environment variables the library reads are listed in
 docs/architecture.md ("Environment variables").
