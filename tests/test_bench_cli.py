@@ -220,13 +220,19 @@ def test_rounds_flag(tmp_path, capsys):
     assert payload["resolved"]["rounds"] == 2 and {r["path"] for r in payload["records"]} >= {"base", "split"}
 
 
-def _merge_results():
-    """benchmarks/merge_results.py as a module (benchmarks/ is a folder of scripts, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_results.py"
-    spec = importlib.util.spec_from_file_location("merge_results", path)
+def _script(name: str):
+    """``benchmarks/<name>.py`` as a module (benchmarks/ is a folder of scripts, not a package), registered
+    in ``sys.modules`` while it runs (its dataclasses look their module up there)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
     return module
+
 
 
 def _run(date, models, ranks=(16, 64), rounds=None):
@@ -248,7 +254,7 @@ def _run(date, models, ranks=(16, 64), rounds=None):
 def test_merge_results_keeps_model_order_and_provenance(tmp_path):
     """Runs over different models of one device and settings merge into one table in MODELS order (the
     second run's DeepSeek-V2 before the first's Qwen3), each run's date kept in the note."""
-    merge_runs, write_table = _merge_results().merge_runs, _merge_results().write_table
+    merge_runs, write_table = _script("merge_results").merge_runs, _script("merge_results").write_table
 
     # "my-moe" (a --config model, not in MODELS) goes after the known ones, beside them in one run.
     runs = [_run("d1", ["qwen3-30b-a3b"]), _run("d2", ["my-moe", "deepseek-v2", "mixtral-8x7b"])]
@@ -272,7 +278,7 @@ def test_merge_results_keeps_model_order_and_provenance(tmp_path):
      (_run("d2", ["deepseek-v2"], rounds=3), "runs with different rounds: 1 and 3")],
     ids=["same-model", "other-ranks", "other-device", "other-rounds"])
 def test_merge_results_refuses_runs_that_do_not_fit(second, message):
-    merge_runs = _merge_results().merge_runs
+    merge_runs = _script("merge_results").merge_runs
 
     with pytest.raises(ValueError, match=message):
         merge_runs([_run("d1", ["qwen3-30b-a3b"]), second])
@@ -281,7 +287,7 @@ def test_merge_results_refuses_runs_that_do_not_fit(second, message):
 def test_merge_results_replace_refreshes_one_model():
     """With replace, a later run's model takes the place of that model in an earlier (merged) table: its
     records and resolved entry are the later run's, the other models' stay, the note dates each."""
-    merge_runs = _merge_results().merge_runs
+    merge_runs = _script("merge_results").merge_runs
 
     table = merge_runs([_run("d1", ["deepseek-v2-lite", "qwen3-30b-a3b"]), _run("d2", ["mixtral-8x7b"])])
     fresh = _run("d3", ["qwen3-30b-a3b"])
@@ -309,7 +315,7 @@ def test_merge_results_replace_refreshes_one_model():
 def test_merge_results_replace_one_point():
     """A later run over fewer M replaces only those (model, M) points; the table keeps M order within each
     model and the note names the M the run gave. Without replace the repeated point is refused."""
-    merge_runs = _merge_results().merge_runs
+    merge_runs = _script("merge_results").merge_runs
 
     table = merge_runs([_run("d1", ["deepseek-v2-lite", "qwen3-30b-a3b"])])
     fresh = _run("d3", ["qwen3-30b-a3b"])
@@ -337,7 +343,7 @@ def test_merge_results_runs_split_by_m():
     """A table taken in two runs over the same models, small M then large M (one device call holds
     neither whole), merges into one table of every M, each model's points in M order; a model missing
     from one of the runs would leave holes and is refused."""
-    merge_runs = _merge_results().merge_runs
+    merge_runs = _script("merge_results").merge_runs
 
     small = _run("d1", ["qwen3-30b-a3b", "deepseek-v2-lite"])
     large = _run("d2", ["deepseek-v2-lite", "qwen3-30b-a3b"])
@@ -355,20 +361,12 @@ def test_merge_results_runs_split_by_m():
         merge_runs([small, large])
 
 
-def _bench_many_adapters():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_many_adapters.py"
-    spec = importlib.util.spec_from_file_location("bench_many_adapters", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_many_adapters_mixed_step_layout_and_floor():
     """A mixed serving step: the decode tokens draw their adapters one by one, the prefill chunk is one
     adapter's; its byte floor counts the (adapter, expert) pairs of that layout."""
     from moelora.bench import MODELS
 
-    bench = _bench_many_adapters()
+    bench = _script("bench_many_adapters")
     slots = bench.step_slots(2048, 32, "zipf", decode=192)
     assert slots.shape == (2048,) and slots.dtype == torch.int32
     assert slots[192:].unique().numel() == 1 and slots[:192].unique().numel() > 8
@@ -389,14 +387,7 @@ def test_ab_rules_covers_every_launch_override():
     on models the benchmarks know (its own check), and the verdict keeps a rule at a 2 % loss."""
     from triton_ops.overrides import CHOICES
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_rules.py"
-    spec = importlib.util.spec_from_file_location("ab_rules", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ab_rules"] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["ab_rules"]
+    module = _script("ab_rules")
     assert set(module.RULES) == set(CHOICES)
     module.check_rules(module.RULES)
     assert module.KEEP_AT == 1.02
