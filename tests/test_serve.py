@@ -554,6 +554,7 @@ def test_warm_up_runs_every_mix_and_changes_nothing(oracle):
     evicted or in use), and the engine then serves exactly; it refuses to run beside requests."""
     import moelora.integrations as mi
     from moelora.serve.engine import Engine, EngineRequest, SamplingParams
+    from triton_ops.plan import lora_rank_block
 
     model, tokenizer = load_model(None, "cpu", None)
     handle = mi.attach(model, max_loras=3, max_cpu_loras=1)
@@ -580,8 +581,8 @@ def test_warm_up_runs_every_mix_and_changes_nothing(oracle):
         # each at the counts >= its size
         state = handle.pool.state()
         ranks = [handle.pool.slot_rank_host[state.slots[n]] for n in state.resident]
-        tiles = sorted({max(16, 1 << (r - 1).bit_length()) for r in ranks})
-        usable = [sum(max(16, 1 << (r - 1).bit_length()) <= t for r in ranks) for t in tiles]
+        tiles = sorted({lora_rank_block(r) for r in ranks})
+        usable = [sum(lora_rank_block(r) <= t for r in ranks) for t in tiles]
         at_least = {1: 5, 2: 4, 3: 3}
         assert len(labels) == 1 + len(tiles)
         assert forwards == 5 + sum(at_least[n] for u in usable for n in range(1, min(u, 3) + 1))
