@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["Engine", "EngineRequest", "SamplingParams"]
 
@@ -646,8 +647,6 @@ def _attention_without_cudnn():
     for every new query/key shape, and a serving batch's key length changes every step: each step then
     waits on a plan build (tens to hundreds of milliseconds) where the other backends launch at once.
     The flags are process-wide while a step runs (torch keeps them global)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
