@@ -309,8 +309,8 @@ class Engine:
             for name in state.resident:
                 tile = lora_rank_block(pool.slot_rank_host[state.slots[name]])
                 tiles.setdefault(tile, []).append(name)
-            counts = sorted({1 << k for k in range(self.max_step_tokens.bit_length())
-                             if 1 << k <= self.max_step_tokens} | {self.max_step_tokens})
+            budget = self.max_step_tokens
+            counts = sorted({1 << k for k in range(budget.bit_length())} | {budget})
             mixes: dict[str, list[list[str]]] = {"no adapter": [[]]}
             for tile in sorted(tiles):
                 usable = tiles[tile] + [n for t in sorted(tiles) if t < tile for n in tiles[t]]
