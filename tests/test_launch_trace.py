@@ -194,6 +194,31 @@ def test_trace_holds_no_tensors_and_is_bounded():
     assert replayed["out_ptr"].data_ptr() == replayed_out.data_ptr() and replayed["n"] == 8
 
 
+def test_tensors_inside_tuple_arguments_are_traced():
+    """An operand's bundle (a tuple of pointer, strides, nested tuples) keeps its structure; its tensors
+    become sources at their paths and come back as the replay's tensors."""
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda **kwargs: calls.append(kwargs)
+
+    cache = LaunchCache()
+    x = torch.arange(8.0)
+    with cache, cache.recording([x]) as recorder:
+        out = torch.empty(8)
+        cache.launch(Kernel(), (1,), dict(a=(x[2:], 1, (out, 3)), n=8, CFG=(16, True)))
+    trace = recorder.trace(out)
+    (traced,) = trace.launches
+    assert sorted(traced.pointers) == [((0, 0), 0, 8), ((0, 2, 0), 1, 0)]
+    assert traced.args[0] == (None, 1, (None, 3)) and traced.args[2] == (16, True)
+    new_x = torch.arange(8.0) + 100
+    replayed_out = trace.replay([new_x])
+    a = calls[-1]["a"]
+    assert torch.equal(a[0], new_x[2:]) and a[1] == 1 and a[2][1] == 3
+    assert a[2][0].data_ptr() == replayed_out.data_ptr() and calls[-1]["CFG"] == (16, True)
+
+
 def test_untraceable_recordings():
     class Kernel:
         def __getitem__(self, grid):

@@ -67,7 +67,8 @@ def test_plan_of_several_launches_concatenates():
     dict(metadata=dict(tensordesc_meta=[object()])),
     dict(metadata=dict(shared=229 * 1024)),  # needs the oversized shared memory mode
     dict(signature={"a": "*fp16", "d": "tensordesc<fp16[16, 16]>"}),
-    dict(signature={"a": "*fp16", "t": ("i32", "i32")}),  # tuple arguments
+    dict(signature={"a": "*fp16", "t": ("i32", "i32")}),  # a tuple kind given a scalar
+    dict(signature={"a": "*fp16", "t": ("i32", "tensordesc<fp16[16, 16]>")}, args=[0, (1, object())]),
     dict(args=[object(), 3]),  # a pointer that is neither recorded nor an integer
     dict(signature={"a": "*fp16"}),  # argument count differs from the signature
 ])
@@ -77,6 +78,20 @@ def test_binaries_the_plan_refuses(refused):
     binary = _binary(signature, **refused.get("metadata", {}))
     pointers = [] if "args" in refused else [(0, 0, 0)]
     assert native_launch.build_plan([(binary, (1, 1, 1), args, pointers)]) is None
+
+
+def test_tuple_arguments_flatten_in_order():
+    """An operand's bundle (a tuple argument: pointer, table, strides) becomes its items' words in order,
+    its constexprs left out; a pointer inside it is patched by its path of indices."""
+    signature = {"lora": ("*bf16", "*i32", "i32", "constexpr"), "n": "i32", "CFG": "constexpr",
+                 "nested": (("*fp32", "i64"), "i32")}
+    args = [(0, 0, 5, 16), 7, (8, True), ((0, 2**33), 9)]
+    binary = _binary(signature)
+    pointers = [((0, 0), 1, 32), ((0, 1), 0, 0), ((3, 0, 0), 2, 8)]
+    words = _words(native_launch.build_plan([(binary, (1, 1, 1), args, pointers)]))
+    assert words[8:10] == [7 + 2, 3]  # argument words (and the two scratch words), patches
+    assert words[10:19] == [0, 0, 5, 7, 0, 2**33, 9, 0, 0]
+    assert words[19:] == [0, 1, 32, 1, 0, 0, 4, 2, 8]  # (argument word, source, byte offset)
 
 
 def test_too_many_arguments_refused():

@@ -157,7 +157,8 @@ class _TracedLaunch:
     grid: tuple[int, int, int]
     args: list[Any]
     # (argument position, source, byte offset from the source's pointer); sources: the inputs in order,
-    # then the intermediate buffers, then the output.
+    # then the intermediate buffers, then the output. A position inside a tuple argument (an operand's
+    # bundle) is the path of indices, e.g. (3, 0): the first item of argument 3.
     pointers: tuple[tuple[int, int, int], ...]
     # Interpreter only: keyword names, and per tensor argument its (size, stride, dtype).
     names: list[str] | None = None
@@ -232,7 +233,7 @@ class LaunchTrace:
         for traced in self.launches:
             args = traced.args.copy()
             for position, source, offset in traced.pointers:
-                args[position] = bases[source] + offset
+                set_argument(args, position, bases[source] + offset)
             binary = traced.binary
             binary.run(*traced.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args)
         return output
@@ -250,7 +251,8 @@ class LaunchTrace:
                 storage = torch.empty((0,), dtype=torch.uint8, device=base.device)
                 storage.set_(base.untyped_storage())
                 start = base.data_ptr() - storage.data_ptr() + source_offsets[source] + offset
-                args[position] = torch.as_strided(storage.view(dtype), size, stride, start // dtype.itemsize)
+                set_argument(args, position,
+                             torch.as_strided(storage.view(dtype), size, stride, start // dtype.itemsize))
             traced.binary[traced.grid](**dict(zip(traced.names, args, strict=True)))
 
 
@@ -271,9 +273,7 @@ class _Recorder:
         """One launch: ``args`` (a list it may change) in the kernel's order; ``names``: the keyword
         names, for the interpreter's kernels (None: ``args`` are a binary's bound arguments)."""
         pointers, views = [], []
-        for position, value in enumerate(args):
-            if not isinstance(value, torch.Tensor):
-                continue
+        for position, value in _tensor_leaves(args):
             pointer = value.data_ptr()
             owners = [i for i, (lo, hi) in enumerate(self.extents) if lo <= pointer < hi]
             if len(owners) > 1:
@@ -288,7 +288,7 @@ class _Recorder:
                                                         storage.nbytes())
             pointers.append((position, source, offset))
             views.append((value.shape, value.stride(), value.dtype))
-            args[position] = None if names is not None else 0
+            set_argument(args, position, None if names is not None else 0)
         full_grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.launches.append((binary, full_grid, args, pointers, names, views))
 
@@ -332,3 +332,33 @@ def _extent_bytes(tensor: torch.Tensor) -> int:
         return 0
     span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return (span + 1) * tensor.element_size()
+
+
+Position = int | tuple[int, ...]
+
+
+def _tensor_leaves(args: Sequence[Any],
+                   path: tuple[int, ...] = ()) -> Iterator[tuple[Position, torch.Tensor]]:
+    """Every tensor of ``args``, inside tuple arguments too, with its position (an index at the top level,
+    a path of indices inside tuples)."""
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            yield (index if not path else (*path, index)), value
+        elif isinstance(value, tuple):
+            yield from _tensor_leaves(value, (*path, index))
+
+
+def set_argument(args: list[Any], position: Position, value: Any) -> None:
+    """``args[position] = value``, where a path position rebuilds the tuples along it."""
+    if isinstance(position, int):
+        args[position] = value
+        return
+    head, *rest = position
+
+    def rebuilt(item: tuple, path: list[int]) -> tuple:
+        index, *deeper = path
+        items = list(item)
+        items[index] = rebuilt(items[index], deeper) if deeper else value
+        return tuple(items)
+
+    args[head] = rebuilt(args[head], rest)

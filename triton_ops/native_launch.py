@@ -9,12 +9,13 @@ adds the bases at the recorded positions and launches. The same launch configura
 ``32 * num_warps`` threads, the binary's dynamic shared memory, and programmatic dependent launch where the
 binary asks for it.
 
-A plan is only built for binaries this launcher reproduces exactly: no global or profile scratch, one CTA
-per cluster, no cooperative grid, no tensor descriptors, shared memory that fits without the oversize mode,
-and scalar arguments of the types in ``_SCALAR_PACKERS``. Anything else keeps Triton's launcher for the
-whole trace. The C extension is compiled on first use with the C compiler and Python headers Triton itself
-needs for its launchers, and Triton's copy of ``cuda.h``; it is kept in ``MOELORA_CACHE_DIR`` (default
-``~/.cache/moelora``). ``MOELORA_NATIVE_LAUNCH=0`` keeps Triton's launcher.
+A plan is only built for binaries this launcher reproduces exactly: no global or profile scratch, one CTA per
+cluster, no cooperative grid, no tensor descriptors, shared memory that fits without the oversize mode, and
+scalar arguments of the types in ``_SCALAR_PACKERS`` (tuple arguments, an operand's bundle, flattened in order
+as Triton's launcher does). Anything else keeps Triton's launcher for the whole trace. The C extension is
+compiled on first use with the C compiler and Python headers Triton itself needs for its launchers, and
+Triton's copy of ``cuda.h``; it is kept in ``MOELORA_CACHE_DIR`` (default ``~/.cache/moelora``).
+``MOELORA_NATIVE_LAUNCH=0`` keeps Triton's launcher.
 
 Plan layout (little-endian 64-bit words): the number of launches, then per launch the CUfunction, grid
 x, y and z, threads per block, dynamic shared bytes, flags (bit 0: programmatic dependent launch), the
@@ -290,26 +291,10 @@ def _encode_launch(binary: Any, grid: tuple[int, int, int], args: list[Any],
             or getattr(metadata, "tensordesc_meta", None) or metadata.shared > 228 * 1024
             or len(signature) != len(args)):
         return None
-    pointer_positions = {position: (source, offset) for position, source, offset in pointers}
+    pointer_positions = {_path(position): (source, offset) for position, source, offset in pointers}
     argument_words, patches = [], []
-    for position, (value, kind) in enumerate(zip(args, signature.values(), strict=True)):
-        if kind == "constexpr":
-            continue
-        if not isinstance(kind, str):
-            return None
-        if kind.startswith("*"):
-            if position in pointer_positions:
-                source, offset = pointer_positions[position]
-                patches.extend((len(argument_words), source, offset))
-                argument_words.append(0)
-            elif value is None or isinstance(value, int):
-                argument_words.append(value or 0)
-            else:
-                return None
-        elif kind in _SCALAR_PACKERS:
-            argument_words.append(_SCALAR_PACKERS[kind](value))
-        else:
-            return None
+    if not _encode_arguments(args, list(signature.values()), (), pointer_positions, argument_words, patches):
+        return None
     argument_words.extend((0, 0))  # global and profile scratch: none (checked above)
     if len(argument_words) > MAX_ARGUMENT_WORDS:
         return None
@@ -318,3 +303,42 @@ def _encode_launch(binary: Any, grid: tuple[int, int, int], args: list[Any],
             len(patches) // 3]
     return head + argument_words + patches
 
+
+
+def _path(position: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (position,) if isinstance(position, int) else tuple(position)
+
+
+def _encode_arguments(args: list[Any], kinds: list[Any], path: tuple[int, ...],
+                      pointer_positions: dict[tuple[int, ...], tuple[int, int]], argument_words: list[int],
+                      patches: list[int]) -> bool:
+    """Appends the argument words of ``args`` (their signature ``kinds``) in the launcher's order: tuples
+    flattened, constexprs left out; a pointer at a recorded position becomes a patch. False for a kind
+    this launcher does not pack."""
+    if len(args) != len(kinds):
+        return False
+    for index, (value, kind) in enumerate(zip(args, kinds, strict=True)):
+        position = (*path, index)
+        if kind == "constexpr":
+            continue
+        if isinstance(kind, tuple):
+            if not isinstance(value, tuple) or not _encode_arguments(
+                    list(value), list(kind), position, pointer_positions, argument_words, patches):
+                return False
+            continue
+        if not isinstance(kind, str):
+            return False
+        if kind.startswith("*"):
+            if position in pointer_positions:
+                source, offset = pointer_positions[position]
+                patches.extend((len(argument_words), source, offset))
+                argument_words.append(0)
+            elif value is None or isinstance(value, int):
+                argument_words.append(value or 0)
+            else:
+                return False
+        elif kind in _SCALAR_PACKERS:
+            argument_words.append(_SCALAR_PACKERS[kind](value))
+        else:
+            return False
+    return True
