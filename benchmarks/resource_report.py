@@ -80,26 +80,34 @@ class _CaughtLaunch:
 def compile_launch(kernel, kwargs: dict) -> dict:
     constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
     signature, constexprs, attrs = {}, {}, {}
-    # As a launch specialises: 16-byte aligned pointers (fresh allocations), ints divisible by 16, ints == 1.
+    # As a launch specialises: 16-byte aligned pointers (fresh allocations), ints divisible by 16, ints == 1
+    # (each item of a tuple argument, an operand's bundle, likewise at its path).
     aligned = [["tt.divisibility", 16]]
-    for index, name in enumerate(kernel.arg_names):
+
+    def kind(value, path: tuple[int, ...], no_spec: bool, no_align: bool):
+        if isinstance(value, tuple):
+            return tuple(kind(item, (*path, i), no_spec, no_align) for i, item in enumerate(value))
+        if isinstance(value, torch.Tensor):
+            attrs[path] = aligned
+            return _TORCH_TO_TRITON[value.dtype]
+        if isinstance(value, float):
+            return "fp32"
+        if int(value) == 1 and not no_spec:
+            constexprs[path] = 1
+            return "constexpr"
+        if int(value) % 16 == 0 and not (no_spec or no_align):
+            attrs[path] = aligned
+        return "i64" if abs(int(value)) >= 2**31 else "i32"
+
+    for index, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
         # A defaulted parameter the launch leaves out (USE_PDL) compiles with its default.
-        value = kwargs[name] if name in kwargs else kernel.params[index].default
+        value = kwargs[name] if name in kwargs else param.default
         if name in constexpr_names:
             signature[name] = "constexpr"
-            constexprs[name] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _TORCH_TO_TRITON[value.dtype]
-            attrs[(index,)] = aligned
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif int(value) == 1:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
+            constexprs[(index,)] = value
         else:
-            signature[name] = "i64" if abs(int(value)) >= 2**31 else "i32"
-            if int(value) % 16 == 0:
-                attrs[(index,)] = aligned
+            signature[name] = kind(value, (index,), param.do_not_specialize,
+                                   param.do_not_specialize_on_alignment)
     options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if kwargs.get(k) is not None}
     binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -224,10 +232,11 @@ def main() -> None:
                     base_blocks[gemm] = blocks
                 # A LoRA variant resident fewer times per SM than its base runs more waves at prefill.
                 fewer = blocks < base_blocks.get(gemm, 0)
-                print(f"{model:17s} M={m:5d} {name:16s} {kwargs['BLOCK_M']:3d}x{kwargs['BLOCK_N']:3d}x"
-                      f"{kwargs['BLOCK_K']:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
+                block_m, block_n, block_k = kwargs["TILE"][:3]
+                print(f"{model:17s} M={m:5d} {name:16s} {block_m:3d}x{block_n:3d}x"
+                      f"{block_k:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
                       f"cap {kwargs['maxnreg'] or '-':3} "
-                      f"{variant_names[kwargs['LORA']]:11s}"
+                      f"{variant_names[kwargs['LORA_PLAN'][0]]:11s}"
                       f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "
                       f"regs {report['regs']:3d}  spill {report['spill_bytes']:4d} B  "
                       f"{blocks} blocks/SM{f' (base: {base_blocks[gemm]})' if fewer else ''}", flush=True)

@@ -30,6 +30,7 @@ from triton_ops.configs import (
     pipeline_smem_bytes,
 )
 from triton_ops.fused_experts import _with_lora_tiles, fused_experts
+from triton_ops.fused_moe import lora_plan_fields
 from triton_ops.lora_epilogues import LORA_ONE_ROW, LORA_PREFETCHED
 from triton_ops.overrides import LAUNCH_OVERRIDES
 
@@ -107,9 +108,9 @@ def test_decode_down_prefetch_only_within_one_wave(model, prefetch):
 
     shape = MODELS[model]
     cfg = default_moe_config(1, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
-    launch = dict(gemm_launches(model, 1, 16, 1, cfg))["gemm1 split+down"]
-    assert launch["DOWN_SHRINK"] and launch["LORA"] in PREFETCHING_VARIANTS
-    assert launch["DOWN_PREFETCH"] is prefetch
+    launch = lora_plan_fields(dict(gemm_launches(model, 1, 16, 1, cfg))["gemm1 split+down"])
+    assert launch["down_shrink"] and launch["variant"] in PREFETCHING_VARIANTS
+    assert launch["down_prefetch"] is prefetch
 
 
 def test_prefetch_switch(monkeypatch):
@@ -123,7 +124,8 @@ def test_prefetch_switch(monkeypatch):
     cfg = default_moe_config(1, shape.E, shape.H, shape.I, shape.top_k, torch.bfloat16)
     launches = dict(gemm_launches("qwen3-30b-a3b", 1, 16, 1, cfg))
     for name in ("gemm1 split", "gemm1 split+down", "gemm2 split"):
-        assert launches[name]["LORA"] not in PREFETCHING_VARIANTS and not launches[name]["DOWN_PREFETCH"]
+        plan = lora_plan_fields(launches[name])
+        assert plan["variant"] not in PREFETCHING_VARIANTS and not plan["down_prefetch"]
 
 
 @pytest.mark.parametrize("gemm,gated,expected", [

@@ -822,7 +822,7 @@ def test_slot_range_expand_keeps_the_register_cap(monkeypatch):
     launches, config = packed_gemm2_launch(monkeypatch)
     cap = fused_moe.lora_register_cap(config, gated=False)
     assert cap is not None and launches[-1]["maxnreg"] == cap
-    assert launches[-1]["LORA"] == LORA_SLOT_RANGE.value
+    assert fused_moe.lora_plan_fields(launches[-1])["variant"] == LORA_SLOT_RANGE.value
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import launch
-from triton_ops.lora_tiles import lora_block_offset
+from triton_ops.lora_tiles import lora_slot_rows
 from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, align_single_program, single_program_align_args
 from triton_ops.pdl import dependent_launch_supported, releasing_launch, wait_for_previous_kernel
@@ -43,8 +43,8 @@ def _align_and_pair_shrink_kernel(
     num_post_padded_ptr,  # (1,) int32 out
     # Pointers: shrink
     x_ptr,  # (M, K) fp16/bf16/fp32 activations x; GATED=False: (numel, K) the activated rows h
-    lora_a_ptr,  # gate_up_a (gate rank rows, up rows lora_up_offset after them) or down_a, rows over K
-    la_blocks_ptr,  # (L, E) int32 first unit of each (slot, expert): ``LoRAWeights``
+    lora_a,  # gate_up_a (gate rank rows, up rows lora_up_offset after them) or down_a, rows over K: a LoRA
+    #          operand bundle (``lora_tiles.lora_slot_rows``)
     token_slots_ptr,  # (M,) int32 slot per token, -1 = no adapter
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     out_ptr,  # (numel, splits, 2 * LORA_R) fp32 out: [gate | up] partials (GATED=False: LORA_R wide)
@@ -62,10 +62,6 @@ def _align_and_pair_shrink_kernel(
     # Strides
     stride_xm,
     stride_xk,
-    stride_la_bl,
-    stride_la_u,
-    stride_la_r,
-    stride_la_k,
     stride_os,
     stride_om,
     # Meta-parameters
@@ -102,7 +98,7 @@ def _align_and_pair_shrink_kernel(
             offs_r = tl.arange(0, LORA_R)
             offs_k = tl.arange(0, BLOCK_K)
             rank_valid = offs_r < rank
-            la_ptr = lora_a_ptr + lora_block_offset(la_blocks_ptr, slot, expert, stride_la_bl, stride_la_u)
+            la_ptr = lora_slot_rows(lora_a, slot, expert)
             x_row = x_ptr + (pair // x_row_div).to(tl.int64) * stride_xm
             k_start = split * k_per_split
             k_end = tl.minimum(k_start + k_per_split, K)
@@ -112,7 +108,7 @@ def _align_and_pair_shrink_kernel(
                 cols = k0 + offs_k
                 k_valid = cols < k_end
                 xv = tl.load(x_row + cols * stride_xk, mask=k_valid, other=0.0).to(tl.float32)
-                a_ptrs = la_ptr + offs_r[:, None] * stride_la_r + cols[None, :] * stride_la_k
+                a_ptrs = la_ptr + offs_r[:, None] * lora_a[4] + cols[None, :] * lora_a[5]
                 mask = rank_valid[:, None] & k_valid[None, :]
                 gate += tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
                 if GATED:
@@ -244,7 +240,7 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
     launch(_align_and_pair_shrink_kernel, (int(align) + numel * splits,),
         **align_kwargs,
         x_ptr=x,
-        lora_a_ptr=lora_a.data,
+        lora_a=lora_a.bundle(),
         token_slots_ptr=token_slots,
         slot_ranks_ptr=slot_ranks,
         out_ptr=out,
@@ -256,9 +252,6 @@ def _launch_pair_shrink(topk_ids: torch.Tensor, block_size: int, num_experts: in
         lora_up_offset=lora_a.up_offset,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
-        **lora_a.kernel_args("la"),
-        stride_la_r=lora_a.stride_rank,
-        stride_la_k=lora_a.stride_col,
         stride_os=out.stride(1),
         stride_om=out.stride(0),
         LORA_R=rank_block,

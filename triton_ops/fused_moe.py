@@ -147,23 +147,18 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
 # num_tokens keeps its == 1 specialization, the one-token decode.
 @triton.jit(do_not_specialize=["numel", "max_padded"], do_not_specialize_on_alignment=["num_tokens"])
 def _fused_moe_kernel(
-    # The GEMM: a (rows, K) @ b[e] (N or 2N, K)^T -> c (numel, N), rows of a picked per routed pair
-    a_ptr,  # (rows, K) fp16/bf16/fp32: x for GEMM1, the activated intermediate for GEMM2
-    stride_am, stride_ak,
-    b_ptr,  # (E, N or 2N, K) same dtype: w13 for GEMM1 (gate rows then up rows), w2 for GEMM2
-    stride_be, stride_bn, stride_bk,
-    stride_b_up,  # gated: offset of the up rows from the gate rows (N * stride_bn, or a halves view's)
-    c_ptr,  # (numel, N) same dtype, row per routed pair (2N with the raw gated output)
-    stride_cm, stride_cn,
-    # Block-scaled FP8 (BLOCK_SCALED): a and b float8_e4m3fn, c in the activations' dtype
-    a_scale_ptr,  # (rows, cdiv(K, BLOCK_K)) fp32 per-row group scales of a
-    stride_asm, stride_ask,
-    b_scale_ptr,  # (E, cdiv(N or 2N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)) fp32 weight block scales
-    stride_bse, stride_bsn, stride_bsk,
+    # The GEMM: a (rows, K) @ b[e] (N or 2N, K)^T -> c (numel, N), rows of a picked per routed pair. Each
+    # operand is one bundle: its pointer, then its strides (and tables).
+    a,  # ((rows, K) fp16/bf16/fp32 x for GEMM1 or the activated intermediate for GEMM2, stride_m, stride_k)
+    b,  # ((E, N or 2N, K) same dtype: w13 (gate rows then up rows) or w2, stride_e, stride_n, stride_k,
+    #     stride_up: gated, offset of the up rows from the gate rows)
+    c,  # ((numel, N) same dtype, a row per routed pair (2N with the raw gated output), stride_m, stride_n)
+    a_scale,  # ((rows, cdiv(K, BLOCK_K)) fp32 per-row group scales of a, stride_m, stride_k) (FP8)
+    b_scale,  # ((E, cdiv(N or 2N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)) fp32 weight block scales, stride_e,
+    #           stride_n, stride_k) (FP8)
+    bias,  # ((E, N or 2N) same dtype as c: the experts' biases (gate then up), stride_e) (HAS_BIAS)
     N, K, num_experts,
     scale,  # multiplies every output row (rsf on GEMM2)
-    bias_ptr,  # (E, N or 2N) same dtype as c, read when HAS_BIAS: the experts' biases (gate then up)
-    stride_bias_e,
     # Routed pairs: the alignment's blocks, or with DIRECT_PAIRS the flat topk_ids in all three pointers
     sorted_ids_ptr,  # (max_padded,) int32, from moe_align_block_size
     expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
@@ -176,57 +171,65 @@ def _fused_moe_kernel(
     slot_ranks_ptr,  # (L,) int32 real rank per slot
     slot_scalings_ptr,  # (L,) fp32 scaling per slot
     slot_row_div,  # pair p belongs to token p // slot_row_div
-    lora_a_ptr,  # (L, E, R or 2R, K) LoRA A: gate_up_a (gate rows, then up rows) or down_a
-    la_blocks_ptr, stride_la_bl, stride_la_u, stride_la_r, stride_la_k,
+    lora_a,  # LoRA A (L, E, R or 2R, K): gate_up_a (gate rows, then up rows) or down_a (lora_tiles bundle)
     lora_up_offset,  # offset of the up rows in lora_a
-    lora_b_ptr,  # (L, E, N or 2N, R) LoRA B: gate_up_b (gate rows, then up rows) or down_b
-    lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
-    shrunk_ptr,  # (numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials (LORA >= LORA_ONE_ROW)
-    #             or, for LORA_SLOT_RANGE, (numel, 2*LORA_R or LORA_R) a's dtype: packed
-    stride_ss, stride_sm,
+    lora_b,  # LoRA B (L, E, N or 2N, R): gate_up_b (gate rows, then up rows) or down_b (lora_tiles bundle)
+    shrunk,  # ((numel, splits, 2*LORA_R or LORA_R) fp32 split-K shrink partials (LORA >= LORA_ONE_ROW) or,
+    #          for LORA_SLOT_RANGE, (numel, 2*LORA_R or LORA_R) a's dtype packed, stride_split, stride_m)
     num_shrink_splits,
-    down_a_ptr,  # (L, E, R, N) LoRA A of the down projection                            (DOWN_SHRINK)
-    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
-    down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile (DOWN_SHRINK)
-    stride_ds, stride_dm,
+    down_a,  # LoRA A of the down projection (L, E, R, N) (DOWN_SHRINK; lora_tiles bundle)
+    down_shrunk,  # ((numel, cdiv(N, BLOCK_N), LORA_R) fp32 out: its partials per N tile, stride_tile,
+    #               stride_m) (DOWN_SHRINK)
     # The top-k sum at decode (FUSED_SUM; ZERO_COUNTERS: GEMM1 zeroes GEMM2's counters)
-    sum_out_ptr,  # (num_tokens, N) same dtype as c, out: the top-k sum
-    stride_om, stride_on,
+    sum_out,  # ((num_tokens, N) same dtype as c, out: the top-k sum, stride_m, stride_n)
     sum_counters_ptr,  # (num_counters,) int32 GEMM2 column arrivals
     num_counters, num_tokens, top_k,
-    # Meta-parameters
-    LORA: tl.constexpr,  # the LoRA variant (lora_epilogues.LORA_*), LORA_NONE for the base GEMM
-    LORA_R: tl.constexpr,
-    LORA_CHUNK_R: tl.constexpr,
-    LORA_SPLITS: tl.constexpr,
-    LORA_SPLIT_CHUNK: tl.constexpr,
-    LORA_GROUP: tl.constexpr,
-    LORA_EXT_K: tl.constexpr,
-    DOWN_SHRINK: tl.constexpr,
-    DOWN_PREFETCH: tl.constexpr,
+    # Meta-parameters, bundled by concern (each bundle's order: its builder in this module)
+    LORA_PLAN: tl.constexpr,  # (variant, R, CHUNK_R, SPLITS, SPLIT_CHUNK, GROUP, EXT_K, DOWN_SHRINK,
+    #                            DOWN_PREFETCH): _lora_meta
+    ACT: tl.constexpr,  # (ACTIVATION, LIMIT, ALPHA, UP_OFFSET): gemm_tiles.activation_args
+    FP8: tl.constexpr,  # (BLOCK_SCALED, TILE_B_SCALE, SCALE_BLOCK_N): each tile (and its up tile) within
+    #                     one weight scale block; rows of b per weight scale block
+    TILE: tl.constexpr,  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+    TOPK_SUM: tl.constexpr,  # (ZERO_COUNTERS, COUNTERS_BLOCK, FUSED_SUM, SUM_BLOCK_T)
     MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    ACT_LIMIT: tl.constexpr,
-    ACT_ALPHA: tl.constexpr,
-    ACT_UP_OFFSET: tl.constexpr,
-    BLOCK_SCALED: tl.constexpr,
-    TILE_B_SCALE: tl.constexpr,  # BLOCK_SCALED, each tile (and its up tile) within one weight scale block
-    SCALE_BLOCK_N: tl.constexpr,  # rows of b per weight scale block (BLOCK_SCALED)
     FP32_IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     DIRECT_PAIRS: tl.constexpr,
-    ZERO_COUNTERS: tl.constexpr,
-    COUNTERS_BLOCK: tl.constexpr,
-    FUSED_SUM: tl.constexpr,
-    SUM_BLOCK_T: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # set by programmatic_launch where dependent launch exists
     LATE_WAIT: tl.constexpr = False,
 ):
+    LORA: tl.constexpr = LORA_PLAN[0]
+    LORA_R: tl.constexpr = LORA_PLAN[1]
+    LORA_CHUNK_R: tl.constexpr = LORA_PLAN[2]
+    LORA_SPLITS: tl.constexpr = LORA_PLAN[3]
+    LORA_SPLIT_CHUNK: tl.constexpr = LORA_PLAN[4]
+    LORA_GROUP: tl.constexpr = LORA_PLAN[5]
+    LORA_EXT_K: tl.constexpr = LORA_PLAN[6]
+    DOWN_SHRINK: tl.constexpr = LORA_PLAN[7]
+    DOWN_PREFETCH: tl.constexpr = LORA_PLAN[8]
+    ACTIVATION: tl.constexpr = ACT[0]
+    BLOCK_SCALED: tl.constexpr = FP8[0]
+    TILE_B_SCALE: tl.constexpr = FP8[1]
+    SCALE_BLOCK_N: tl.constexpr = FP8[2]
+    BLOCK_M: tl.constexpr = TILE[0]
+    BLOCK_N: tl.constexpr = TILE[1]
+    BLOCK_K: tl.constexpr = TILE[2]
+    GROUP_M: tl.constexpr = TILE[3]
+    EVEN_K: tl.constexpr = TILE[4]
+    ZERO_COUNTERS: tl.constexpr = TOPK_SUM[0]
+    COUNTERS_BLOCK: tl.constexpr = TOPK_SUM[1]
+    FUSED_SUM: tl.constexpr = TOPK_SUM[2]
+    SUM_BLOCK_T: tl.constexpr = TOPK_SUM[3]
+    a_ptr, stride_am, stride_ak = a
+    b_ptr, stride_be, stride_bn, stride_bk, stride_b_up = b
+    c_ptr, stride_cm, stride_cn = c
+    a_scale_ptr, stride_asm, stride_ask = a_scale
+    b_scale_ptr, stride_bse, stride_bsn, stride_bsk = b_scale
+    bias_ptr, stride_bias_e = bias
+    shrunk_ptr, stride_ss, stride_sm = shrunk
+    down_shrunk_ptr, stride_ds, stride_dm = down_shrunk
+    sum_out_ptr, stride_om, stride_on = sum_out
     GATED: tl.constexpr = ACTIVATION != 0
     # ---- prologue: the program's tile, its routed pairs and expert ----
     # LATE_WAIT: launched dependently after a kernel that writes only the LoRA shrink partials, which the
@@ -274,22 +277,20 @@ def _fused_moe_kernel(
     if LORA != LORA_NONE:
         row_slot = tl.load(token_slots_ptr + pair // slot_row_div, mask=row_valid, other=-1)
         has_slot = row_valid & (row_slot >= 0)
-        down_a0 = tl.zeros((BLOCK_N, LORA_R), dtype=down_a_ptr.dtype.element_ty)  # unless prefetched
+        down_a0 = tl.zeros((BLOCK_N, LORA_R), dtype=down_a[0].dtype.element_ty)  # unless prefetched
     if LORA == LORA_FUSED:
         la_ptrs, main_rank_valid, in_main, main_gate, main_up, lora_gate, lora_up = fused_shrink_prologue(
-            a_ptr, a_row, row_slot, has_slot, expert, offs_k, K, stride_am, stride_ak, lora_a_ptr,
-            la_blocks_ptr, stride_la_bl, stride_la_u, stride_la_r, stride_la_k, lora_up_offset,
+            a_ptr, a_row, row_slot, has_slot, expert, offs_k, K, stride_am, stride_ak, lora_a,
+            lora_up_offset,
             slot_ranks_ptr,
             GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, LORA_R=LORA_R)
     elif LORA == LORA_ONE_ROW:
         (shrunk_rows, one_has, one_rank, one_scaling, one_rows, b0_gate, b0_up, down_a0, gate_parts,
          up_parts) = one_row_prologue(
             pair, pid_m, expert, offs_n, col_valid, N, token_slots_ptr, slot_row_div, slot_ranks_ptr,
-            slot_scalings_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
-            stride_lb_r, shrunk_ptr,
-            stride_ss, stride_sm, num_shrink_splits, down_a_ptr, da_blocks_ptr, stride_da_bl, stride_da_u,
-            stride_da_r,
-            stride_da_k, GATED=GATED, DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT,
+            slot_scalings_ptr, lora_b, shrunk_ptr,
+            stride_ss, stride_sm, num_shrink_splits, down_a, GATED=GATED, DOWN_PREFETCH=DOWN_PREFETCH,
+            LATE_WAIT=LATE_WAIT,
             LORA_SPLITS=LORA_SPLITS, LORA_R=LORA_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     elif LORA != LORA_NONE:
         shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
@@ -297,9 +298,9 @@ def _fused_moe_kernel(
         if LORA == LORA_PREFETCHED:
             pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, down_a0 = prefetch_prologue(
                 shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr,
-                lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+                lora_b,
                 num_shrink_splits,
-                stride_ss, down_a_ptr, da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
+                stride_ss, down_a,
                 GATED=GATED,
                 DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT, LORA_SPLITS=LORA_SPLITS,
                 LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R, BLOCK_N=BLOCK_N)
@@ -325,7 +326,7 @@ def _fused_moe_kernel(
         up_scale_ptrs = b_scale_base + ((offs_n + N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
     acc, acc_up, main_gate, main_up = _gemm_k_loop(
         a_ptrs, b_ptrs, up_ptrs, la_ptrs, row_valid, col_valid, main_rank_valid, offs_k, a_scale_ptrs,
-        b_scale_ptrs, up_scale_ptrs, K, stride_ak, stride_bk, stride_la_k, lora_up_offset, stride_ask,
+        b_scale_ptrs, up_scale_ptrs, K, stride_ak, stride_bk, lora_a[5], lora_up_offset, stride_ask,
         stride_bsk, acc, acc_up, main_gate, main_up, GATED=GATED, INLINE_SHRINK=LORA == LORA_FUSED,
         BLOCK_SCALED=BLOCK_SCALED, TILE_B_SCALE=TILE_B_SCALE, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K,
         BLOCK_K=BLOCK_K,
@@ -338,10 +339,9 @@ def _fused_moe_kernel(
     if LORA == LORA_FUSED:
         acc, acc_up = lora_expand_slots(
             acc, acc_up, tl.where(in_main[:, None], main_gate, lora_gate),
-            tl.where(in_main[:, None], main_up, lora_up), row_valid, row_slot, lora_b_ptr, expert, offs_n,
-            col_valid, N, slot_ranks_ptr, slot_scalings_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u,
-            stride_lb_n,
-            stride_lb_r, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+            tl.where(in_main[:, None], main_up, lora_up), row_valid, row_slot, lora_b, expert, offs_n,
+            col_valid, N, slot_ranks_ptr, slot_scalings_ptr, GATED=GATED, FP32_IEEE=FP32_IEEE,
+            LORA_R=LORA_R,
         )
     elif LORA == LORA_ONE_ROW:
         acc, acc_up = one_row_expand(
@@ -351,33 +351,33 @@ def _fused_moe_kernel(
     elif LORA == LORA_PREFETCHED:
         acc, acc_up = prefetched_expand(
             acc, acc_up, pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, shrunk_rows,
-            row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr, lora_b_ptr,
-            lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r, num_shrink_splits,
+            row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr, lora_b,
+            num_shrink_splits,
             stride_ss, GATED=GATED,
             LATE_WAIT=LATE_WAIT, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
     elif LORA == LORA_GROUPS:
         acc, acc_up = grouped_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-            slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+            slot_ranks_ptr, lora_b,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
     elif LORA == LORA_UNROLLED:
         acc, acc_up = unrolled_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-            slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+            slot_ranks_ptr, lora_b,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_R=LORA_R)
     elif LORA == LORA_CHUNKED:
         acc, acc_up = chunked_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
-            slot_scalings_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+            slot_scalings_ptr, lora_b,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_CHUNK_R=LORA_CHUNK_R, LORA_R=LORA_R)
     elif LORA == LORA_SLOT_RANGE:
         acc, acc_up = slot_range_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
-            lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r, GATED=GATED,
+            lora_b, GATED=GATED,
             FP32_IEEE=FP32_IEEE,
             LORA_R=LORA_R, LORA_EXT_K=LORA_EXT_K)
 
@@ -395,15 +395,14 @@ def _fused_moe_kernel(
         if ACTIVATION == 3:  # raw gate and up halves, for the staged LoRA path
             _store_rows(c_ptr, acc_up, pair, row_valid, offs_n + N, col_valid, stride_cm, stride_cn)
         else:
-            acc = _gated_activation(acc, acc_up, ACTIVATION, ACT_LIMIT, ACT_ALPHA, ACT_UP_OFFSET)
+            acc = _gated_activation(acc, acc_up, ACT[0], ACT[1], ACT[2], ACT[3])
             if DOWN_SHRINK:
                 if LORA != LORA_ONE_ROW:  # its scalars exist only there
                     one_has, one_rank, one_rows = 0, 0, row_valid
                 down_shrink_epilogue(
                     acc, c_ptr, pair, row_slot, has_slot, expert, offs_n, col_valid,
-                    pid_n, one_has, one_rank, one_rows, down_a0, down_a_ptr, da_blocks_ptr, stride_da_bl,
-                    stride_da_u,
-                    stride_da_r, stride_da_k, down_shrunk_ptr, stride_ds, stride_dm, slot_ranks_ptr,
+                    pid_n, one_has, one_rank, one_rows, down_a0, down_a, down_shrunk_ptr, stride_ds,
+                    stride_dm, slot_ranks_ptr,
                     ONE_ROW=LORA == LORA_ONE_ROW, DOWN_PREFETCH=DOWN_PREFETCH, FP32_IEEE=FP32_IEEE,
                     LORA_R=LORA_R, LORA_CHUNK_R=LORA_CHUNK_R, BLOCK_M=BLOCK_M)
     if DIRECT_PAIRS:
@@ -546,64 +545,45 @@ def invoke_fused_moe_kernel(
     counters = zero_counters if zero_counters is not None else topk_sum
     num_counters = counters.counters.numel() if counters is not None else 0
     rows = sorted_ids if not direct else direct_ids
+    # Unused operands point at c with zero strides: the kernel never reads them.
+    unused_a_scale, unused_b_scale = (c, 0, 0), (c, 0, 0, 0)
+    even_k = K % config.block_k == 0 and planned("even_k", lambda: overrides.switch("even_k", default=True))
     launch(_fused_moe_kernel, grid,
-        a_ptr=a,
-        b_ptr=b,
-        c_ptr=c,
-        topk_weights_ptr=topk_weights if topk_weights is not None else c,
-        sorted_ids_ptr=rows,
-        expert_ids_ptr=expert_ids if not direct else direct_ids,
-        num_post_padded_ptr=num_post_padded if not direct else direct_ids,
-        sum_out_ptr=topk_sum.out if topk_sum is not None else c,
-        sum_counters_ptr=counters.counters if counters is not None else c,
+        a=(a, a.stride(0), a.stride(1)),
+        b=(b, b.stride(0), b.stride(-2), b.stride(-1),
+           b.stride(1) if b.dim() == 4 else out_n * b.stride(1)),
+        c=(c, c.stride(0), c.stride(1)),
+        a_scale=(a_scale, a_scale.stride(0), a_scale.stride(1)) if block_scaled else unused_a_scale,
+        b_scale=(b_scale, *b_scale.stride()) if block_scaled else unused_b_scale,
+        bias=(bias, bias.stride(0)) if bias is not None else (c, 0),
         N=out_n,
         K=K,
         num_experts=num_experts,
+        scale=float(scale),
+        sorted_ids_ptr=rows,
+        expert_ids_ptr=expert_ids if not direct else direct_ids,
+        num_post_padded_ptr=num_post_padded if not direct else direct_ids,
+        topk_weights_ptr=topk_weights if topk_weights is not None else c,
         numel=numel,
         max_padded=max_padded,
         a_row_div=a_row_div,
-        scale=float(scale),
-        bias_ptr=bias if bias is not None else c,
-        stride_bias_e=bias.stride(0) if bias is not None else 0,
+        **_lora_kernel_args(lora, epilogue, c, gated=gated),
+        sum_out=(topk_sum.out, *topk_sum.out.stride()) if topk_sum is not None else (c, 0, 0),
+        sum_counters_ptr=counters.counters if counters is not None else c,
+        num_counters=num_counters,
         num_tokens=numel // topk_sum.top_k if topk_sum is not None else 0,
         top_k=topk_sum.top_k if topk_sum is not None else 1,
-        num_counters=num_counters,
-        stride_am=a.stride(0),
-        stride_ak=a.stride(1),
-        stride_be=b.stride(0),
-        stride_bn=b.stride(-2),
-        stride_bk=b.stride(-1),
-        stride_b_up=b.stride(1) if b.dim() == 4 else out_n * b.stride(1),
-        stride_cm=c.stride(0),
-        stride_cn=c.stride(1),
-        a_scale_ptr=a_scale if block_scaled else c,
-        stride_asm=a_scale.stride(0) if block_scaled else 0,
-        stride_ask=a_scale.stride(1) if block_scaled else 0,
-        b_scale_ptr=b_scale if block_scaled else c,
-        stride_bse=b_scale.stride(0) if block_scaled else 0,
-        stride_bsn=b_scale.stride(1) if block_scaled else 0,
-        stride_bsk=b_scale.stride(2) if block_scaled else 0,
-        stride_om=topk_sum.out.stride(0) if topk_sum is not None else 0,
-        stride_on=topk_sum.out.stride(1) if topk_sum is not None else 0,
-        **_lora_kernel_args(lora, epilogue, c, b, gated=gated),
+        LORA_PLAN=_lora_meta(lora, epilogue),
+        ACT=(act["ACTIVATION"], act["ACT_LIMIT"], act["ACT_ALPHA"], act["ACT_UP_OFFSET"]),
+        FP8=(block_scaled, block_scaled and tile_b_scale(config.block_n, scale_block_n, out_n, gated),
+             scale_block_n if block_scaled else 1),
+        TILE=(config.block_m, config.block_n, config.block_k, config.group_m, even_k),
+        TOPK_SUM=(zero_counters is not None, next_power_of_2(max(16, num_counters)), topk_sum is not None,
+                  min(16, next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None,
-        **act,
-        BLOCK_SCALED=block_scaled,
-        TILE_B_SCALE=block_scaled and tile_b_scale(config.block_n, scale_block_n, out_n, gated),
-        SCALE_BLOCK_N=scale_block_n if block_scaled else 1,
         FP32_IEEE=a.dtype == torch.float32,
-        EVEN_K=K % config.block_k == 0 and planned("even_k",
-                                                    lambda: overrides.switch("even_k", default=True)),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
         DIRECT_PAIRS=direct,
-        ZERO_COUNTERS=zero_counters is not None,
-        COUNTERS_BLOCK=next_power_of_2(max(16, num_counters)),
-        FUSED_SUM=topk_sum is not None,
-        SUM_BLOCK_T=min(16, next_power_of_2(max(1, numel // topk_sum.top_k))) if topk_sum else 16,
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
            else programmatic_launch(a.device, always=dependent)),
         num_warps=config.num_warps,
@@ -637,23 +617,33 @@ def _with_lora_weights(lora: LoRAOperands, *, gated: bool) -> LoRAOperands:
         down_a=None if lora.down_a is None else lora_weights(lora.down_a, kind="a"))
 
 
-def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, c: torch.Tensor,
-                      b: torch.Tensor, *, gated: bool) -> dict:
-    """The kernel's LoRA pointers, sizes, strides and meta-parameters, grouped per tensor (unused pointers
-    point at ``c`` or ``b`` and their strides are 0: the kernel never reads them)."""
+# The kernel's LORA_PLAN bundle, in order (``lora_plan_fields(kwargs)`` names a launch's).
+LORA_PLAN_FIELDS = ("variant", "rank_block", "chunk_r", "splits", "split_chunk", "group", "ext_k",
+                    "down_shrink", "down_prefetch")
+
+
+def lora_plan_fields(kernel_kwargs: dict) -> dict[str, Any]:
+    """A ``_fused_moe_kernel`` launch's ``LORA_PLAN`` by field name."""
+    return dict(zip(LORA_PLAN_FIELDS, kernel_kwargs["LORA_PLAN"], strict=True))
+
+
+def _lora_meta(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None) -> tuple:
+    """The kernel's ``LORA_PLAN`` (``LORA_PLAN_FIELDS``)."""
     if lora is None:
-        return dict(
-            token_slots_ptr=c, lora_a_ptr=b, lora_b_ptr=b, slot_ranks_ptr=c, slot_scalings_ptr=c,
-            shrunk_ptr=c, down_a_ptr=c, down_shrunk_ptr=c, slot_row_div=1, lora_up_offset=0,
-            num_shrink_splits=0,
-            la_blocks_ptr=c, lb_blocks_ptr=c, da_blocks_ptr=c,
-            **dict.fromkeys(("stride_la_bl", "stride_la_u", "stride_la_r", "stride_la_k", "stride_lb_bl",
-                             "stride_lb_u", "stride_lb_n", "stride_lb_r", "stride_ss", "stride_sm",
-                             "stride_da_bl", "stride_da_u", "stride_da_r", "stride_da_k", "stride_ds",
-                             "stride_dm"), 0),
-            LORA=LORA_NONE.value, LORA_R=16, LORA_CHUNK_R=16, LORA_SPLITS=1, LORA_SPLIT_CHUNK=1, LORA_GROUP=1,
-            LORA_EXT_K=16, DOWN_SHRINK=False, DOWN_PREFETCH=False,
-        )
+        return (LORA_NONE.value, 16, 16, 1, 1, 1, 16, False, False)
+    return (epilogue.variant, lora.rank_block, epilogue.chunk_r, epilogue.splits, epilogue.split_chunk,
+            epilogue.group, epilogue.ext_k, epilogue.down_shrink, epilogue.down_prefetch)
+
+
+def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, c: torch.Tensor, *,
+                      gated: bool) -> dict:
+    """The kernel's LoRA arguments: the slot tables and one bundle per operand (unused ones point at ``c``
+    with zero strides: the kernel never reads them)."""
+    if lora is None:
+        unused = (c, c, 0, 0, 0, 0)
+        return dict(token_slots_ptr=c, slot_ranks_ptr=c, slot_scalings_ptr=c, slot_row_div=1, lora_a=unused,
+                    lora_up_offset=0, lora_b=unused, shrunk=(c, 0, 0), num_shrink_splits=0, down_a=unused,
+                    down_shrunk=(c, 0, 0))
     la, lb, shrunk, packed = lora.lora_a, lora.lora_b, lora.shrunk, lora.packed
     da, ds = (lora.down_a, lora.down_shrunk) if epilogue.down_shrink else (None, None)
     partials = packed if packed is not None else shrunk
@@ -662,34 +652,16 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
         slot_ranks_ptr=lora.slot_ranks,
         slot_scalings_ptr=lora.slot_scalings,
         slot_row_div=lora.top_k,
-        # A (L, E, R or 2R, K) and B (L, E, N or 2N, R)
-        lora_a_ptr=la.data, **la.kernel_args("la"), stride_la_r=la.stride_rank, stride_la_k=la.stride_col,
+        lora_a=la.bundle(),  # A (L, E, R or 2R, K)
         lora_up_offset=la.up_offset if gated else 0,
-        lora_b_ptr=lb.data, **lb.kernel_args("lb"), stride_lb_n=lb.stride_col, stride_lb_r=lb.stride_rank,
+        lora_b=lb.bundle(),  # B (L, E, N or 2N, R)
         # the precomputed shrink: split-K partials (numel, splits, width) or packed (numel, width)
-        shrunk_ptr=partials if partials is not None else c,
+        shrunk=(partials if partials is not None else c, shrunk.stride(1) if shrunk is not None else 0,
+                partials.stride(0) if partials is not None else 0),
         num_shrink_splits=shrunk.shape[1] if shrunk is not None else 0,
-        stride_ss=shrunk.stride(1) if shrunk is not None else 0,
-        stride_sm=partials.stride(0) if partials is not None else 0,
         # GEMM2's shrink written by GEMM1's epilogue: down_a (L, E, R, N), its partials (numel, tiles, R)
-        down_a_ptr=da.data if da is not None else c,
-        da_blocks_ptr=da.blocks if da is not None else c,
-        stride_da_bl=da.blocks.stride(0) if da is not None else 0,
-        stride_da_u=da.stride_unit if da is not None else 0,
-        stride_da_r=da.stride_rank if da is not None else 0,
-        stride_da_k=da.stride_col if da is not None else 0,
-        down_shrunk_ptr=ds if ds is not None else c,
-        stride_ds=ds.stride(1) if ds is not None else 0,
-        stride_dm=ds.stride(0) if ds is not None else 0,
-        LORA=epilogue.variant,
-        LORA_R=lora.rank_block,
-        LORA_CHUNK_R=epilogue.chunk_r,
-        LORA_SPLITS=epilogue.splits,
-        LORA_SPLIT_CHUNK=epilogue.split_chunk,
-        LORA_GROUP=epilogue.group,
-        LORA_EXT_K=epilogue.ext_k,
-        DOWN_SHRINK=epilogue.down_shrink,
-        DOWN_PREFETCH=epilogue.down_prefetch,
+        down_a=da.bundle() if da is not None else (c, c, 0, 0, 0, 0),
+        down_shrunk=(ds, ds.stride(1), ds.stride(0)) if ds is not None else (c, 0, 0),
     )
 
 

@@ -37,12 +37,13 @@ from triton_ops.lora_tiles import (
     load_raw_partials,
     load_scaled_gate_up_partials,
     load_shrink_partials,
-    lora_block_offset,
     lora_expand_from_partials,
     lora_expand_groups,
     lora_expand_slot_range,
     lora_expand_unrolled,
+    lora_shift_cols,
     lora_shrink_tile,
+    lora_slot_rows,
     lora_store_down_partials,
     mask_group_ranks,
     next_slot,
@@ -76,8 +77,7 @@ def fused_shrink_prologue(
     expert,  # int64
     offs_k,  # (BLOCK_K,)
     K, stride_am, stride_ak,
-    lora_a_ptr,  # (L, E, R or 2R, K) LoRA A (gate rows, then up rows)
-    la_blocks_ptr, stride_la_bl, stride_la_u, stride_la_r, stride_la_k,
+    lora_a,  # (L, E, R or 2R, K) LoRA A (gate rows, then up rows)
     lora_up_offset,
     slot_ranks_ptr,  # (L,) int32
     GATED: tl.constexpr,
@@ -96,8 +96,8 @@ def fused_shrink_prologue(
     main_safe = tl.maximum(main_slot, 0)
     main_rank = tl.where(main_slot >= 0, tl.load(slot_ranks_ptr + main_safe), 0)
     main_rank_valid = offs_r < main_rank
-    la_ptrs = (lora_a_ptr + lora_block_offset(la_blocks_ptr, main_safe, expert, stride_la_bl, stride_la_u)
-               + offs_r[None, :] * stride_la_r + offs_k[:, None] * stride_la_k)
+    la_ptrs = (lora_slot_rows(lora_a, main_safe, expert)
+               + offs_r[None, :] * lora_a[4] + offs_k[:, None] * lora_a[5])
     main_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
     main_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
     other_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
@@ -106,10 +106,10 @@ def fused_shrink_prologue(
     slot = first_slot(row_slot, others)
     while slot < NO_SLOT:
         in_slot = others & (row_slot == slot)
-        la_ptr = lora_a_ptr + lora_block_offset(la_blocks_ptr, slot, expert, stride_la_bl, stride_la_u)
+        la_ptr = lora_slot_rows(lora_a, slot, expert)
         other_gate, other_up = lora_shrink_tile(
             other_gate, other_up, a_ptr, a_row, in_slot, la_ptr, lora_up_offset,
-            tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, stride_la_r, stride_la_k,
+            tl.load(slot_ranks_ptr + slot), 0, K, stride_am, stride_ak, lora_a[4], lora_a[5],
             GATED=GATED, FP32_IEEE=FP32_IEEE, BLOCK_K=BLOCK_K, LORA_R=LORA_R,
         )
         slot = next_slot(row_slot, others, slot)
@@ -128,13 +128,11 @@ def one_row_prologue(
     slot_row_div,
     slot_ranks_ptr,  # (L,) int32
     slot_scalings_ptr,  # (L,) fp32
-    lora_b_ptr,  # (L, E, N or 2N, R)
-    lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    lora_b,  # (L, E, N or 2N, R)
     shrunk_ptr,  # (numel, splits, 2R or R) fp32 split-K partials
     stride_ss, stride_sm,
     num_shrink_splits,
-    down_a_ptr,  # (L, E, R, N) down projection's A (DOWN_PREFETCH)
-    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
+    down_a,  # (L, E, R, N) down projection's A (DOWN_PREFETCH)
     GATED: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     LATE_WAIT: tl.constexpr,
@@ -161,23 +159,21 @@ def one_row_prologue(
     one_rows = (tl.arange(0, BLOCK_M) == 0) & ((tl.zeros((BLOCK_M,), dtype=tl.int32) + one_slot) >= 0)
     # The one slot as a group of one (absent: NO_SLOT), its tiles rank-masked after the loop.
     one_col_slot = tl.where(one_has_r, one_slot, NO_SLOT)
-    b_gate = load_group_b(lora_b_ptr, one_col_slot, expert, offs_n, col_valid, slot_ranks_ptr,
-                          lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    b_gate = load_group_b(lora_b, one_col_slot, expert, offs_n, col_valid, slot_ranks_ptr,
                           LORA_R=LORA_R, GROUP=1,
                           RANK_MASK_LATER=True)
     b_up = b_gate
     if GATED:
-        b_up = load_group_b(lora_b_ptr + N * stride_lb_n, one_col_slot, expert, offs_n, col_valid,
-                            slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
-                            stride_lb_r,
+        b_up = load_group_b(lora_shift_cols(lora_b, N), one_col_slot, expert, offs_n, col_valid,
+                            slot_ranks_ptr,
                             LORA_R=LORA_R, GROUP=1, RANK_MASK_LATER=True)
     if DOWN_PREFETCH:
-        down_a = tl.load(
-            down_a_ptr + lora_block_offset(da_blocks_ptr, one_safe, expert, stride_da_bl, stride_da_u)
-            + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
+        down_a_tile = tl.load(
+            lora_slot_rows(down_a, one_safe, expert)
+            + offs_r[None, :] * down_a[4] + offs_n.to(tl.int64)[:, None] * down_a[5],
             mask=col_valid[:, None] & one_has_r[None, :], other=0.0)
     else:
-        down_a = tl.zeros((BLOCK_N, LORA_R), dtype=down_a_ptr.dtype.element_ty)
+        down_a_tile = tl.zeros((BLOCK_N, LORA_R), dtype=down_a[0].dtype.element_ty)
     gate_parts = b_gate  # placeholders with LATE_WAIT: the epilogue loads the partials itself
     up_parts = b_gate
     if not LATE_WAIT:
@@ -187,7 +183,7 @@ def one_row_prologue(
         if GATED:
             up_parts = load_raw_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, one_rows,
                                          SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
-    return (shrunk_rows, one_has, one_rank, one_scaling, one_rows, b_gate, b_up, down_a, gate_parts,
+    return (shrunk_rows, one_has, one_rank, one_scaling, one_rows, b_gate, b_up, down_a_tile, gate_parts,
             up_parts)
 
 
@@ -202,11 +198,9 @@ def prefetch_prologue(
     col_valid,  # (BLOCK_N,) int1
     N,
     slot_ranks_ptr,  # (L,) int32
-    lora_b_ptr,  # (L, E, N or 2N, R)
-    lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    lora_b,  # (L, E, N or 2N, R)
     num_shrink_splits, stride_ss,
-    down_a_ptr,  # (L, E, R, N) (DOWN_PREFETCH)
-    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
+    down_a,  # (L, E, R, N) (DOWN_PREFETCH)
     GATED: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     LATE_WAIT: tl.constexpr,
@@ -231,26 +225,24 @@ def prefetch_prologue(
     slot0 = first_slot(row_slot, has_slot)
     col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
                                                     LORA_R=LORA_R)
-    b_gate = load_group_b(lora_b_ptr, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
-                          lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    b_gate = load_group_b(lora_b, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
                           LORA_R=LORA_R, GROUP=LORA_GROUP)
     b_up = b_gate
     if GATED:
-        b_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot0, expert, offs_n, col_valid,
-                            slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
-                            stride_lb_r,
+        b_up = load_group_b(lora_shift_cols(lora_b, N), col_slot0, expert, offs_n, col_valid,
+                            slot_ranks_ptr,
                             LORA_R=LORA_R, GROUP=LORA_GROUP)
     if DOWN_PREFETCH:
         has0 = slot0 < NO_SLOT
         slot0_safe = tl.where(has0, slot0, 0)
         rank0 = tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe), 0)
-        down_a = tl.load(
-            down_a_ptr + lora_block_offset(da_blocks_ptr, slot0_safe, expert, stride_da_bl, stride_da_u)
-            + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k,
+        down_a_tile = tl.load(
+            lora_slot_rows(down_a, slot0_safe, expert)
+            + offs_r[None, :] * down_a[4] + offs_n.to(tl.int64)[:, None] * down_a[5],
             mask=col_valid[:, None] & (offs_r < rank0)[None, :], other=0.0)
     else:
-        down_a = tl.zeros((BLOCK_N, LORA_R), dtype=down_a_ptr.dtype.element_ty)
-    return pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up, down_a
+        down_a_tile = tl.zeros((BLOCK_N, LORA_R), dtype=down_a[0].dtype.element_ty)
+    return pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up, down_a_tile
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -298,7 +290,7 @@ def prefetched_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up,  # from ``prefetch_prologue``
     shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     LATE_WAIT: tl.constexpr,
@@ -321,9 +313,8 @@ def prefetched_expand(
             acc_up = _dot(spread_to_group(pre_up, row_group0, GROUP=LORA_GROUP, LORA_R=LORA_R).to(b_up.dtype),
                           b_up, acc_up, FP32_IEEE)
         acc, acc_up = lora_expand_groups(
-            acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b_ptr, expert,
-            offs_n, col_valid, N, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
-            stride_lb_r,
+            acc, acc_up, pre_gate, pre_up, row_slot, has_slot, slot_after0, lora_b, expert,
+            offs_n, col_valid, N, slot_ranks_ptr,
             GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
         )
     return acc, acc_up
@@ -333,7 +324,7 @@ def prefetched_expand(
 def grouped_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -347,9 +338,8 @@ def grouped_expand(
         shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=GATED,
         SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
     return lora_expand_groups(
-        acc, acc_up, u, u_up, row_slot, has_slot, first_slot(row_slot, has_slot), lora_b_ptr, expert,
-        offs_n, col_valid, N, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
-        stride_lb_r,
+        acc, acc_up, u, u_up, row_slot, has_slot, first_slot(row_slot, has_slot), lora_b, expert,
+        offs_n, col_valid, N, slot_ranks_ptr,
         GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
     )
 
@@ -358,7 +348,7 @@ def grouped_expand(
 def unrolled_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -372,8 +362,8 @@ def unrolled_expand(
     u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot, SPLITS=LORA_SPLITS,
                              CHUNK_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
     acc = lora_expand_unrolled(
-        acc, u, row_slot, has_slot, slot, lora_b_ptr, expert, offs_n, col_valid, slot_ranks_ptr,
-        lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE,
+        acc, u, row_slot, has_slot, slot, lora_b, expert, offs_n, col_valid, slot_ranks_ptr,
+        FP32_IEEE=FP32_IEEE,
         LORA_R=LORA_R,
     )
     if GATED:
@@ -381,8 +371,8 @@ def unrolled_expand(
                                  SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
                                  SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
         acc_up = lora_expand_unrolled(
-            acc_up, u, row_slot, has_slot, slot, lora_b_ptr + N * stride_lb_n, expert, offs_n,
-            col_valid, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+            acc_up, u, row_slot, has_slot, slot, lora_shift_cols(lora_b, N), expert, offs_n,
+            col_valid, slot_ranks_ptr,
             FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
         )
     return acc, acc_up
@@ -392,8 +382,7 @@ def unrolled_expand(
 def chunked_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, slot_scalings_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
-    stride_lb_r,
+    slot_ranks_ptr, slot_scalings_ptr, lora_b,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
@@ -410,18 +399,18 @@ def chunked_expand(
         in_slot = has_slot & (row_slot == slot)
         rank = tl.load(slot_ranks_ptr + slot)
         scaling = tl.load(slot_scalings_ptr + slot)
-        lb_ptr = lora_b_ptr + lora_block_offset(lb_blocks_ptr, slot, expert, stride_lb_bl, stride_lb_u)
+        lb_ptr = lora_slot_rows(lora_b, slot, expert)
         acc = lora_expand_from_partials(
             acc, shrunk_rows, 0, num_shrink_splits, stride_ss, in_slot, lb_ptr, offs_n, col_valid,
-            rank, scaling, stride_lb_n, stride_lb_r,
+            rank, scaling, lora_b[5], lora_b[4],
             FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, SPLITS=LORA_SPLITS,
             SPLIT_CHUNK=LORA_SPLIT_CHUNK,
         )
         if GATED:
             acc_up = lora_expand_from_partials(
                 acc_up, shrunk_rows, LORA_R, num_shrink_splits, stride_ss, in_slot,
-                lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling, stride_lb_n,
-                stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
+                lb_ptr + N * lora_b[5], offs_n, col_valid, rank, scaling, lora_b[5],
+                lora_b[4], FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
                 SPLITS=LORA_SPLITS, SPLIT_CHUNK=LORA_SPLIT_CHUNK,
             )
         slot = next_slot(row_slot, has_slot, slot)
@@ -432,7 +421,7 @@ def chunked_expand(
 def slot_range_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
     shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+    slot_ranks_ptr, lora_b,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
@@ -443,16 +432,15 @@ def slot_range_expand(
     slot_hi = tl.max(tl.where(has_slot, row_slot, -1), axis=0) + 1
     slot_lo = tl.minimum(tl.min(tl.where(has_slot, row_slot, NO_SLOT), axis=0), slot_hi)
     acc = lora_expand_slot_range(
-        acc, shrunk_rows, 0, row_slot, has_slot, slot_lo, slot_hi, lora_b_ptr, expert, offs_n,
-        col_valid, slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+        acc, shrunk_rows, 0, row_slot, has_slot, slot_lo, slot_hi, lora_b, expert, offs_n,
+        col_valid, slot_ranks_ptr,
         FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
     )
     if GATED:
         acc_up = lora_expand_slot_range(
             acc_up, shrunk_rows, LORA_R, row_slot, has_slot, slot_lo, slot_hi,
-            lora_b_ptr + N * stride_lb_n, expert, offs_n, col_valid, slot_ranks_ptr, lb_blocks_ptr,
-            stride_lb_bl,
-            stride_lb_u, stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
+            lora_shift_cols(lora_b, N), expert, offs_n, col_valid, slot_ranks_ptr, FP32_IEEE=FP32_IEEE,
+            LORA_R=LORA_R, EXT_K=LORA_EXT_K,
         )
     return acc, acc_up
 
@@ -463,9 +451,8 @@ def down_shrink_epilogue(
     c_ptr,  # GEMM1's output: GEMM2 reads the tile in its dtype
     pair, row_slot, has_slot, expert, offs_n, col_valid, pid_n,
     one_has, one_rank, one_rows,  # LORA_ONE_ROW's scalars (ignored otherwise)
-    down_a,  # (BLOCK_N, LORA_R) the first slot's down A tile (DOWN_PREFETCH)
-    down_a_ptr,  # (L, E, R, N)
-    da_blocks_ptr, stride_da_bl, stride_da_u, stride_da_r, stride_da_k,
+    down_a_tile,  # (BLOCK_N, LORA_R) the first slot's down A tile (DOWN_PREFETCH)
+    down_a,  # (L, E, R, N)
     down_shrunk_ptr,  # (numel, cdiv(N, BLOCK_N), LORA_R) fp32 out
     stride_ds, stride_dm,
     slot_ranks_ptr,
@@ -483,15 +470,14 @@ def down_shrink_epilogue(
     if ONE_ROW and DOWN_PREFETCH:
         offs_r = tl.arange(0, LORA_R)
         if one_has:
-            part = _dot(act.to(c_ptr.dtype.element_ty), tl.where((offs_r < one_rank)[None, :], down_a, 0.0),
-                        tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32), FP32_IEEE)
+            first = tl.where((offs_r < one_rank)[None, :], down_a_tile, 0.0)
+            part = _dot(act.to(c_ptr.dtype.element_ty), first, tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32),
+                        FP32_IEEE)
             down_rows = down_shrunk_ptr + pair.to(tl.int64) * stride_dm + pid_n * stride_ds
             tl.store(down_rows[:, None] + offs_r[None, :], part, mask=one_rows[:, None])
     else:
         lora_store_down_partials(
             act.to(c_ptr.dtype.element_ty), row_slot, has_slot, pair, expert, offs_n, col_valid, pid_n,
-            down_a_ptr, down_shrunk_ptr, slot_ranks_ptr, down_a, da_blocks_ptr, stride_da_bl, stride_da_u,
-            stride_da_r,
-            stride_da_k, stride_ds, stride_dm, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R,
-            FIRST_PREFETCHED=DOWN_PREFETCH,
+            down_a, down_shrunk_ptr, slot_ranks_ptr, down_a_tile, stride_ds, stride_dm, FP32_IEEE=FP32_IEEE,
+            LORA_R=LORA_R, CHUNK_R=LORA_CHUNK_R, FIRST_PREFETCHED=DOWN_PREFETCH,
         )

@@ -39,6 +39,24 @@ def lora_block_offset(
 
 
 @triton.jit
+def lora_slot_rows(
+    op,  # a LoRA operand bundle: (data, blocks (L, E) int32, blocks' slot stride, unit, rank stride,
+    #      column stride), ``LoRAWeights.bundle()``
+    slot,  # int or tensor of slots, in [0, L)
+    expert,  # int64 or tensor of experts, in [0, E)
+):
+    """Pointer to the first rank row of (slot, expert) in the operand's data (``lora_block_offset``). A
+    kernel takes each LoRA operand as this one bundle; ``op[4]`` steps a rank row, ``op[5]`` a column."""
+    return op[0] + lora_block_offset(op[1], slot, expert, op[2], op[3])
+
+
+@triton.jit
+def lora_shift_cols(op, cols):
+    """The operand bundle ``op`` starting ``cols`` columns later (a gated B's up half: ``cols = N``)."""
+    return (op[0] + cols * op[5], op[1], op[2], op[3], op[4], op[5])
+
+
+@triton.jit
 def lora_shrink_tile(
     acc,  # (BLOCK_M, LORA_R) fp32 running result
     acc_up,  # (BLOCK_M, LORA_R) fp32, second projection when GATED (gate and up share the x tile)
@@ -251,18 +269,13 @@ def lora_expand_slots(
     shrunk_up,  # (BLOCK_M, LORA_R) fp32 up shrink when GATED
     row_valid,  # (BLOCK_M,) int1
     row_slot,  # (BLOCK_M,) int32, -1 = no adapter
-    lora_b_ptr,  # (L, E, N or 2N, R) B buffer; the up rows start at row N when GATED
+    lora_b,  # (L, E, N or 2N, R) B buffer; the up rows start at row N when GATED
     expert,  # int64 expert of the block
     offs_n,
     col_valid,
     N,
     slot_ranks_ptr,  # (L,) int32
     slot_scalings_ptr,  # (L,) fp32
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
@@ -274,15 +287,15 @@ def lora_expand_slots(
         in_slot = has_slot & (row_slot == slot)
         rank = tl.load(slot_ranks_ptr + slot)
         scaling = tl.load(slot_scalings_ptr + slot)
-        lb_ptr = lora_b_ptr + lora_block_offset(lb_blocks_ptr, slot, expert, stride_lb_bl, stride_lb_u)
+        lb_ptr = lora_slot_rows(lora_b, slot, expert)
         acc = lora_expand_tile(
-            acc, shrunk, in_slot, lb_ptr, offs_n, col_valid, rank, scaling, stride_lb_n, stride_lb_r,
+            acc, shrunk, in_slot, lb_ptr, offs_n, col_valid, rank, scaling, lora_b[5], lora_b[4],
             FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
         )
         if GATED:
             acc_up = lora_expand_tile(
-                acc_up, shrunk_up, in_slot, lb_ptr + N * stride_lb_n, offs_n, col_valid, rank, scaling,
-                stride_lb_n, stride_lb_r, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+                acc_up, shrunk_up, in_slot, lb_ptr + N * lora_b[5], offs_n, col_valid, rank, scaling,
+                lora_b[5], lora_b[4], FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
             )
         slot = next_slot(row_slot, has_slot, slot)
     return acc, acc_up
@@ -298,15 +311,10 @@ def lora_store_down_partials(
     offs_n,  # (BLOCK_N,) columns of h: the down projection's K
     col_valid,  # (BLOCK_N,) int1
     tile,  # this tile's index along N: which partial it writes
-    down_a_ptr,  # (L, E, R, N) LoRA A of the down projection
+    down_a,  # (L, E, R, N) LoRA A of the down projection
     out_ptr,  # (numel, tiles, LORA_R) fp32 partials, out
     slot_ranks_ptr,  # (L,) int32
     first_a,  # (BLOCK_N, LORA_R) the first slot's A tile, loaded earlier (used when FIRST_PREFETCHED)
-    da_blocks_ptr,
-    stride_da_bl,
-    stride_da_u,
-    stride_da_r,
-    stride_da_k,
     stride_ds,
     stride_dm,
     FP32_IEEE: tl.constexpr,
@@ -330,12 +338,12 @@ def lora_store_down_partials(
     while slot < (1 << 30):
         in_slot = has_slot & (row_slot == slot)
         rank = tl.load(slot_ranks_ptr + slot)
-        da_ptr = down_a_ptr + lora_block_offset(da_blocks_ptr, slot, expert, stride_da_bl, stride_da_u)
+        da_ptr = lora_slot_rows(down_a, slot, expert)
         for r0 in tl.static_range(0, LORA_R, CHUNK_R):
             offs_r = r0 + tl.arange(0, CHUNK_R)
             part = tl.zeros((h.shape[0], CHUNK_R), dtype=tl.float32)
             if r0 < rank:
-                a_ptrs = da_ptr + offs_r[None, :] * stride_da_r + offs_n.to(tl.int64)[:, None] * stride_da_k
+                a_ptrs = da_ptr + offs_r[None, :] * down_a[4] + offs_n.to(tl.int64)[:, None] * down_a[5]
                 a = tl.load(a_ptrs, mask=col_valid[:, None] & (offs_r < rank)[None, :], other=0.0)
                 part = _dot(h, a, part, FP32_IEEE)
             tl.store(out_rows[:, None] + offs_r[None, :], part, mask=in_slot[:, None])
@@ -389,17 +397,12 @@ def mask_group_ranks(tile, col_rank, LORA_R: tl.constexpr):
 
 @triton.jit
 def load_group_b(
-    lora_b_ptr,  # (L, E, N or 2N, R) B buffer (already offset to the up rows for the up half)
+    lora_b,  # (L, E, N or 2N, R) B buffer (already offset to the up rows for the up half)
     col_slot,  # (GROUP * LORA_R,) int32 from ``slot_group``
     expert,  # int64
     offs_n,  # (BLOCK_N,) output columns
     col_valid,  # (BLOCK_N,) int1
     slot_ranks_ptr,  # (L,) int32
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     LORA_R: tl.constexpr,
     GROUP: tl.constexpr,
     RANK_MASK_LATER: tl.constexpr = False,
@@ -415,9 +418,8 @@ def load_group_b(
         valid = present
     else:
         valid = present & (rank_col < tl.load(slot_ranks_ptr + safe, mask=present, other=0))
-    rows = lora_b_ptr + lora_block_offset(lb_blocks_ptr, safe, expert, stride_lb_bl,
-    stride_lb_u) + rank_col * stride_lb_r
-    ptrs = rows[:, None] + offs_n.to(tl.int64)[None, :] * stride_lb_n
+    rows = lora_slot_rows(lora_b, safe, expert) + rank_col * lora_b[4]
+    ptrs = rows[:, None] + offs_n.to(tl.int64)[None, :] * lora_b[5]
     return tl.load(ptrs, mask=valid[:, None] & col_valid[None, :], other=0.0)
 
 
@@ -445,17 +447,12 @@ def lora_expand_groups(
     row_slot,  # (BLOCK_M,) int32
     has_slot,  # (BLOCK_M,) int1
     slot,  # first slot to expand (2**30: none)
-    lora_b_ptr,  # (L, E, N or 2N, R)
+    lora_b,  # (L, E, N or 2N, R)
     expert,
     offs_n,
     col_valid,
     N,
     slot_ranks_ptr,
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     GATED: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
@@ -466,14 +463,12 @@ def lora_expand_groups(
     u is rounded to B's dtype, as PEFT's lora_B input is."""
     while slot < (1 << 30):
         col_slot, row_group, slot = slot_group(row_slot, has_slot, slot, GROUP=GROUP, LORA_R=LORA_R)
-        b = load_group_b(lora_b_ptr, col_slot, expert, offs_n, col_valid, slot_ranks_ptr, lb_blocks_ptr,
-                         stride_lb_bl,
-                         stride_lb_u, stride_lb_n, stride_lb_r, LORA_R=LORA_R, GROUP=GROUP)
+        b = load_group_b(lora_b, col_slot, expert, offs_n, col_valid, slot_ranks_ptr, LORA_R=LORA_R,
+                         GROUP=GROUP)
         acc = _dot(spread_to_group(u, row_group, GROUP=GROUP, LORA_R=LORA_R).to(b.dtype), b, acc, FP32_IEEE)
         if GATED:
-            b_up = load_group_b(lora_b_ptr + N * stride_lb_n, col_slot, expert, offs_n, col_valid,
-                                slot_ranks_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n,
-                                stride_lb_r,
+            b_up = load_group_b(lora_shift_cols(lora_b, N), col_slot, expert, offs_n, col_valid,
+                                slot_ranks_ptr,
                                 LORA_R=LORA_R, GROUP=GROUP)
             acc_up = _dot(spread_to_group(u_up, row_group, GROUP=GROUP, LORA_R=LORA_R).to(b_up.dtype), b_up,
                           acc_up, FP32_IEEE)
@@ -482,17 +477,12 @@ def lora_expand_groups(
 
 @triton.jit
 def lora_load_slot_b(
-    lora_b_ptr,  # (L, E, N, R) B buffer (already offset to the up rows for the up half)
+    lora_b,  # (L, E, N, R) B buffer (already offset to the up rows for the up half)
     slot,  # int32 slot (2**30: none, nothing is loaded)
     expert,  # int64
     offs_n,  # (BLOCK_N,) output columns
     col_valid,  # (BLOCK_N,) int1
     slot_ranks_ptr,  # (L,) int32
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     LORA_R: tl.constexpr,
 ):
     """(LORA_R, BLOCK_N) B^T tile of one slot, rank rows past its rank not loaded. ``load_group_b`` with
@@ -501,8 +491,8 @@ def lora_load_slot_b(
     present = slot < (1 << 30)
     safe = tl.where(present, slot, 0)
     rank = tl.where(present, tl.load(slot_ranks_ptr + safe), 0)
-    lb_ptr = lora_b_ptr + lora_block_offset(lb_blocks_ptr, safe, expert, stride_lb_bl, stride_lb_u)
-    return lora_load_b(lb_ptr, offs_n, col_valid, rank, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
+    lb_ptr = lora_slot_rows(lora_b, safe, expert)
+    return lora_load_b(lb_ptr, offs_n, col_valid, rank, lora_b[5], lora_b[4], LORA_R=LORA_R)
 
 
 @triton.jit
@@ -520,16 +510,11 @@ def lora_expand_unrolled(
     row_slot,  # (BLOCK_M,) int32
     has_slot,  # (BLOCK_M,) int1
     slot,  # first slot to expand (2**30: none)
-    lora_b_ptr,  # (L, E, N, R) (already offset to the up rows for the up half)
+    lora_b,  # (L, E, N, R) (already offset to the up rows for the up half)
     expert,  # int64
     offs_n,
     col_valid,
     slot_ranks_ptr,
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
 ):
@@ -539,9 +524,7 @@ def lora_expand_unrolled(
     lora_B input is."""
     while slot < (1 << 30):
         this_slot = slot
-        b = lora_load_slot_b(lora_b_ptr, this_slot, expert, offs_n, col_valid, slot_ranks_ptr, lb_blocks_ptr,
-                             stride_lb_bl,
-                             stride_lb_u, stride_lb_n, stride_lb_r, LORA_R=LORA_R)
+        b = lora_load_slot_b(lora_b, this_slot, expert, offs_n, col_valid, slot_ranks_ptr, LORA_R=LORA_R)
         slot = next_slot(row_slot, has_slot, this_slot)  # found while the B tile loads
         acc = lora_expand_slot(acc, u, row_slot, this_slot, b, FP32_IEEE=FP32_IEEE)
     return acc
@@ -561,16 +544,11 @@ def lora_expand_slot_range(
     has_slot,  # (BLOCK_M,) int1
     slot_lo,  # the block's smallest slot
     slot_hi,  # its largest slot + 1 (slot_lo == slot_hi: no row has one, nothing runs)
-    lora_b_ptr,  # (L, E, N, R) B buffer (already offset to the up rows for the up half)
+    lora_b,  # (L, E, N, R) B buffer (already offset to the up rows for the up half)
     expert,  # int64
     offs_n,  # (BLOCK_N,) output columns
     col_valid,  # (BLOCK_N,) int1
     slot_ranks_ptr,  # (L,) int32
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
     EXT_K: tl.constexpr,  # stacked columns per dot: a multiple of LORA_R
@@ -598,9 +576,8 @@ def lora_expand_slot_range(
         rows_of_col = has_slot[:, None] & (row_slot[:, None] == col_slot[None, :]) & col_live[None, :]
         u = tl.load(packed_rows_ptr[:, None] + (col_offset + col_r)[None, :], mask=rows_of_col, other=0.0)
         col_safe = tl.where(in_range, col_slot, 0)
-        b_ptrs = (lora_b_ptr + lora_block_offset(lb_blocks_ptr, col_safe, expert, stride_lb_bl,
-        stride_lb_u)[:, None]
-                  + offs_n.to(tl.int64)[None, :] * stride_lb_n + col_r[:, None] * stride_lb_r)
+        b_ptrs = (lora_slot_rows(lora_b, col_safe, expert)[:, None]
+                  + offs_n.to(tl.int64)[None, :] * lora_b[5] + col_r[:, None] * lora_b[4])
         b = tl.load(b_ptrs, mask=col_live[:, None] & col_valid[None, :], other=0.0)
         acc = _dot(u.to(b.dtype), b, acc, FP32_IEEE)
     return acc

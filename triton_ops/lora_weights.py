@@ -53,11 +53,12 @@ class LoRAWeights(NamedTuple):
     def device(self) -> torch.device:
         return self.data.device
 
-    def kernel_args(self, prefix: str) -> dict:
-        """The kernel arguments of this operand: ``{prefix}_blocks_ptr``, ``stride_{prefix}_bl``,
-        ``stride_{prefix}_u`` (the table and unit) for a kernel's ``prefix`` (la, lb or da)."""
-        return {f"{prefix}_blocks_ptr": self.blocks, f"stride_{prefix}_bl": self.blocks.stride(0),
-                f"stride_{prefix}_u": self.stride_unit}
+    def bundle(self) -> tuple:
+        """This operand as one kernel argument (``lora_tiles``' LoRA operand bundle): (data, blocks, block
+        table row stride, stride_unit, stride_rank, stride_col)."""
+        return (self.data, self.blocks, self.blocks.stride(0), self.stride_unit, self.stride_rank,
+                self.stride_col)
+
 
 
 def lora_weights(buffer: torch.Tensor | LoRAWeights, *, kind: str) -> LoRAWeights:

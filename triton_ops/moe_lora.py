@@ -28,8 +28,8 @@ from triton_ops.launch import launch
 from triton_ops.lora_tiles import (
     _dot,
     first_slot,
-    lora_block_offset,
     lora_expand_slots,
+    lora_slot_rows,
     next_slot,
     select_group_columns,
     slot_group,
@@ -43,7 +43,7 @@ from triton_ops.plan import lora_slot_group
 def _moe_lora_shrink_kernel(
     # Pointers
     x_ptr,  # (rows, K) activations: x (GEMM1 side) or h (down side)
-    lora_a_ptr,  # (L, E, R or 2R, K) gate_up_a or down_a
+    lora_a,  # (L, E, R or 2R, K) gate_up_a or down_a
     token_slots_ptr,  # (M,) int32, -1 = no adapter
     slot_ranks_ptr,  # (L,) int32
     sorted_ids_ptr,  # (max_padded,) int32
@@ -60,11 +60,6 @@ def _moe_lora_shrink_kernel(
     # Strides
     stride_xm,
     stride_xk,
-    la_blocks_ptr,
-    stride_la_bl,
-    stride_la_u,
-    stride_la_r,
-    stride_la_k,
     stride_os,
     stride_om,
     # Meta-parameters
@@ -119,10 +114,9 @@ def _moe_lora_shrink_kernel(
         col_safe = tl.where(col_present, col_slot, 0)
         col_rank = tl.load(slot_ranks_ptr + col_safe, mask=col_present, other=0)
         col_valid = col_present & (col_r < col_rank)
-        col_block = lora_block_offset(la_blocks_ptr, col_safe, expert, stride_la_bl, stride_la_u)
-        a_cols = lora_a_ptr + col_block + col_r * stride_la_r
+        a_cols = lora_slot_rows(lora_a, col_safe, expert) + col_r * lora_a[4]
         x_ptrs = x_ptr + x_row[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
-        a_ptrs = a_cols[None, :] + (k_start + offs_k).to(tl.int64)[:, None] * stride_la_k
+        a_ptrs = a_cols[None, :] + (k_start + offs_k).to(tl.int64)[:, None] * lora_a[5]
         acc = tl.zeros((BLOCK_M, SLOT_GROUP * LORA_R), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, SLOT_GROUP * LORA_R), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -133,7 +127,7 @@ def _moe_lora_shrink_kernel(
             if GATED:
                 acc_up = _dot(x, tl.load(a_ptrs + lora_up_offset, mask=a_mask, other=0.0), acc_up, FP32_IEEE)
             x_ptrs += BLOCK_K * stride_xk
-            a_ptrs += BLOCK_K * stride_la_k
+            a_ptrs += BLOCK_K * lora_a[5]
         offs_r = tl.arange(0, LORA_R)
         own = select_group_columns(acc, row_group, GROUP=SLOT_GROUP, LORA_R=LORA_R)
         tl.store(out_rows[:, None] + offs_r[None, :], own, mask=in_group[:, None])
@@ -147,7 +141,7 @@ def _moe_lora_gate_up_b_kernel(
     # Pointers
     c1_ptr,  # (numel, 2N) raw GEMM1 output, gate columns then up columns
     shrunk_ptr,  # (numel, splits, 2 * LORA_R) fp32 partial shrinks: [gate | up]
-    lora_b_ptr,  # (L, E, 2N, R) gate_up_b
+    lora_b,  # (L, E, 2N, R) gate_up_b
     token_slots_ptr,  # (M,) int32
     slot_ranks_ptr,  # (L,) int32
     slot_scalings_ptr,  # (L,) fp32
@@ -166,11 +160,6 @@ def _moe_lora_gate_up_b_kernel(
     stride_c1m,
     stride_ss,
     stride_sm,
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     stride_hm,
     # Meta-parameters
     ACTIVATION: tl.constexpr,
@@ -214,8 +203,8 @@ def _moe_lora_gate_up_b_kernel(
         s_ptrs += stride_ss
     delta_gate, delta_up = lora_expand_slots(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-        shrunk_gate, shrunk_up, row_valid, row_slot, lora_b_ptr, expert, offs_n, col_valid, N,
-        slot_ranks_ptr, slot_scalings_ptr, lb_blocks_ptr, stride_lb_bl, stride_lb_u, stride_lb_n, stride_lb_r,
+        shrunk_gate, shrunk_up, row_valid, row_slot, lora_b, expert, offs_n, col_valid, N,
+        slot_ranks_ptr, slot_scalings_ptr,
         GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
     )
     if MUL_ROUTED_WEIGHT:
@@ -233,7 +222,7 @@ def _moe_lora_gate_up_b_kernel(
 def _moe_lora_down_combine_kernel(
     # Pointers
     shrunk_ptr,  # (numel, splits, LORA_R) fp32 partials of A_down h per pair
-    lora_b_ptr,  # (L, E, H, R) down_b
+    lora_b,  # (L, E, H, R) down_b
     token_slots_ptr,  # (M,) int32
     topk_ids_ptr,  # (M, top_k) int32/int64
     topk_weights_ptr,  # (M, top_k) fp32
@@ -250,11 +239,6 @@ def _moe_lora_down_combine_kernel(
     # Strides
     stride_ss,
     stride_sm,
-    lb_blocks_ptr,
-    stride_lb_bl,
-    stride_lb_u,
-    stride_lb_n,
-    stride_lb_r,
     stride_om,
     # Meta-parameters
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -286,10 +270,9 @@ def _moe_lora_down_combine_kernel(
         for split in range(0, num_splits):
             shrunk += tl.load(shrunk_ptrs + split * stride_ss, mask=pair_has[:, None], other=0.0)
         b_ptrs = (
-            lora_b_ptr
-            + (lora_block_offset(lb_blocks_ptr, safe_slot, expert, stride_lb_bl, stride_lb_u))[:, None, None]
-            + offs_n.to(tl.int64)[None, :, None] * stride_lb_n
-            + offs_r[None, None, :] * stride_lb_r
+            lora_slot_rows(lora_b, safe_slot, expert)[:, None, None]
+            + offs_n.to(tl.int64)[None, :, None] * lora_b[5]
+            + offs_r[None, None, :] * lora_b[4]
         )
         rank_valid = offs_r[None, None, :] < rank[:, None, None]
         b_mask = pair_has[:, None, None] & col_valid[None, :, None] & rank_valid
@@ -405,7 +388,7 @@ def moe_lora_a(
     grid = (cdiv(sorted_ids.shape[0], sub_m), min(num_adapters, sub_m) if slot_programs else splits)
     launch(_moe_lora_shrink_kernel, grid,
         x_ptr=x,
-        lora_a_ptr=lora_a.data,
+        lora_a=lora_a.bundle(),
         token_slots_ptr=token_slots,
         slot_ranks_ptr=slot_ranks,
         sorted_ids_ptr=sorted_ids,
@@ -420,9 +403,6 @@ def moe_lora_a(
         lora_up_offset=lora_a.up_offset,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
-        **lora_a.kernel_args("la"),
-        stride_la_r=lora_a.stride_rank,
-        stride_la_k=lora_a.stride_col,
         stride_os=out.stride(1),
         stride_om=out.stride(0),
         GATED=gated,
@@ -478,7 +458,7 @@ def moe_lora_gate_up_b(
     launch(_moe_lora_gate_up_b_kernel, grid,
         c1_ptr=c1,
         shrunk_ptr=shrunk,
-        lora_b_ptr=gate_up_b.data,
+        lora_b=gate_up_b.bundle(),
         token_slots_ptr=token_slots,
         slot_ranks_ptr=slot_ranks,
         slot_scalings_ptr=slot_scalings,
@@ -495,9 +475,6 @@ def moe_lora_gate_up_b(
         stride_c1m=c1.stride(0),
         stride_ss=shrunk.stride(1),
         stride_sm=shrunk.stride(0),
-        **gate_up_b.kernel_args("lb"),
-        stride_lb_n=gate_up_b.stride_col,
-        stride_lb_r=gate_up_b.stride_rank,
         stride_hm=out.stride(0),
         **activation_args(activation),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
@@ -540,7 +517,7 @@ def moe_lora_down_combine(
     block_n = max(16, min(64, 16384 // (block_t * rank_block)))
     launch(_moe_lora_down_combine_kernel, (cdiv(tokens, block_t), cdiv(hidden, block_n)),
         shrunk_ptr=shrunk,
-        lora_b_ptr=down_b.data,
+        lora_b=down_b.bundle(),
         token_slots_ptr=token_slots,
         topk_ids_ptr=topk_ids,
         topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
@@ -555,9 +532,6 @@ def moe_lora_down_combine(
         num_splits=shrunk.shape[1],
         stride_ss=shrunk.stride(1),
         stride_sm=shrunk.stride(0),
-        **down_b.kernel_args("lb"),
-        stride_lb_n=down_b.stride_col,
-        stride_lb_r=down_b.stride_rank,
         stride_om=out.stride(0),
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         LORA_R=rank_block,
