@@ -2,7 +2,7 @@
 LoRA layer, for effects smaller than the drift between two ``moelora bench`` runs (a few % of the base time
 on an H100/H200).
 
-    python benchmarks/ab_env.py --env lora_prefetch=small --models mixtral-8x7b --M 256 1024
+    python benchmarks/ab_env.py --env lora_prefetch=0 --models mixtral-8x7b --M 16 64
 
 For each (model, M, rank, adapters) three CUDA graphs are captured: the base layer, the LoRA layer as the
 rules launch it (A) and the LoRA layer with ``--env`` set while it is captured (B; overrides are read when

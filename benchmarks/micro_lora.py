@@ -10,7 +10,6 @@ and the shrink kernels.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -242,15 +241,6 @@ def main() -> None:
             rows["gemm2 split (reduced)"] = us(lambda: invoke_fused_moe_kernel(
                 act, w2, out, topk_weights=weights, a_row_div=1, config=scfg.gemm2,
                 lora=replace(l2, shrunk=sd_sum[:, :1]), **align))
-        # The split epilogue's older per-slot forms (lora_unroll=0), against the rounds above.
-        os.environ["lora_unroll"] = "0"
-        rows["gemm1 split (unroll 0)"] = us(lambda: invoke_fused_moe_kernel(
-            x, w13, act, topk_weights=None, a_row_div=top_k, config=cfg.gemm1, activation="silu",
-            lora=replace(l1, shrunk=sgu), **align))
-        rows["gemm2 split (unroll 0)"] = us(lambda: invoke_fused_moe_kernel(
-            act, w2, out, topk_weights=weights, a_row_div=1, config=cfg.gemm2, lora=replace(l2, shrunk=sd),
-            **align))
-        del os.environ["lora_unroll"]
         # The split epilogue's slot groups on big tiles (BIG_TILE_SLOT_GROUP*), where they may spill.
         saved = fused_moe.BIG_TILE_SLOT_GROUP, fused_moe.BIG_TILE_SLOT_GROUP_GATED
         for group in (1, 2, 4):

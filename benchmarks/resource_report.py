@@ -235,7 +235,6 @@ def main() -> None:
                 block_m, block_n, block_k = kwargs["TILE"][:3]
                 print(f"{model:17s} M={m:5d} {name:16s} {block_m:3d}x{block_n:3d}x"
                       f"{block_k:3d} w{kwargs['num_warps']} s{kwargs['num_stages']} "
-                      f"cap {kwargs['maxnreg'] or '-':3} "
                       f"{variant_names[kwargs['LORA_PLAN'][0]]:11s}"
                       f"smem {report['shared'] / 1024:6.1f} KiB{'' if fits else ' > 227 KiB!'}  "
                       f"regs {report['regs']:3d}  spill {report['spill_bytes']:4d} B  "

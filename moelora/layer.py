@@ -180,6 +180,9 @@ class FusedMoEWithLoRA(nn.Module):
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, _GraphedCall] = OrderedDict()
         self._graph_keys_seen: set[tuple] = set()
+        # (batch max rank, adapters in the batch) -> _lora_hints' answer: asked on every call, a handful of
+        # distinct answers.
+        self._lora_hints_memo: dict[tuple[int, int], tuple[int, int]] = {}
         self.process_group = process_group
         self.reduce_results = bool(reduce_results)
         # Expert-parallel pool: global expert id -> local index, -1 for another rank's expert, and -1 again
@@ -301,10 +304,14 @@ class FusedMoEWithLoRA(nn.Module):
         to its rank tile (within the pool's rank) and its adapter count as the launch rules tell counts apart
         (``launch_adapter_count``). Batches that agree on these run the same launches, so they share launch
         traces and graphs."""
-        from triton_ops.fused_moe import launch_adapter_count, lora_rank_block
+        facts = (batch.max_rank, len(batch.slots_used))
+        hints = self._lora_hints_memo.get(facts)
+        if hints is None:
+            from triton_ops.plan import launch_adapter_count, lora_rank_block
 
-        return (min(lora_rank_block(batch.max_rank), self.pool.max_rank),
-                launch_adapter_count(len(batch.slots_used)))
+            hints = self._lora_hints_memo[facts] = (min(lora_rank_block(facts[0]), self.pool.max_rank),
+                                                    launch_adapter_count(facts[1]))
+        return hints
 
     def _forward(
         self,
@@ -517,6 +524,19 @@ class _GraphedCall:
         self.graph = graph
         self.x, self.topk_weights, self.topk_ids, self.token_slots = x, topk_weights, topk_ids, token_slots
         self.out = out
+        # Token count -> the first rows of (x, topk_weights, topk_ids, token_slots, out): views made once,
+        # as slicing a tensor costs the host about as much as the copy it feeds.
+        self._views: dict[int, tuple] = {}
+        self._rows_written = 0  # rows the last fill wrote: past a call's rows they must route nowhere again
+
+    def _rows(self, m: int) -> tuple:
+        views = self._views.get(m)
+        if views is None:
+            full = m == self.x.shape[0]
+            views = self._views[m] = tuple(
+                None if t is None else (t if full else t[:m])
+                for t in (self.x, self.topk_weights, self.topk_ids, self.token_slots, self.out))
+        return views
 
     @classmethod
     def capture(cls, layer: FusedMoEWithLoRA, rows: int, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -546,20 +566,27 @@ class _GraphedCall:
         with torch.cuda.graph(graph, pool=_graph_pool(x.device)):
             out = run()
         graphed.graph, graphed.out = graph, out
+        graphed._views.clear()  # the views made before the capture lack its output
         return graphed
 
     def fill(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              batch: MoELoRABatchInfo | None) -> None:
         """Copies a call's inputs into the graph's first rows (the rest keep routing nowhere)."""
         m = x.shape[0]
-        self.x[:m].copy_(x)
-        self.topk_weights[:m].copy_(topk_weights)
-        self.topk_ids[:m].copy_(topk_ids)
-        if self.token_slots is not None:
-            self.token_slots[:m].copy_(batch.token_slots)
+        static_x, static_w, static_ids, static_slots, _ = self._rows(m)
+        static_x.copy_(x)
+        static_w.copy_(topk_weights)
+        static_ids.copy_(topk_ids)
+        if static_slots is not None:
+            static_slots.copy_(batch.token_slots)
+        if m < self._rows_written:  # a bigger call's rows would route to experts and cost their work
+            self.topk_ids[m:self._rows_written].fill_(-1)
+            if self.token_slots is not None:
+                self.token_slots[m:self._rows_written].fill_(-1)
+        self._rows_written = m
 
     def replay(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                batch: MoELoRABatchInfo | None) -> torch.Tensor:
         self.fill(x, topk_weights, topk_ids, batch)
         self.graph.replay()
-        return self.out[: x.shape[0]].clone()
+        return self._rows(x.shape[0])[4].clone()

@@ -128,31 +128,23 @@ def test_prefetch_switch(monkeypatch):
         assert plan["variant"] not in PREFETCHING_VARIANTS and not plan["down_prefetch"]
 
 
-@pytest.mark.parametrize("gemm,gated,expected", [
-    # Decode tile: always prefetched.
-    (GemmConfig(16, 64, 128, 1, 4, 4), True, True),
-    # Qwen3-30B M=1024 GEMM2 on the H100: 4 x (128x64 + 64x256) x 2 B = 192 KiB, one block per SM.
-    (GemmConfig(128, 256, 64, 8, 8, 4), False, True),
-    # Its GEMM1: 3 x (128x64 + 2 x 64x64) x 2 B = 96 KiB, two blocks per SM, which the prefetch would cost.
-    (GemmConfig(128, 64, 64, 8, 8, 3), True, False),
-    # Mixtral M=256 GEMM1 on the H100: 3 x (128x128 + 2 x 128x64) x 2 B = 192 KiB, 32 registers per
-    # accumulator.
-    (GemmConfig(128, 64, 128, 8, 8, 3), True, True),
-    # Mixtral M=256 GEMM1 on the H200: 4 x (128x64 + 2 x 64x128) x 2 B = 192 KiB, but two accumulators of
-    # 64 registers (it measured slower with the prefetch).
-    (GemmConfig(128, 128, 64, 8, 8, 4), True, False),
+@pytest.mark.parametrize("gemm,expected", [
+    (GemmConfig(16, 64, 128, 1, 4, 4), True),  # decode tile
+    (GemmConfig(32, 64, 128, 8, 4, 3), True),  # Mixtral-8x7B M=64
+    (GemmConfig(128, 256, 64, 8, 8, 4), False),  # Qwen3-30B M=1024 GEMM2: one block per SM
+    (GemmConfig(128, 64, 64, 8, 8, 3), False),  # its GEMM1: two blocks per SM
+    (GemmConfig(64, 128, 64, 8, 4, 3), False),
 ])
-def test_prefetch_rule(monkeypatch, gemm, gated, expected):
-    """The split epilogue's operands are prefetched on decode tiles and on tiles already held to one
-    block per SM by shared memory; "small" keeps only the decode tiles', "0" none."""
+def test_prefetch_rule(monkeypatch, gemm, expected):
+    """The split epilogue's operands are prefetched on tiles of up to 32 rows only; "0" turns it off."""
     from triton_ops.fused_moe import lora_prefetch_pays
 
     monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_prefetch", raising=False)
-    assert lora_prefetch_pays(gemm, gated=gated) is expected
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "small")
-    assert lora_prefetch_pays(gemm, gated=gated) is (gemm.block_m <= 32)
+    assert lora_prefetch_pays(gemm) is expected
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "1")
+    assert lora_prefetch_pays(gemm) is expected
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "0")
-    assert lora_prefetch_pays(gemm, gated=gated) is False
+    assert lora_prefetch_pays(gemm) is False
 
 
 def test_prefetch_rule_many_adapters_past_decode(monkeypatch):
@@ -165,8 +157,7 @@ def test_prefetch_rule_many_adapters_past_decode(monkeypatch):
     m64_32 = GemmConfig(32, 64, 128, 8, 4, 3)  # Mixtral-8x7B M=64: 32-row tiles (lost without it)
 
     def pays(gemm, numel=512, num_adapters=4, rank_block=16):
-        return lora_prefetch_pays(gemm, gated=True, numel=numel, num_adapters=num_adapters,
-                                  rank_block=rank_block)
+        return lora_prefetch_pays(gemm, numel=numel, num_adapters=num_adapters, rank_block=rank_block)
 
     assert not pays(m64) and not pays(m64, num_adapters=8)
     assert pays(m64, numel=128)  # decode (M=16 of Qwen3-30B-A3B): 4 adapters lost 2.3 % without it
@@ -175,29 +166,8 @@ def test_prefetch_rule_many_adapters_past_decode(monkeypatch):
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "1")
     assert pays(m64)
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_prefetch", "yes")
-    with pytest.raises(ValueError, match="lora_prefetch must be 0, 1 or small"):
+    with pytest.raises(ValueError, match="lora_prefetch must be 0 or 1"):
         pays(m64)
-
-
-def test_register_cap_keeps_the_base_blocks_per_sm(monkeypatch):
-    from triton_ops.fused_moe import lora_register_cap
-
-    # Qwen3-30B / DeepSeek-V2-Lite M=1024: 96 KiB, two blocks of 8 warps fit -> 128 registers a thread.
-    two_blocks = GemmConfig(128, 64, 64, 8, 8, 3)
-    assert lora_register_cap(two_blocks, gated=True) == 128
-    # 192 KiB: one block per SM whatever the registers.
-    assert lora_register_cap(GemmConfig(128, 64, 128, 8, 8, 3), gated=True) is None
-    # Four warps at two blocks: 256 registers, no cap needed.
-    assert lora_register_cap(GemmConfig(128, 64, 64, 8, 4, 3), gated=True) is None
-    # 64x128x64 x 3 stages, GEMM2: 72 KiB alone (three blocks: 85 registers, under the floor) ...
-    small = GemmConfig(64, 128, 64, 8, 8, 3)
-    assert lora_register_cap(small, gated=False) is None
-    # ... 78 KiB with the fused path's LoRA A stages: two blocks, 128 registers.
-    assert lora_register_cap(small, gated=False, lora_cols=16) == 128
-    # Decode tiles are left alone, and the switch turns the cap off.
-    assert lora_register_cap(GemmConfig(16, 64, 64, 1, 8, 3), gated=True) is None
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_register_cap", "0")
-    assert lora_register_cap(two_blocks, gated=True) is None
 
 
 def test_lora_entry_round_trip_and_lookup(monkeypatch):

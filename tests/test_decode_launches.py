@@ -813,15 +813,11 @@ def packed_gemm2_launch(monkeypatch, **lora_changes):
     return launches, config
 
 
-def test_slot_range_expand_keeps_the_register_cap(monkeypatch):
-    """A GEMM2 taking the packed shrink is held to the base's two blocks an SM like any split-path GEMM
-    (``lora_register_cap`` with no inline-shrink columns): at rank tile 64 the cap was once left off (the
-    packed shrink counted as an inline one), 173 registers and one block an SM."""
+def test_slot_range_expand_is_planned_for_a_packed_shrink(monkeypatch):
+    """A GEMM2 given the packed shrink takes the slot-range expand."""
     from triton_ops import fused_moe
 
-    launches, config = packed_gemm2_launch(monkeypatch)
-    cap = fused_moe.lora_register_cap(config, gated=False)
-    assert cap is not None and launches[-1]["maxnreg"] == cap
+    launches, _ = packed_gemm2_launch(monkeypatch)
     assert fused_moe.lora_plan_fields(launches[-1])["variant"] == LORA_SLOT_RANGE.value
 
 
@@ -926,19 +922,6 @@ def test_gpu_decode_modes_bit_equal_and_graph_replays(monkeypatch, name, m, with
         assert torch.equal(graph_out, eager), f"replay with routing seed {seed} differs"
 
 
-def test_one_token_dependent_gemm2_switch(monkeypatch):
-    """``one_token_dependent_gemm2`` defaults to on where dependent launch exists (never on the CPU
-    or in the interpreter, where ``invoke_fused_moe_kernel(dependent=True)`` launches plainly); a value
-    other than 0/1 is refused by name."""
-    from triton_ops.pdl import one_token_dependent_gemm2
-
-    monkeypatch.delitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", raising=False)
-    assert not one_token_dependent_gemm2(torch.device("cpu"))
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", "2")
-    with pytest.raises(ValueError, match="one_token_dependent_gemm2"):
-        one_token_dependent_gemm2(torch.device("cpu"))
-
-
 # (E, top_k, H, I) for the overlap test: two model shapes, and a small one whose GEMM1 K-loop (256 columns)
 # is about as short as the shrink, so a GEMM1 that read the partials before they were written would do so.
 # Mixtral-8x7B and "small-gemv" (rank 64 over at least 33 GEMM1 N tiles, whatever the default tile) have a
@@ -949,30 +932,25 @@ DOWN_GEMV_SHAPES = ("mixtral-8x7b", "small-gemv")
 
 @gpu
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3-30b-a3b", "small", *DOWN_GEMV_SHAPES])
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
+def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name):
     """One token with an adapter: GEMM1 launched dependently on the gate/up shrink (waiting for it after
     its K-loop), and GEMM2 on the down shrink where that is a launch, give bit for bit what the plain
     launches give, in replays with new x, routing and adapter slot each time (a replay that read the last
-    replay's partials would differ); also with every launch dependent (``pdl=1``). GEMM2 is
-    launched dependently on GEMM1 in the graph (``one_token_dependent_gemm2``), plainly in the eager
-    call."""
+    replay's partials would differ)."""
     from triton_ops.pdl import dependent_launch_supported
 
     if not dependent_launch_supported(torch.device("cuda")):
         pytest.skip("dependent launch needs sm_90 or later")
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "pdl", pdl)
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     x, w13, w2, weights, ids = make_inputs(1, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=5)
     ranks = dict(ranks=(40, 64), pool_rank=64) if name == "small-gemv" else {}
     lora, _, _ = lora_inputs(1, num_experts, hidden, inter, BF16, seed=5, device="cuda", **ranks)
     down_gemv = name in DOWN_GEMV_SHAPES
-    late_waits, dependents = [], []
+    late_waits = []
     invoke = fe.invoke_fused_moe_kernel
 
     def spied_invoke(*args, **kwargs):
         late_waits.append(kwargs.get("late_wait", False))
-        dependents.append(kwargs.get("dependent", False))
         return invoke(*args, **kwargs)
 
     monkeypatch.setattr(fe, "invoke_fused_moe_kernel", spied_invoke)
@@ -981,10 +959,8 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         return fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
 
     monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "1")
-    monkeypatch.delitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", raising=False)
     graph, graph_out = captured(layer)
     assert late_waits[-2:] == [True, down_gemv], "GEMM1 must wait late, GEMM2 only after a down-shrink launch"
-    assert dependents[-1], "GEMM2 of one token with an adapter is launched dependently by default"
     gen = torch.Generator("cuda").manual_seed(9)
     for step in range(12):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(BF16))
@@ -994,11 +970,9 @@ def test_gpu_shrink_overlap_bit_equal_over_replays(monkeypatch, name, pdl):
         graph.replay()
         torch.cuda.synchronize()
         monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "0")
-        monkeypatch.setitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", "0")
         eager = layer()
-        assert late_waits[-2:] == [False, False] and not dependents[-1]
+        assert late_waits[-2:] == [False, False]
         monkeypatch.setitem(LAUNCH_OVERRIDES, "shrink_overlap", "1")
-        monkeypatch.delitem(LAUNCH_OVERRIDES, "one_token_dependent_gemm2", raising=False)
         assert torch.isfinite(eager).all()
         assert torch.equal(graph_out, eager), f"replay {step} differs from the plain launches"
 
@@ -1034,15 +1008,14 @@ def replays_match_plain_launches(monkeypatch, layer, x, ids, lora, num_experts, 
 DECODE_DOWN_OVERLAP_POINTS = [("deepseek-v2-lite", 16, 64), ("mixtral-8x7b", 16, 16), ("small-gemv", 7, 64)]
 
 
-def overlap_case(monkeypatch, name, m, rank, pdl, *, seed):
-    """The overlap GPU tests' setup: skips without dependent launch, sets ``pdl``, and returns
+def overlap_case(name, m, rank, *, seed):
+    """The overlap GPU tests' setup: skips without dependent launch and returns
     ``make_inputs``' (x, w13, w2, weights, ids) and ``lora_inputs``' (lora, adapters, per_token) for the
     ``OVERLAP_SHAPES`` entry; rank 64 means adapters of ranks 40 and 64 in a rank-64 pool."""
     from triton_ops.pdl import dependent_launch_supported
 
     if not dependent_launch_supported(torch.device("cuda")):
         pytest.skip("dependent launch needs sm_90 or later")
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "pdl", pdl)
     num_experts, top_k, hidden, inter = OVERLAP_SHAPES[name]
     inputs = make_inputs(m, num_experts, top_k, hidden, inter, BF16, device="cuda", seed=seed)
     ranks = dict(ranks=(40, 64), pool_rank=64) if rank == 64 else {}
@@ -1051,13 +1024,11 @@ def overlap_case(monkeypatch, name, m, rank, pdl, *, seed):
 
 @gpu
 @pytest.mark.parametrize(("name", "m", "rank"), DECODE_DOWN_OVERLAP_POINTS)
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_gpu_aligned_decode_down_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, pdl):
+def test_gpu_aligned_decode_down_overlap_bit_equal_over_replays(monkeypatch, name, m, rank):
     """A few aligned decode tokens: GEMM2 launched dependently on the down-shrink launch (waiting for it
     after its K-loop) gives bit for bit what the plain launches give, in graph replays with new x, routing
-    and token slots each time, and matches the fp32 oracle; also with every launch dependent."""
-    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
-                                                                         seed=8)
+    and token slots each time, and matches the fp32 oracle."""
+    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(name, m, rank, seed=8)
     num_experts = OVERLAP_SHAPES[name][0]
     events = record_overlap_launches(monkeypatch)
 
@@ -1121,10 +1092,9 @@ def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, r
 
 @gpu
 @pytest.mark.parametrize(("name", "m", "rank"), PREFILL_OVERLAP_POINTS)
-@pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("reduce", ["0", "1", "one-split", "slot-programs"], ids=[
     "partials-in-gemm", "split-sum-launch", "one-split-shrink", "slot-program-shrink"])
-def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, pdl, reduce):
+def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m, rank, reduce):
     """Past decode, with ``prefill_shrink_overlap=1``: each GEMM launched dependently on the shrink
     before it (waiting for it after its K-loop) gives bit for bit what the plain launches give, in graph
     replays with new x, routing and token slots each time (a replay that read the previous replay's
@@ -1138,8 +1108,7 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     monkeypatch.setitem(LAUNCH_OVERRIDES, "one_split_shrink", "1" if reduce == "one-split" else "0")
     monkeypatch.setitem(LAUNCH_OVERRIDES, "slot_program_shrink", "1" if reduce == "slot-programs" else "0")
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "0")
-    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, pdl,
-                                                                         seed=7)
+    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(name, m, rank, seed=7)
     num_experts, top_k = OVERLAP_SHAPES[name][:2]
     events = record_overlap_launches(monkeypatch)
     through_sum = fe.overlap_through_split_sum(m * top_k, rank)

@@ -39,7 +39,7 @@ def _rules(n: int) -> list:
             decisions.append(fm.lora_tile_slot_group(tile, rank_block, n, 64, gated=gated, K=k))
             decisions.append(fm.lora_ext_expand(tile, gated=gated, num_adapters=n, K=k))
             for numel in (8, 4096):
-                decisions.append(fm.lora_prefetch_pays(tile, gated=gated, numel=numel, num_adapters=n,
+                decisions.append(fm.lora_prefetch_pays(tile, numel=numel, num_adapters=n,
                                                        rank_block=rank_block))
     for longest_k, pairs, one_pass in itertools.product((768, 8192), (512, 4096), (False, True)):
         decisions.append(fe.slot_program_shrink(n, longest_k, pairs, one_pass))

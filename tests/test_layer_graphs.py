@@ -69,6 +69,40 @@ def test_least_recently_replayed_graph_is_dropped():
     assert list(graphed._graphs) == ["a", "c"]
 
 
+def test_graphed_call_copies_a_calls_rows_and_returns_them_fresh():
+    """A replay copies the call's rows into the graph's first rows, sets the rows a bigger call wrote past
+    them back to no expert and no adapter, and returns a new tensor of the call's rows of the output; the
+    row views are made once per token count.
+    CPU tensors and a stand-in graph: the bookkeeping, not the capture (GPU tests replay real graphs)."""
+    from moelora.batch_info import MoELoRABatchInfo
+    from moelora.layer import _GraphedCall
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    rows, hidden, top_k = 8, 3, 2
+    out = torch.arange(rows * hidden, dtype=torch.float32).view(rows, hidden)
+    graphed = _GraphedCall(Graph(), torch.zeros(rows, hidden), torch.zeros(rows, top_k),
+                           torch.full((rows, top_k), -1, dtype=torch.int32),
+                           torch.full((rows,), -1, dtype=torch.int32), out)
+    for m in (5, 8, 5):
+        x = torch.randn(m, hidden)
+        weights, ids = torch.rand(m, top_k), torch.randint(0, 4, (m, top_k), dtype=torch.int32)
+        batch = MoELoRABatchInfo.__new__(MoELoRABatchInfo)
+        object.__setattr__(batch, "token_slots", torch.arange(m, dtype=torch.int32))
+        result = graphed.replay(x, weights, ids, batch)
+        assert torch.equal(graphed.x[:m], x) and torch.equal(graphed.topk_weights[:m], weights)
+        assert torch.equal(graphed.topk_ids[:m], ids)
+        assert torch.equal(graphed.token_slots[:m], batch.token_slots)
+        assert torch.equal(result, out[:m]) and result.data_ptr() != out.data_ptr()
+        # rows past the call's route nowhere and use no adapter, whatever a bigger call wrote there
+        assert (graphed.topk_ids[m:] == -1).all() and (graphed.token_slots[m:] == -1).all()
+    assert Graph.replays == 3 and sorted(graphed._views) == [5, 8]
+
+
 def test_cpu_tensors_run_eagerly():
     """No CUDA: the flag changes nothing (fp16: the interpreter's bf16 dot is not usable; sizes small for
     the interpreter, odd and past no tile: what is checked is that nothing is captured)."""

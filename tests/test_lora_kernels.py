@@ -179,47 +179,6 @@ def test_prefill_sized_batch(path, ranks, tile):
     assert_matches_reference(out, ref, base)
 
 
-@pytest.mark.interpreter
-def test_unrolled_expand(monkeypatch):
-    """The split epilogue that loads every row's partials once and then expands slot by slot
-    (``lora_expand_unrolled``) on 128x64 tiles (one slot per dot, no prefetch), with six adapters of
-    ranks 3-16 and rows without one in the same blocks, against the reference."""
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "1")
-    gen = torch.Generator().manual_seed(13)
-    (x, w13, w2), weights, ids, lora, ref, base = make_case(
-        m=67, hidden=48, inter=40, num_experts=7, top_k=2, ranks=(3, 16, 5, 9, 12, 7), max_rank=16,
-        num_slots=7, dtype=torch.float32, gen=gen,
-    )
-    assert (lora.token_slots < 0).any()
-    gemm = GemmConfig(128, 64, 32, 1, 4, 2)
-    out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, num_adapters=6), lora_path="split",
-                        config=MoEConfig(gemm, gemm))
-    assert_matches_reference(out, ref, base)
-
-
-def test_unroll_rule(monkeypatch):
-    from triton_ops.fused_moe import lora_unroll_slots
-
-    monkeypatch.delitem(LAUNCH_OVERRIDES, "lora_unroll", raising=False)
-    one_block = GemmConfig(128, 128, 64, 8, 8, 3)  # gated: 144 KiB, one block per SM (Mixtral M=4096)
-    two_blocks = GemmConfig(128, 64, 64, 8, 8, 3)  # gated: 96 KiB, two blocks per SM
-
-    def rule(config, group=1, prefetch=False):
-        return lora_unroll_slots(config, gated=True, group=group, prefetch=prefetch)
-
-    assert rule(one_block)  # the partials once, then a slot's B at a time
-    assert not rule(two_blocks)  # the other block hides the epilogue
-    assert not rule(one_block, group=4)  # the stacked group form covers them
-    assert not rule(one_block, prefetch=True)
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "0")
-    assert not rule(one_block)
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "1")
-    assert rule(two_blocks) and not rule(one_block, prefetch=True)
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_unroll", "3")
-    with pytest.raises(ValueError, match="lora_unroll must be 0 or 1"):
-        rule(one_block)
-
-
 def test_big_tile_slot_group_rule():
     from triton_ops.fused_moe import lora_tile_slot_group
 

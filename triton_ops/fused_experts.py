@@ -58,7 +58,6 @@ from triton_ops.moe_sum import moe_sum_reduce
 from triton_ops.pdl import (
     decode_shrink_overlap,
     dependent_fp8_decode,
-    one_token_dependent_gemm2,
     prefill_shrink_overlap,
 )
 from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from here as before)
@@ -369,7 +368,7 @@ def fused_experts(
             topk_sum=topk_sum,
             bias=w2_bias,
             late_wait=plan.gemm2_late_wait,
-            dependent=plan.dependent_gemm2 or plan.fp8_chain,
+            dependent=plan.fp8_chain,
             **align,
             **gemm2_fp8,
         )
@@ -427,11 +426,9 @@ class ChunkPlan:
         reduce_gate_up, reduce_down: the split-K partials are summed once before the GEMM.
         gate_up_overlap, down_overlap: the shrink launch before a GEMM (and its split sum) releases it early.
         gemm1_late_wait, gemm2_late_wait: the GEMM is launched dependently, waiting after its K-loop.
-        dependent_gemm2: one token's GEMM2 is launched dependently after GEMM1
-            (``one_token_dependent_gemm2``).
         fp8_chain: one token's FP8 quantizations are links of a dependent-launch chain
             (``dependent_fp8_decode``): x quantization -> GEMM1 -> h quantization -> GEMM2, with adapters
-            (``dependent_gemm2``) x quantization -> gate/up shrink (GEMM1 after it as before) -> ... .
+            (split path) x quantization -> gate/up shrink (GEMM1 after it as before) -> ... .
     """
 
     config: MoEConfig
@@ -452,7 +449,6 @@ class ChunkPlan:
     down_overlap: bool = False
     gemm1_late_wait: bool = False
     gemm2_late_wait: bool = False
-    dependent_gemm2: bool = False
     fp8_chain: bool = False
 
 
@@ -488,8 +484,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     direct = (not staged and not align_sparse and pairs <= SINGLE_PROGRAM_MAX_PAIRS
               and decode_direct_pairs(rows))
     fused_sum = combine and not staged and not align_sparse and fused_topk_sum(rows, top_k)
-    dependent_gemm2 = split and direct and one_token_dependent_gemm2(device)
-    fp8_chain = (bool(scale_block_k) and direct and (lora is None or dependent_gemm2)
+    fp8_chain = (bool(scale_block_k) and direct and (lora is None or split)
                  and dependent_fp8_decode(device))
     if lora is None or lora_path == "fused":
         return ChunkPlan(config=cfg, direct=direct, fused_sum=fused_sum, fp8_chain=fp8_chain)
@@ -560,7 +555,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         down_splits=down_splits, slot_programs=slot_programs, pack_gate_up=pack_gate_up, pack_down=pack_down,
         reduce_gate_up=reduce_gate_up, reduce_down=reduce_down, gate_up_overlap=gate_up_overlap,
         down_overlap=down_overlap, gemm1_late_wait=decode_overlap or gate_up_overlap,
-        gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap, dependent_gemm2=dependent_gemm2,
+        gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap,
         fp8_chain=fp8_chain,
     )
 

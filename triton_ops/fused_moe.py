@@ -86,7 +86,6 @@ from triton_ops.lora_epilogues import (
     LORA_ONE_ROW,
     LORA_PREFETCHED,
     LORA_SLOT_RANGE,
-    LORA_UNROLLED,
     chunked_expand,
     down_shrink_epilogue,
     fused_shrink_prologue,
@@ -96,7 +95,6 @@ from triton_ops.lora_epilogues import (
     prefetch_prologue,
     prefetched_expand,
     slot_range_expand,
-    unrolled_expand,
 )
 from triton_ops.lora_tiles import lora_expand_slots
 from triton_ops.lora_weights import LoRAWeights, lora_weights
@@ -116,7 +114,6 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
     LAUNCH_ADAPTER_COUNT_EXACT,
     LAUNCH_ADAPTER_COUNT_MAX,
     LONG_K_SLOT_GROUP_MIN_K,
-    MIN_REGISTER_CAP,
     PREFETCH_MAX_ADAPTERS_PAST_DECODE,
     REGISTERS_PER_SM,
     WARPS_PER_SM,
@@ -131,10 +128,8 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
     lora_prefetch_pays,
     lora_rank_block,
     lora_rank_chunk,
-    lora_register_cap,
     lora_slot_group,
     lora_tile_slot_group,
-    lora_unroll_slots,
     lora_variant,
     one_row_lora,
     plan_lora_epilogue,
@@ -362,12 +357,6 @@ def _fused_moe_kernel(
             slot_ranks_ptr, lora_b,
             num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
-    elif LORA == LORA_UNROLLED:
-        acc, acc_up = unrolled_expand(
-            acc, acc_up, shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-            slot_ranks_ptr, lora_b,
-            num_shrink_splits, stride_ss, GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
-            LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_R=LORA_R)
     elif LORA == LORA_CHUNKED:
         acc, acc_up = chunked_expand(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
@@ -498,8 +487,8 @@ def invoke_fused_moe_kernel(
     complete before that launch started (a plain launch after its writer), so only the precomputed shrink
     partials are read after the wait.
 
-    ``dependent`` (sm_90+, ignored elsewhere): launched dependently whatever ``pdl`` says, waiting
-    for the launch before it as its first instruction (``one_token_dependent_gemm2``).
+    ``dependent`` (sm_90+, ignored elsewhere): launched dependently, waiting for the launch before it as
+    its first instruction (a link of ``pdl.dependent_fp8_decode``'s chain).
 
     ``bias`` (E, b.shape[1]), contiguous rows: the experts' biases, added to each pair's product (and
     LoRA delta) inside the routed weight of an ungated GEMM, after it for a gated one (a weight on the
@@ -585,10 +574,9 @@ def invoke_fused_moe_kernel(
         FP32_IEEE=a.dtype == torch.float32,
         DIRECT_PAIRS=direct,
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
-           else programmatic_launch(a.device, always=dependent)),
+           else programmatic_launch(a.device, dependent)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        maxnreg=epilogue.max_registers if epilogue is not None else None,
     )
 
 

@@ -17,7 +17,6 @@ host-known sizes, and the kernel takes it as its ``LORA`` meta-parameter:
 | LORA_PREFETCHED | split-K partials                         | first slot group's operands before the      |
 |                 |                                          | loop, other groups after it                 |
 | LORA_GROUPS     | split-K partials, one load for all rows  | one dot per group of slots side by side     |
-| LORA_UNROLLED   | split-K partials, one load for all rows  | one dot per slot                            |
 | LORA_CHUNKED    | split-K partials, a slot and rank chunk  | a slot and rank chunk at a time             |
 | LORA_SLOT_RANGE | packed (summed, scaled: ``pack_shrink``) | a K-loop over the block's slot range        |
 
@@ -40,7 +39,6 @@ from triton_ops.lora_tiles import (
     lora_expand_from_partials,
     lora_expand_groups,
     lora_expand_slot_range,
-    lora_expand_unrolled,
     lora_shift_cols,
     lora_shrink_tile,
     lora_slot_rows,
@@ -57,7 +55,6 @@ LORA_FUSED = tl.constexpr(1)
 LORA_ONE_ROW = tl.constexpr(2)
 LORA_PREFETCHED = tl.constexpr(3)
 LORA_GROUPS = tl.constexpr(4)
-LORA_UNROLLED = tl.constexpr(5)
 LORA_CHUNKED = tl.constexpr(6)
 LORA_SLOT_RANGE = tl.constexpr(7)
 NO_SLOT = tl.constexpr(1 << 30)  # ``first_slot`` / ``next_slot`` past the last slot of a block
@@ -342,40 +339,6 @@ def grouped_expand(
         offs_n, col_valid, N, slot_ranks_ptr,
         GATED=GATED, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, GROUP=LORA_GROUP,
     )
-
-
-@triton.jit
-def unrolled_expand(
-    acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
-    shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
-    slot_ranks_ptr, lora_b,
-    num_shrink_splits, stride_ss,
-    GATED: tl.constexpr,
-    FP32_IEEE: tl.constexpr,
-    LORA_SPLITS: tl.constexpr,
-    LORA_SPLIT_CHUNK: tl.constexpr,
-    LORA_R: tl.constexpr,
-):
-    """LORA_UNROLLED (one rank chunk): every row's partials in one load, then a dot per slot; gate, then
-    up (both shrinks at once spilled at 128x64)."""
-    slot = first_slot(row_slot, has_slot)
-    u = load_shrink_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot, SPLITS=LORA_SPLITS,
-                             CHUNK_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-    acc = lora_expand_unrolled(
-        acc, u, row_slot, has_slot, slot, lora_b, expert, offs_n, col_valid, slot_ranks_ptr,
-        FP32_IEEE=FP32_IEEE,
-        LORA_R=LORA_R,
-    )
-    if GATED:
-        u = load_shrink_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
-                                 SPLITS=LORA_SPLITS, CHUNK_R=LORA_R,
-                                 SPLIT_CHUNK=LORA_SPLIT_CHUNK) * row_scaling[:, None]
-        acc_up = lora_expand_unrolled(
-            acc_up, u, row_slot, has_slot, slot, lora_shift_cols(lora_b, N), expert, offs_n,
-            col_valid, slot_ranks_ptr,
-            FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-        )
-    return acc, acc_up
 
 
 @triton.jit

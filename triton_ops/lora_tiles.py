@@ -476,61 +476,6 @@ def lora_expand_groups(
 
 
 @triton.jit
-def lora_load_slot_b(
-    lora_b,  # (L, E, N, R) B buffer (already offset to the up rows for the up half)
-    slot,  # int32 slot (2**30: none, nothing is loaded)
-    expert,  # int64
-    offs_n,  # (BLOCK_N,) output columns
-    col_valid,  # (BLOCK_N,) int1
-    slot_ranks_ptr,  # (L,) int32
-    LORA_R: tl.constexpr,
-):
-    """(LORA_R, BLOCK_N) B^T tile of one slot, rank rows past its rank not loaded. ``load_group_b`` with
-    GROUP=1 loads the same tile, but through a vector of slots and ranks: in the unrolled rounds that
-    spilled more (benchmarks/resource_report.py; docs/performance.md, 'Levers': one slot per round)."""
-    present = slot < (1 << 30)
-    safe = tl.where(present, slot, 0)
-    rank = tl.where(present, tl.load(slot_ranks_ptr + safe), 0)
-    lb_ptr = lora_slot_rows(lora_b, safe, expert)
-    return lora_load_b(lb_ptr, offs_n, col_valid, rank, lora_b[5], lora_b[4], LORA_R=LORA_R)
-
-
-@triton.jit
-def lora_expand_slot(acc, u, row_slot, slot, b, FP32_IEEE: tl.constexpr):
-    """``acc += u @ b`` for the rows of ``slot``; nothing when the slot is absent (2**30)."""
-    if slot < (1 << 30):
-        acc = _dot(tl.where((row_slot == slot)[:, None], u, 0.0).to(b.dtype), b, acc, FP32_IEEE)
-    return acc
-
-
-@triton.jit
-def lora_expand_unrolled(
-    acc,  # (BLOCK_M, BLOCK_N) fp32 output tile (one of gate / up, or GEMM2's)
-    u,  # (BLOCK_M, LORA_R) fp32 shrink of each row times its slot's scaling (0 for rows without one)
-    row_slot,  # (BLOCK_M,) int32
-    has_slot,  # (BLOCK_M,) int1
-    slot,  # first slot to expand (2**30: none)
-    lora_b,  # (L, E, N, R) (already offset to the up rows for the up half)
-    expert,  # int64
-    offs_n,
-    col_valid,
-    slot_ranks_ptr,
-    FP32_IEEE: tl.constexpr,
-    LORA_R: tl.constexpr,
-):
-    """``acc += u @ B[a_m, e]^T`` for every row from ``slot`` on, one slot at a time from a shrink ``u``
-    loaded once for all rows: only the (BLOCK_M, R) shrink sits beside the accumulator (the stacked form,
-    one (BLOCK_M, slots * R) operand, spilled on 128x64 gated tiles). u is rounded to B's dtype, as PEFT's
-    lora_B input is."""
-    while slot < (1 << 30):
-        this_slot = slot
-        b = lora_load_slot_b(lora_b, this_slot, expert, offs_n, col_valid, slot_ranks_ptr, LORA_R=LORA_R)
-        slot = next_slot(row_slot, has_slot, this_slot)  # found while the B tile loads
-        acc = lora_expand_slot(acc, u, row_slot, this_slot, b, FP32_IEEE=FP32_IEEE)
-    return acc
-
-
-@triton.jit
 def _bit_or(a, b):
     return a | b
 

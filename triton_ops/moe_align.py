@@ -28,7 +28,6 @@ import triton.language as tl
 
 from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import launch
-from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 # Pairs handled by one program of the count/scatter kernels; the in-chunk rank uses a
 # CHUNK x CHUNK comparison, so this also bounds registers.
@@ -294,10 +293,8 @@ def _align_single_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
     """Decode-sized batches: the whole alignment in one program, one launch."""
-    wait_for_previous_kernel(USE_PDL)
     align_single_program(
         topk_ids_ptr, expert_start_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_padded_ptr, numel,
         num_experts, max_padded, max_blocks, CHUNK=CHUNK, BLOCK_SIZE=BLOCK_SIZE, BLOCK_E=BLOCK_E,
@@ -392,8 +389,7 @@ def moe_align_block_size(
     numel = flat_ids.numel()
     if numel <= SINGLE_PROGRAM_MAX_PAIRS:
         outputs, kwargs, num_warps = single_program_align_args(topk_ids, block_size, num_experts)
-        launch(_align_single_kernel, (1,), **kwargs, **programmatic_launch(topk_ids.device),
-               num_warps=num_warps)
+        launch(_align_single_kernel, (1,), **kwargs, num_warps=num_warps)
         return outputs
 
     device = topk_ids.device

@@ -16,7 +16,6 @@ import triton.language as tl
 
 from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import launch
-from triton_ops.pdl import programmatic_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -34,9 +33,7 @@ def _moe_sum_kernel(
     stride_om,
     # Meta-parameters
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
-    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -111,6 +108,5 @@ def moe_sum_reduce(
         stride_xk=x.stride(1),
         stride_om=out.stride(0),
         BLOCK_H=block_h,
-        **programmatic_launch(x.device),
     )
     return out

@@ -83,24 +83,11 @@ def prefill_shrink_overlap(device: torch.device) -> bool:
     return overrides.switch("prefill_shrink_overlap", default=True) and dependent_launch_supported(device)
 
 
-def one_token_dependent_gemm2(device: torch.device) -> bool:
-    """Whether one decode token's GEMM2 with adapters is launched dependently (waiting for GEMM1 as its
-    first instruction, ``invoke_fused_moe_kernel(dependent=True)``), so its launch is not a gap after
-    GEMM1 ends. Same bits as the plain launch (GPU test over graph replays). The gap weighs most where the
-    decode layer is shortest (the small models). It is part of what ``pdl=1`` gains for the LoRA
-    layer, which for the base layer went both ways, so that switch stays off (docs/performance.md,
-    'Levers': GEMM2 dependent on GEMM1, every launch dependent).
-    On by default where dependent launch exists; ``one_token_dependent_gemm2=0`` turns it off."""
-    return (overrides.switch("one_token_dependent_gemm2", default=True)
-            and dependent_launch_supported(device))
-
-
 def dependent_fp8_decode(device: torch.device) -> bool:
     """Whether one decode token's FP8 layer chains its launches (x quantization, GEMM1, h quantization,
     GEMM2) by dependent launch: each is scheduled while the one before it runs and waits for it as its
-    first instruction, so only the launch gaps shrink (same bits). With adapters (where GEMM2 is launched
-    dependently anyway, ``one_token_dependent_gemm2``) the gate/up shrink's launch is the link after the
-    x quantization, and GEMM1 keeps its late wait on that launch.
+    first instruction, so only the launch gaps shrink (same bits). With adapters (split path) the gate/up
+    shrink's launch is the link after the x quantization, and GEMM1 keeps its late wait on that launch.
     On by default where dependent launch exists; ``fp8_dependent_decode=0`` turns it off."""
     return (overrides.switch("fp8_dependent_decode", default=True)
             and dependent_launch_supported(device))
@@ -108,21 +95,23 @@ def dependent_fp8_decode(device: torch.device) -> bool:
 
 def releasing_launch(device: torch.device, release_next: bool, *, dependent: bool = False) -> dict:
     """Keyword arguments for a launch of a kernel whose ``USE_PDL`` prologue waits for the kernel before
-    it and then releases the next (``wait_for_previous_kernel``): ``programmatic_launch``'s, plus the
-    prologue compiled in with ``release_next`` (the launch itself dependent with ``dependent``, else only
-    with ``pdl=1``)."""
-    return programmatic_launch(device, always=dependent) | ({"USE_PDL": True} if release_next else {})
+    it and then releases the next (``wait_for_previous_kernel``): the prologue compiled in with
+    ``release_next``, the launch itself dependent with ``dependent`` (``programmatic_launch``)."""
+    return programmatic_launch(device, dependent) | ({"USE_PDL": True} if release_next else {})
 
 
-def programmatic_launch(device: torch.device, *, always: bool = False) -> dict:
-    """Keyword arguments for a launch with PDL: ``{"USE_PDL": True, "launch_pdl": True}`` with
-    ``pdl=1`` (or ``always``: a launch whose own rule says so) on an sm_90+ GPU, else ``{}``.
-    ``pdl`` is off by default until it is measured on the device (``benchmarks/ab_env.py --env
-    pdl=1``). Made once per device in the active ``LaunchCache``."""
-    return planned(("programmatic_launch", device, always), lambda: _programmatic_launch(device, always))
+def programmatic_launch(device: torch.device, dependent: bool) -> dict:
+    """Keyword arguments for a launch: ``{"USE_PDL": True, "launch_pdl": True}`` for a ``dependent`` one on
+    an sm_90+ GPU (the kernel waits for the one before it as its first instruction), else ``{}``. Only
+    launches whose own rule says so are dependent: every launch of the layer dependent did not win
+    (docs/performance.md, 'Levers': every launch dependent). Made once per device in the active
+    ``LaunchCache``."""
+    if not dependent:
+        return {}
+    return planned(("programmatic_launch", device), lambda: _programmatic_launch(device))
 
 
-def _programmatic_launch(device: torch.device, always: bool) -> dict:
-    if not (always or overrides.switch("pdl", default=False)) or not dependent_launch_supported(device):
+def _programmatic_launch(device: torch.device) -> dict:
+    if not dependent_launch_supported(device):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}

@@ -26,7 +26,6 @@ from triton_ops.lora_epilogues import (
     LORA_ONE_ROW,
     LORA_PREFETCHED,
     LORA_SLOT_RANGE,
-    LORA_UNROLLED,
 )
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS
 
@@ -46,35 +45,11 @@ REGISTERS_PER_SM = 65536
 WARPS_PER_SM = 64
 
 
-# Below this many registers a thread the LoRA epilogue spills more than the occupancy it keeps is worth.
-MIN_REGISTER_CAP = 128
-
-
 def gemm_blocks_per_sm(config: GemmConfig, *, gated: bool, lora_cols: int = 0, elem_bytes: int = 2) -> int:
     """Blocks of this GEMM an SM holds as far as its pipeline's shared memory goes (gate and up B tiles
     when ``gated``; ``lora_cols`` columns of LoRA A per stage with an inline shrink)."""
     return blocks_per_sm_by_shared(pipeline_smem_bytes(config, b_tiles=2 if gated else 1, lora_cols=lora_cols,
                                                        elem_bytes=elem_bytes))
-
-
-def lora_register_cap(
-    config: GemmConfig, *, gated: bool, lora_cols: int = 0, elem_bytes: int = 2
-) -> int | None:
-    """Registers a thread of a LoRA GEMM may use so that it keeps the blocks per SM its shared memory
-    allows (None: no cap). The epilogue's LoRA operands otherwise push prefill tiles over the line (a
-    tile whose shared memory holds two blocks an SM drops to one), and a few spilled bytes under the cap
-    cost less than the lost block (docs/performance.md, 'Levers': register cap). ``lora_cols``: LoRA A columns
-    the inline shrink stages beside the tiles (fused path). No cap under MIN_REGISTER_CAP, nor for decode
-    tiles (BLOCK_M < 64: less than a wave, where occupancy does not matter).
-    ``lora_register_cap=0`` turns the cap off (to compare)."""
-    if config.block_m < 64 or not overrides.switch("lora_register_cap", default=True):
-        return None
-    blocks = min(gemm_blocks_per_sm(config, gated=gated, lora_cols=lora_cols, elem_bytes=elem_bytes),
-                 WARPS_PER_SM // config.num_warps)
-    if blocks < 2:
-        return None
-    cap = REGISTERS_PER_SM // (blocks * 32 * config.num_warps) // 8 * 8
-    return cap if MIN_REGISTER_CAP <= cap < 255 else None
 
 
 def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
@@ -98,38 +73,27 @@ def lora_rank_chunk(config: GemmConfig, rank_block: int) -> int:
 PREFETCH_MAX_ADAPTERS_PAST_DECODE = 3
 
 
-def lora_prefetch_pays(config: GemmConfig, *, gated: bool, elem_bytes: int = 2, numel: int = 0,
-                       num_adapters: int = 0, rank_block: int = 16) -> bool:
+def lora_prefetch_pays(config: GemmConfig, *, numel: int = 0, num_adapters: int = 0,
+                       rank_block: int = 16) -> bool:
     """Whether the split epilogue's operands (the first slot group's shrink and B tiles) are loaded
     before the K-loop, so their latency hides behind it instead of following it in every tile. They
-    hold registers (and 4-16 KiB of shared memory) through the loop. Worth it for the small decode tiles
-    (<= 32 rows), and for tiles whose shared memory already holds the GEMM to one block per SM (the
-    epilogue is exposed there: nothing else on the SM runs during it) while their accumulators leave room:
-    at most 32 registers a thread per accumulator for the gated GEMM1 (two accumulators, and gate and up
-    operands to prefetch), 128 for GEMM2: past those the prefetched operands crowd the accumulators and
-    it lost (a gated 128x128 tile). Not for 128-row tiles that fit two blocks either: they lose one.
-    Nor for 16-row tiles past decode (``numel`` routed pairs over ``SINGLE_PROGRAM_MAX_PAIRS``) of a batch
-    with more than ``PREFETCH_MAX_ADAPTERS_PAST_DECODE`` adapters at rank tile 16: a block there holds rows of
-    several adapters, the prefetch covers the first slot's operands only and holds them through the
-    K-loop, and the GEMM waits for its shrink after the loop anyway. Dropping it lost with one adapter,
-    at decode and on 32-row tiles, and went both ways at rank 64, hence the bounds (docs/performance.md,
-    'Levers': epilogue prefetch, and no prefetch on 16-row tiles with several adapters).
-    ``lora_prefetch=0`` turns every prefetch off, ``lora_prefetch=small`` keeps only the
-    small tiles', ``lora_prefetch=1`` keeps the 16-row tiles' for any adapter count (to compare on
-    a GPU)."""
+    hold registers (and 4-16 KiB of shared memory) through the loop: worth it for the small decode tiles
+    (<= 32 rows) only; on tiles of 64 rows and up it won nothing measurable where it was once kept
+    (docs/performance.md, 'Levers': epilogue prefetch). Not for 16-row tiles past decode (``numel`` routed
+    pairs over ``SINGLE_PROGRAM_MAX_PAIRS``) of a batch with more than ``PREFETCH_MAX_ADAPTERS_PAST_DECODE``
+    adapters at rank tile 16 either: a block there holds rows of several adapters, the prefetch covers the
+    first slot's operands only and holds them through the K-loop, and the GEMM waits for its shrink after
+    the loop anyway. Dropping it lost with one adapter, at decode and on 32-row tiles, and went both ways at
+    rank 64, hence the bounds (docs/performance.md, 'Levers': no prefetch on 16-row tiles with several
+    adapters).
+    ``lora_prefetch=0`` turns every prefetch off, ``lora_prefetch=1`` keeps the 16-row tiles' for any
+    adapter count (to compare on a GPU)."""
     mode = overrides.value("lora_prefetch")
-    if mode == "0":
+    if mode == "0" or config.block_m > 32:
         return False
-    if config.block_m <= 32:
-        many_adapters = (config.block_m <= 16 and numel > SINGLE_PROGRAM_MAX_PAIRS and rank_block <= 16
-                         and num_adapters > PREFETCH_MAX_ADAPTERS_PAST_DECODE)
-        return mode == "1" or not many_adapters
-    if mode == "small":
-        return False
-    accumulator_registers = config.block_m * config.block_n // (32 * config.num_warps)
-    if accumulator_registers > (32 if gated else 128):
-        return False
-    return gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) < 2
+    many_adapters = (config.block_m <= 16 and numel > SINGLE_PROGRAM_MAX_PAIRS and rank_block <= 16
+                     and num_adapters > PREFETCH_MAX_ADAPTERS_PAST_DECODE)
+    return mode == "1" or not many_adapters
 
 
 # Slot groups on 128x64 tiles and up, where stacked slots beside the accumulators spill: two for the
@@ -199,23 +163,6 @@ def lora_tile_slot_group(config: GemmConfig, rank_block: int, num_adapters: int,
             cap = BIG_TILE_SLOT_GROUP
         group = min(group, cap)
     return group
-
-
-def lora_unroll_slots(config: GemmConfig, *, gated: bool, group: int, prefetch: bool,
-                      elem_bytes: int = 2) -> bool:
-    """Whether the split epilogue loads every row's partials once, before its first dot, and then expands
-    slot by slot (``lora_expand_unrolled``) instead of reloading partials and B per slot and rank chunk.
-    Only on tiles that expand one slot per dot (``group`` 1), do not prefetch, and that shared memory
-    holds to one block per SM: there nothing else on the SM hides the epilogue. Off on two-block tiles,
-    where the other block hides the epilogue and the extra registers (spills under the register cap) lost;
-    loading several slots' B tiles per round cost the K-loop more registers than the latency it saved
-    (docs/performance.md, 'Levers': one slot per round). ``lora_unroll=0`` / ``=1`` forces either
-    wherever ``group`` is 1 outside the prefetch (to compare)."""
-    if prefetch or group > 1:
-        return False
-    if overrides.value("lora_unroll"):
-        return overrides.switch("lora_unroll", default=False)
-    return gemm_blocks_per_sm(config, gated=gated, elem_bytes=elem_bytes) < 2
 
 
 def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, split_chunk: int,
@@ -290,7 +237,6 @@ class LoRAEpilogue:
         down_shrink, down_prefetch: GEMM1's epilogue writes GEMM2's shrink partials (its first A tile
             prefetched when the grid fits one wave).
         ext_k: columns a step of the slot-range expand (LORA_SLOT_RANGE).
-        max_registers: the register cap of the launch (``lora_register_cap``), None for none.
     """
 
     variant: int
@@ -301,15 +247,14 @@ class LoRAEpilogue:
     down_shrink: bool
     down_prefetch: bool
     ext_k: int
-    max_registers: int | None
 
 
-def lora_variant(*, split: bool, packed: bool, one_row: bool, prefetch: bool, one_chunk: bool, group: int,
-                 unroll: bool) -> int:
+def lora_variant(*, split: bool, packed: bool, one_row: bool, prefetch: bool, one_chunk: bool,
+                 group: int) -> int:
     """The kernel's LoRA variant from the launch decisions: ``split`` (the shrink is precomputed),
     ``packed`` (summed and scaled already), ``one_row`` (``one_row_lora``), ``prefetch``
-    (``lora_prefetch_pays``), ``one_chunk`` (the rank tile is one expand chunk), ``group`` (slots a dot)
-    and ``unroll`` (``lora_unroll_slots``)."""
+    (``lora_prefetch_pays``), ``one_chunk`` (the rank tile is one expand chunk) and ``group`` (slots a
+    dot)."""
     if not split:
         return LORA_FUSED.value
     if packed:
@@ -320,8 +265,6 @@ def lora_variant(*, split: bool, packed: bool, one_row: bool, prefetch: bool, on
         return LORA_PREFETCHED.value
     if one_chunk and group > 1:
         return LORA_GROUPS.value
-    if unroll:
-        return LORA_UNROLLED.value
     return LORA_CHUNKED.value
 
 
@@ -330,7 +273,6 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
                        late_wait: bool, programs: int) -> LoRAEpilogue:
     """The LoRA meta-parameters of one GEMM launch (see :class:`LoRAEpilogue`); checks the packed and
     down-shrink operands against the GEMM."""
-    elem_bytes = a.element_size()
     ext = lora.packed is not None
     if ext:
         _check_packed(lora, a, numel, gated=gated, direct=direct)
@@ -346,17 +288,14 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
     split_chunk = min(splits, next_power_of_2(max(1, 32 * 32 * config.num_warps
                                                             // (config.block_m * chunk_r))))
     one_chunk = bool(shrunk_splits) and lora.rank_block <= chunk_r
-    prefetch = one_chunk and lora_prefetch_pays(config, gated=gated, elem_bytes=elem_bytes, numel=numel,
-                                                num_adapters=lora.num_adapters, rank_block=lora.rank_block)
+    prefetch = one_chunk and lora_prefetch_pays(config, numel=numel, num_adapters=lora.num_adapters,
+                                                rank_block=lora.rank_block)
     one_row = one_row_lora(direct=direct, prefetch=prefetch, late_wait=late_wait, splits=splits,
                            split_chunk=split_chunk, programs=programs, device=a.device)
-    unroll = one_chunk and lora_unroll_slots(config, gated=gated, group=group, prefetch=prefetch,
-                                             elem_bytes=elem_bytes)
     split = lora.shrunk is not None or ext
-    inline_cols = 0 if split else (2 if gated else 1) * lora.rank_block
     return LoRAEpilogue(
         variant=lora_variant(split=split, packed=ext, one_row=one_row, prefetch=prefetch, one_chunk=one_chunk,
-                             group=group, unroll=unroll),
+                             group=group),
         chunk_r=chunk_r,
         splits=splits,
         split_chunk=split_chunk,
@@ -365,7 +304,6 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
         down_prefetch=(overrides.switch("down_prefetch", default=True) and prefetch and down_shrink
                        and _fits_one_wave(numel * cdiv(out_n, config.block_n), a.device)),
         ext_k=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
-        max_registers=lora_register_cap(config, gated=gated, elem_bytes=elem_bytes, lora_cols=inline_cols),
     )
 
 
