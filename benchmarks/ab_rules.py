@@ -135,6 +135,10 @@ RULES: dict[str, RuleCells] = {
     # up take one slot anyway). count 1: one slot a dot, the expand without stacked slots
     "lora_ext_slots": RuleCells("1", "lora", "plan.lora_ext_cols", (
         (V2L, 1024, 16, 4), (V2L, 1024, 16, 2), (V2, 1024, 16, 4))),
+    # cells: lora_ext's (the stages pipeline its loop over slots; a long loop needs dozens of adapters a
+    # block, which bench_many_adapters.py --ab lora_ext_stages=2 times)
+    "lora_ext_stages": RuleCells("2", "lora", "plan.lora_ext_stages", (
+        (V2L, 1024, 16, 4), (V2, 1024, 64, 4))),
     # cells: performance.md lever "epilogue prefetch" (its small-tile measurement: decode and 32-row tiles);
     # the 16-row tiles' bound ("no prefetch on 16-row tiles with >= 4 adapters") is forced by "1", not here
     "lora_prefetch": RuleCells("0", "lora", "plan.lora_prefetch_pays", (

@@ -17,6 +17,10 @@ Adapters per GB (host arithmetic, no GPU): a full model's adapter of each rank t
 adapter took before takes ``layers x E x max_rank`` whatever its rank. Reported for the mix above, for
 rank 8 alone, and for ESFT-style adapters training an eighth of the experts.
 
+``--ab NAME=VALUE`` (launch overrides, ``triton_ops.overrides``) also times the N-adapter batch on a second
+layer captured with those overrides set, in the same rounds: ``ab_us`` and ``ab_over_rule`` (its time over
+the rules' time, the median over rounds) in each record, for deciding a launch rule on these cells.
+
 Writes ``OUT.json``, ``OUT.md`` and ``OUT.png``; ``--render JSON`` re-renders a result (and its floors).
 """
 
@@ -42,6 +46,7 @@ from moelora.bench import (  # noqa: E402
     token_slots_for,
 )
 from moelora.reference import LoRAProjection, ReferenceLoRA  # noqa: E402
+from triton_ops import overrides  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 # Full models' MoE layer counts (config.json num_hidden_layers minus dense layers).
@@ -117,8 +122,10 @@ def adapters_per_gb(shape, layers: int) -> dict[str, float]:
 
 
 def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str], rounds: int,
-                warmup_ms: float, rep_ms: float, mixed: list[tuple[int, int]] = ()) -> list[dict]:
-    """Every (M, N, popularity) point, then every mixed step (decode, prefill) of ``mixed`` at each N."""
+                warmup_ms: float, rep_ms: float, mixed: list[tuple[int, int]] = (),
+                ab: dict[str, str] | None = None) -> list[dict]:
+    """Every (M, N, popularity) point, then every mixed step (decode, prefill) of ``mixed`` at each N; with
+    ``ab`` (launch overrides) the N-adapter batch also on a layer captured with them set."""
     shape = MODELS[name]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     w13, w2 = make_weights(shape, dtype, dev, seed=0)
@@ -134,6 +141,8 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
         pool.add_adapter_weights(n, adapter(shape, RANKS[k % len(RANKS)], rng))
     pool.add_adapter_weights("one64", adapter(shape, 64, rng))
     layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path="auto", cuda_graphs=False)
+    # Its own launch cache: the overrides are read when it first plans a token count, inside ``applied``.
+    layer_b = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path="auto", cuda_graphs=False) if ab else None
     report = pool.memory_report()
     print(f"{name}: {max_n + 1} adapters resident, arena {report.arena_bytes / 1e9:.2f} GB, used "
           f"{report.used_bytes / 1e9:.2f} GB", flush=True)
@@ -153,16 +162,28 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
                 calls = [lambda: layer(x, weights, ids, None),  # noqa: B023
                          lambda: layer(x, weights, ids, one),  # noqa: B023
                          lambda: layer(x, weights, ids, batch)]  # noqa: B023
-                (base, single, many), _ = graph_rounds_us(calls, warmup_ms, rep_ms, rounds=rounds)
+                if ab:
+                    def forced():
+                        with overrides.applied(ab):
+                            return layer_b(x, weights, ids, batch)  # noqa: B023
+
+                    calls.append(forced)
+                times, _ = graph_rounds_us(calls, warmup_ms, rep_ms, rounds=rounds)
+                base, single, many = times[:3]
                 mid = sorted(range(rounds), key=lambda r: many[r] / single[r])[rounds // 2]
                 rec = {"model": name, "M": m, "decode": decode, "N": n, "popularity": pop,
                        "ranks": list(RANKS),
                        "base_us": base[mid], "one_adapter_us": single[mid], "n_adapters_us": many[mid],
                        "throughput_vs_one": single[mid] / many[mid],
                        "ranks_in_batch": sorted({RANKS[s % len(RANKS)] for s in slots})}
+                ab_note = ""
+                if ab:
+                    ratios = sorted(b / a for a, b in zip(many, times[3], strict=True))
+                    rec |= {"ab": dict(ab), "ab_us": times[3][mid], "ab_over_rule": ratios[rounds // 2]}
+                    ab_note = f", forced {times[3][mid]:.1f} ({rec['ab_over_rule']:.3f}x)"
                 records.append(rec)
                 print(f"  {step_label(rec)} N={n} {pop}: base {base[mid]:.1f} us, one r64 {single[mid]:.1f}, "
-                      f"N {many[mid]:.1f} -> {rec['throughput_vs_one']:.3f}", flush=True)
+                      f"N {many[mid]:.1f} -> {rec['throughput_vs_one']:.3f}{ab_note}", flush=True)
                 batch.release()
         one.release()
     pool.close()
@@ -242,8 +263,14 @@ def main() -> None:
     parser.add_argument("--rep", type=float, default=100.0)
     parser.add_argument("--render", type=Path, default=None,
                         help="re-render OUT.md/.png (and the floors) from this JSON instead of measuring")
+    parser.add_argument("--ab", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="launch overrides: also time each N-adapter batch with them set")
     parser.add_argument("--out", required=True, help="output path without extension")
     args = parser.parse_args()
+    try:
+        ab = overrides.parse(args.ab)
+    except ValueError as err:
+        parser.error(str(err))
     try:
         mixed = [tuple(int(v) for v in step.split("+")) for step in args.mixed]
     except ValueError:
@@ -259,7 +286,7 @@ def main() -> None:
         records = []
         for name in args.models:
             records += bench_model(name, args.M, args.N, args.popularity, args.rounds, args.warmup, args.rep,
-                                   mixed=mixed)
+                                   mixed=mixed, ab=ab)
         result = {"device": torch.cuda.get_device_name(), "records": records, "memory": memory}
     add_roofline(result["records"], device_peaks(result["device"])["hbm_tbps"])
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

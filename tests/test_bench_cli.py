@@ -382,6 +382,17 @@ def test_many_adapters_mixed_step_layout_and_floor():
     assert bench.step_label({"M": 1024}) == "M=1024"
 
 
+def test_many_adapters_ab_overrides_are_checked_before_anything_runs(monkeypatch, capsys):
+    """``--ab NAME=VALUE`` takes launch overrides, checked by name and value before any GPU work."""
+    bench = _script("bench_many_adapters")
+    for bad, message in (("lora_ext=2", "lora_ext must be 0, 1, gemm1 or gemm2"),
+                         ("no_such=1", "unknown launch override 'no_such'"), ("lora_ext", "NAME=VALUE")):
+        monkeypatch.setattr(sys, "argv", ["bench_many_adapters.py", "--ab", bad, "--out", "unused"])
+        with pytest.raises(SystemExit) as exc:
+            bench.main()
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_ab_rules_covers_every_launch_override():
     """benchmarks/ab_rules.py has one entry per launch override, each forcing a value the override takes,
     on models the benchmarks know (its own check), and the verdict keeps a rule at a 2 % loss."""

@@ -693,11 +693,12 @@ def test_lora_nan_past_rank_never_read(m):
 # packed shrinks (forced on the interpreter's small tiles): slots 0 and 2 in every block and slot 1, loaded
 # but used by no token, between them; ranks 8 and 16 in a rank-16 pool, a third of the tokens without an
 # adapter; NaN past each slot's rank and in slot 1 must not reach the output.
-@pytest.mark.parametrize("m, top_k", [(23, 6), (45, 4)])
+@pytest.mark.parametrize("m, top_k, stages", [(23, 6, ""), (45, 4, "2")])
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
 @interpreter
-def test_slot_range_expand_matches_oracle(monkeypatch, m, top_k, dtype):
+def test_slot_range_expand_matches_oracle(monkeypatch, m, top_k, stages, dtype):
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext_stages", stages)  # "2": the loop over slots pipelined
     packs = []
     original = fe.pack_shrink_partials
 
@@ -1068,8 +1069,7 @@ def test_gpu_prefill_pack_overlap_bit_equal_over_replays(monkeypatch, name, m, r
     that took the split sum's place (it releases the GEMM, then waits for the shrink), bit for bit the
     plain launches over graph replays with new x, routing and slots, and the fp32 oracle's values."""
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1")
-    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(monkeypatch, name, m, rank, "0",
-                                                                         seed=12)
+    (x, w13, w2, weights, ids), (lora, adapters, per_token) = overlap_case(name, m, rank, seed=12)
     num_experts, top_k = OVERLAP_SHAPES[name][:2]
     events = record_overlap_launches(monkeypatch)
     through_sum = fe.overlap_through_split_sum(m * top_k, rank)

@@ -750,20 +750,23 @@ def test_gpu_split_small_tiles_many_adapters_prefetch(dsv2, fp32_highest, monkey
 
 
 @gpu
-@pytest.mark.parametrize("ext", ["", "1"])
-def test_gpu_split_slot_range_expand(dsv2, fp32_highest, monkeypatch, ext):
+@pytest.mark.parametrize("ext, stages", [("", ""), ("1", ""), ("1", "3")])
+def test_gpu_split_slot_range_expand(dsv2, fp32_highest, monkeypatch, ext, stages):
     """Tiles that hold two blocks an SM (DeepSeek-V2-Lite M=1024 on an H100): GEMM2 expands by the slot
-    range from the packed shrink (``lora_ext_expand``; "1" forces GEMM1 too), bf16 against the oracle.
-    M=300 x top-6 = 1800 pairs: the GEMMs overlap the shrinks through the pack launches on sm_90."""
+    range from the packed shrink (``lora_ext_expand``; "1" forces GEMM1 too; ``lora_ext_stages`` pipelines
+    the loop over the slots), bf16 against the oracle. M=300 x top-6 = 1800 pairs: the GEMMs overlap the
+    shrinks through the pack launches on sm_90."""
     from triton_ops.configs import GemmConfig, MoEConfig
     from triton_ops.fused_moe import lora_ext_expand
 
     two_blocks = MoEConfig(GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3))
     force_layer_config(monkeypatch, two_blocks)
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", ext)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext_stages", stages)
     assert lora_ext_expand(two_blocks.gemm2, gated=False, num_adapters=4, K=DSV2_I)
     assert lora_ext_expand(two_blocks.gemm1, gated=True, num_adapters=4, K=DSV2_H) is (ext == "1")
-    check_bf16_layer_against_oracle(dsv2, 300, "split", f"split slot-range expand ext={ext or 'rule'}")
+    check_bf16_layer_against_oracle(dsv2, 300, "split",
+                                    f"split slot-range expand ext={ext or 'rule'} stages={stages or 1}")
 
 
 @gpu

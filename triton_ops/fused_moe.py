@@ -181,7 +181,7 @@ def _fused_moe_kernel(
     num_counters, num_tokens, top_k,
     # Meta-parameters, bundled by concern (each bundle's order: its builder in this module)
     LORA_PLAN: tl.constexpr,  # (variant, R, CHUNK_R, SPLITS, SPLIT_CHUNK, GROUP, EXT_K, DOWN_SHRINK,
-    #                            DOWN_PREFETCH): _lora_meta
+    #                            DOWN_PREFETCH, EXT_STAGES): _lora_meta
     ACT: tl.constexpr,  # (ACTIVATION, LIMIT, ALPHA, UP_OFFSET): gemm_tiles.activation_args
     FP8: tl.constexpr,  # (BLOCK_SCALED, TILE_B_SCALE, SCALE_BLOCK_N): each tile (and its up tile) within
     #                     one weight scale block; rows of b per weight scale block
@@ -203,6 +203,7 @@ def _fused_moe_kernel(
     LORA_EXT_K: tl.constexpr = LORA_PLAN[6]
     DOWN_SHRINK: tl.constexpr = LORA_PLAN[7]
     DOWN_PREFETCH: tl.constexpr = LORA_PLAN[8]
+    LORA_EXT_STAGES: tl.constexpr = LORA_PLAN[9]
     ACTIVATION: tl.constexpr = ACT[0]
     BLOCK_SCALED: tl.constexpr = FP8[0]
     TILE_B_SCALE: tl.constexpr = FP8[1]
@@ -368,7 +369,7 @@ def _fused_moe_kernel(
             acc, acc_up, shrunk_rows, row_slot, has_slot, expert, offs_n, col_valid, N, slot_ranks_ptr,
             lora_b, GATED=GATED,
             FP32_IEEE=FP32_IEEE,
-            LORA_R=LORA_R, LORA_EXT_K=LORA_EXT_K)
+            LORA_R=LORA_R, LORA_EXT_K=LORA_EXT_K, LORA_EXT_STAGES=LORA_EXT_STAGES)
 
     row_scale = _row_scale(topk_weights_ptr, pair, row_valid, scale, MUL_ROUTED_WEIGHT, BLOCK_M)
     if DIRECT_PAIRS:
@@ -607,7 +608,7 @@ def _with_lora_weights(lora: LoRAOperands, *, gated: bool) -> LoRAOperands:
 
 # The kernel's LORA_PLAN bundle, in order (``lora_plan_fields(kwargs)`` names a launch's).
 LORA_PLAN_FIELDS = ("variant", "rank_block", "chunk_r", "splits", "split_chunk", "group", "ext_k",
-                    "down_shrink", "down_prefetch")
+                    "down_shrink", "down_prefetch", "ext_stages")
 
 
 def lora_plan_fields(kernel_kwargs: dict) -> dict[str, Any]:
@@ -618,9 +619,9 @@ def lora_plan_fields(kernel_kwargs: dict) -> dict[str, Any]:
 def _lora_meta(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None) -> tuple:
     """The kernel's ``LORA_PLAN`` (``LORA_PLAN_FIELDS``)."""
     if lora is None:
-        return (LORA_NONE.value, 16, 16, 1, 1, 1, 16, False, False)
+        return (LORA_NONE.value, 16, 16, 1, 1, 1, 16, False, False, 1)
     return (epilogue.variant, lora.rank_block, epilogue.chunk_r, epilogue.splits, epilogue.split_chunk,
-            epilogue.group, epilogue.ext_k, epilogue.down_shrink, epilogue.down_prefetch)
+            epilogue.group, epilogue.ext_k, epilogue.down_shrink, epilogue.down_prefetch, epilogue.ext_stages)
 
 
 def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, c: torch.Tensor, *,

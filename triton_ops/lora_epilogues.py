@@ -389,6 +389,7 @@ def slot_range_expand(
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
     LORA_EXT_K: tl.constexpr,
+    LORA_EXT_STAGES: tl.constexpr,
 ):
     """LORA_SLOT_RANGE: the shrink comes packed (summed, scaled, rounded: ``pack_shrink_partials``); the
     expand is a K-loop of its own over the block's slot range, slots side by side."""
@@ -397,13 +398,13 @@ def slot_range_expand(
     acc = lora_expand_slot_range(
         acc, shrunk_rows, 0, row_slot, has_slot, slot_lo, slot_hi, lora_b, expert, offs_n,
         col_valid, slot_ranks_ptr,
-        FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K,
+        FP32_IEEE=FP32_IEEE, LORA_R=LORA_R, EXT_K=LORA_EXT_K, EXT_STAGES=LORA_EXT_STAGES,
     )
     if GATED:
         acc_up = lora_expand_slot_range(
             acc_up, shrunk_rows, LORA_R, row_slot, has_slot, slot_lo, slot_hi,
             lora_shift_cols(lora_b, N), expert, offs_n, col_valid, slot_ranks_ptr, FP32_IEEE=FP32_IEEE,
-            LORA_R=LORA_R, EXT_K=LORA_EXT_K,
+            LORA_R=LORA_R, EXT_K=LORA_EXT_K, EXT_STAGES=LORA_EXT_STAGES,
         )
     return acc, acc_up
 

@@ -497,6 +497,7 @@ def lora_expand_slot_range(
     FP32_IEEE: tl.constexpr,
     LORA_R: tl.constexpr,
     EXT_K: tl.constexpr,  # stacked columns per dot: a multiple of LORA_R
+    EXT_STAGES: tl.constexpr,  # software-pipeline stages of the loop over the slots
 ):
     """``acc += u @ B[a_m, e]^T`` for every row, as a K-loop over the slots slot_lo .. slot_hi - 1 set
     side by side: stacked column c is rank c % LORA_R of slot c // LORA_R, so row m's operand is its packed
@@ -510,7 +511,7 @@ def lora_expand_slot_range(
     # the slots present, not the range.
     used_bits = tl.reduce(tl.where(has_slot, tl.full(row_slot.shape, 1, tl.int64)
                                    << tl.minimum(row_slot, 62).to(tl.int64), 0), 0, _bit_or)
-    for c0 in tl.range(slot_lo * LORA_R, slot_hi * LORA_R, EXT_K, num_stages=1):
+    for c0 in tl.range(slot_lo * LORA_R, slot_hi * LORA_R, EXT_K, num_stages=EXT_STAGES):
         cols = c0 + offs_c
         col_slot = cols // LORA_R
         col_r = cols % LORA_R

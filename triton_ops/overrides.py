@@ -36,6 +36,7 @@ CHOICES: dict[str, tuple[str, ...] | None] = {
     "lora_chunk_r": ("16", "32", "64"),
     "lora_ext": ("0", "1", "gemm1", "gemm2"),
     "lora_ext_slots": _COUNT,
+    "lora_ext_stages": _COUNT,
     "lora_prefetch": _SWITCH,
     "lora_reduce_splits": _SWITCH,
     "moe_chunk_tokens": _COUNT,

@@ -224,6 +224,15 @@ def lora_ext_cols(rank_block: int, num_adapters: int) -> int:
     return slots * rank_block
 
 
+def lora_ext_stages() -> int:
+    """Software-pipeline stages of the slot-range expand's loop over the block's slots: one (each slot's B
+    tile loaded, then its dot). Two or three stages lost with 2-4 adapters a block (docs/performance.md,
+    'Levers': slot-range expand pipelined); ``lora_ext_stages=N`` forces N, to compare where a block holds
+    dozens of adapters and the loop is long."""
+    forced = overrides.count("lora_ext_stages")
+    return max(1, forced) if forced is not None else 1
+
+
 @dataclass(frozen=True)
 class LoRAEpilogue:
     """How one GEMM launch runs its LoRA (the kernel's LoRA meta-parameters), from host-known sizes only.
@@ -236,7 +245,8 @@ class LoRAEpilogue:
         group: slots expanded side by side per dot (``lora_tile_slot_group``).
         down_shrink, down_prefetch: GEMM1's epilogue writes GEMM2's shrink partials (its first A tile
             prefetched when the grid fits one wave).
-        ext_k: columns a step of the slot-range expand (LORA_SLOT_RANGE).
+        ext_k, ext_stages: columns a step of the slot-range expand (LORA_SLOT_RANGE) and the software-
+            pipeline stages of its loop (``lora_ext_stages``).
     """
 
     variant: int
@@ -247,6 +257,7 @@ class LoRAEpilogue:
     down_shrink: bool
     down_prefetch: bool
     ext_k: int
+    ext_stages: int
 
 
 def lora_variant(*, split: bool, packed: bool, one_row: bool, prefetch: bool, one_chunk: bool,
@@ -304,6 +315,7 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
         down_prefetch=(overrides.switch("down_prefetch", default=True) and prefetch and down_shrink
                        and _fits_one_wave(numel * cdiv(out_n, config.block_n), a.device)),
         ext_k=lora_ext_cols(lora.rank_block, lora.num_adapters) if ext else 16,
+        ext_stages=lora_ext_stages() if ext else 1,
     )
 
 
