@@ -35,6 +35,7 @@ from triton_ops.hostmath import next_power_of_2
 
 if TYPE_CHECKING:
     from triton_ops.fp8 import BlockFp8Weights
+    from triton_ops.mxfp4 import Mxfp4Weights
 
 PATHS = ("auto", "fused", "split", "staged", "torch")
 
@@ -69,6 +70,10 @@ class FusedMoEWithLoRA(nn.Module):
         fp8: block scales of float8_e4m3fn ``w13``/``w2`` (``triton_ops.fp8.BlockFp8Weights``): the base
             GEMMs run W8A8 (x and h quantized per token and 128-column group), the LoRA stays in the pool's
             dtype and reads x and h unquantized; path "fused" is refused (its shrink reads the GEMM's x).
+        mxfp4: the E8M0 scales of MXFP4 experts (``triton_ops.mxfp4.Mxfp4Weights``): ``w13`` / ``w2`` are
+            then their packed uint8 E2M1 blocks, (E, 2I, H / 2) (or its halves view) and (E, H, I / 2), which
+            the GEMMs decode in their K-loops (W4A16: x, h and the LoRA in the pool's dtype). The torch path
+            decodes a dense copy once. One device (no tensor or expert parallelism).
         process_group, reduce_results: a tensor- or expert-parallel layer (a pool with a
             ``moelora.parallel.MoEShard``; w13/w2 the shard's part, ``shard.split_weights``) returns this
             rank's partial output; with ``reduce_results`` it all-reduces it over ``process_group`` (the
@@ -116,6 +121,7 @@ class FusedMoEWithLoRA(nn.Module):
         fp8: BlockFp8Weights | None = None,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
+        mxfp4: Mxfp4Weights | None = None,
     ) -> None:
         super().__init__()
         if reduce_results and process_group is None:
@@ -128,17 +134,29 @@ class FusedMoEWithLoRA(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         from triton_ops.moe_inputs import gate_up_dims, is_gate_up_halves
 
-        expected = (pool.num_experts, 2 * pool.intermediate_size, pool.hidden_size)
+        per_byte = 2 if mxfp4 is not None else 1  # MXFP4: two values a stored byte along K
+        expected = (pool.num_experts, 2 * pool.intermediate_size, pool.hidden_size // per_byte)
+        layouts = "(E, 2I, H), or its (E, 2, I, H) halves view," if per_byte == 1 else \
+            "(E, 2I, H / 2) uint8 MXFP4 blocks, or their (E, 2, I, H / 2) halves view,"
         if not isinstance(w13, torch.Tensor) or (w13.dim() != 3 and not is_gate_up_halves(w13)) or \
                 gate_up_dims(w13) != expected:
-            raise ValueError(f"w13 must be (E, 2I, H) = {expected}, or its (E, 2, I, H) halves view, to "
-                             f"match the pool, got {tuple(getattr(w13, 'shape', ()))}")
-        expected_w2 = (pool.num_experts, pool.hidden_size, pool.intermediate_size)
+            raise ValueError(f"w13 must be {layouts} = {expected} to match the pool, got "
+                             f"{tuple(getattr(w13, 'shape', ()))}")
+        expected_w2 = (pool.num_experts, pool.hidden_size, pool.intermediate_size // per_byte)
         if tuple(w2.shape) != expected_w2:
-            raise ValueError(f"w2 must be (E, H, I) = {expected_w2} to match the pool, got {tuple(w2.shape)}")
+            layout = "(E, H, I)" if per_byte == 1 else "(E, H, I / 2)"
+            raise ValueError(f"w2 must be {layout} = {expected_w2} to match the pool, got {tuple(w2.shape)}")
         from triton_ops.fp8 import check_block_fp8, uses_block_fp8
+        from triton_ops.mxfp4 import check_mxfp4_experts
 
-        if fp8 is not None or uses_block_fp8(w13, w2):
+        if mxfp4 is not None:
+            if fp8 is not None:
+                raise ValueError("pass fp8= or mxfp4=, not both: the experts are in one format")
+            check_mxfp4_experts(w13, w2, mxfp4)
+            if pool.shard is not None or process_group is not None:
+                raise ValueError("MXFP4 experts are served on one device: shard the model's bf16 experts "
+                                 "for tensor or expert parallelism")
+        elif fp8 is not None or uses_block_fp8(w13, w2):
             check_block_fp8(w13, w2, fp8)
             if path == "fused":
                 raise ValueError("FP8 experts take path 'auto', 'split', 'staged' or 'torch': the fused "
@@ -168,6 +186,8 @@ class FusedMoEWithLoRA(nn.Module):
         self.w13 = w13
         self.w2 = w2
         self.fp8 = fp8
+        self.mxfp4 = mxfp4
+        self._mxfp4_dense: tuple[torch.Tensor, torch.Tensor] | None = None  # the torch path's decoded copy
         self.w13_bias = w13_bias
         self.w2_bias = w2_bias
         self.routed_scaling_factor = float(routed_scaling_factor)
@@ -235,11 +255,12 @@ class FusedMoEWithLoRA(nn.Module):
         ``batch`` must come from this layer's pool and be current: a batch from another pool, or one
         whose adapter was unloaded or evicted since ``prepare_batch``, is refused (a host-side check).
         A routed pair whose expert id is outside ``[0, E)`` contributes nothing."""
+        weights_dtype = self.pool.dtype if self.mxfp4 is not None else self.w13.dtype
         if (isinstance(x, torch.Tensor) and x.is_floating_point() and self.fp8 is None
-                and x.dtype != self.w13.dtype and self.w13.dtype != torch.float8_e4m3fn):
+                and x.dtype != weights_dtype and self.w13.dtype != torch.float8_e4m3fn):
             # Said here, for the layer's user: the kernels' own check would blame the weights. (A
             # non-float x gets the inputs' check, which lists the dtypes x may have.)
-            name = str(self.w13.dtype).removeprefix("torch.")
+            name = str(weights_dtype).removeprefix("torch.")
             raise TypeError(f"x's dtype ({str(x.dtype).removeprefix('torch.')}) differs from the layer's "
                             f"expert weights' dtype ({name}): cast x first, x.to(torch.{name})")
         if batch is None:
@@ -347,8 +368,16 @@ class FusedMoEWithLoRA(nn.Module):
         has_lora = batch is not None and batch.has_lora
         path = self.resolve_path(x) if has_lora else None
         if path == "torch" or (not has_lora and (self.path == "torch" or not _triton_can_run(x))):
+            w13, w2 = self.w13, self.w2
+            if self.mxfp4 is not None:
+                if self._mxfp4_dense is None:
+                    from triton_ops.mxfp4 import dequantize_mxfp4_torch
+
+                    self._mxfp4_dense = (dequantize_mxfp4_torch(w13, self.mxfp4.w13_scale, x.dtype),
+                                         dequantize_mxfp4_torch(w2, self.mxfp4.w2_scale, x.dtype))
+                w13, w2 = self._mxfp4_dense
             return moe_lora_forward_torch(
-                x, self.w13, self.w2, topk_weights, topk_ids,
+                x, w13, w2, topk_weights, topk_ids,
                 self.buffers_ if has_lora else None, batch if has_lora else None,
                 routed_scaling_factor=self.routed_scaling_factor, activation=self.activation,
                 apply_router_weight_on_input=self.apply_router_weight_on_input, fp8=self.fp8,
@@ -371,6 +400,8 @@ class FusedMoEWithLoRA(nn.Module):
         inputs = [x, topk_weights, topk_ids, self.w13, self.w2]
         if self.fp8 is not None:
             inputs += [self.fp8.w13_scale, self.fp8.w2_scale]
+        if self.mxfp4 is not None:
+            inputs += [self.mxfp4.w13_scale, self.mxfp4.w2_scale]
         w13_bias, w2_bias = (None if b is None else b.to(x.dtype).contiguous()
                              for b in (self.w13_bias, self.w2_bias))
         inputs += [b for b in (w13_bias, w2_bias) if b is not None]
@@ -410,6 +441,7 @@ class FusedMoEWithLoRA(nn.Module):
                 fp8=self.fp8,
                 w13_bias=w13_bias,
                 w2_bias=w2_bias,
+                mxfp4=self.mxfp4,
             )
 
         with cache:

@@ -103,3 +103,187 @@ def test_gpu_decode_matches_independent_decoder():
     assert same_bits(dequantize_mxfp4(blocks, scales, torch.float32).cpu(), expected)
     assert same_bits(dequantize_mxfp4(blocks, scales, torch.bfloat16).cpu().float(),
                      expected.to(torch.bfloat16).float())
+
+
+def _mxfp4_experts(experts: int, rows: int, cols: int, gen: torch.Generator, scale_range=(112, 122)):
+    """Packed (E, rows, cols/2) blocks, (E, rows, cols/32) scales and their fp32 values."""
+    blocks, scales = random_mxfp4(experts * rows, cols // 32, gen, scale_range=scale_range)
+    values = decode(blocks, scales).view(experts, rows, cols)
+    return blocks.view(experts, rows, cols // 2), scales.view(experts, rows, cols // 32), values
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("m, top_k, block_k", [(7, 2, 32), (13, 3, 64)])
+def test_gemms_read_packed_weights_as_their_decoded_values(dtype, m, top_k, block_k):
+    """Both GEMMs of a layer with MXFP4 weights (the gated GEMM1, K = 96 = three scale groups, so a 64-wide
+    K step is half past K; GEMM2 with the routed weight) give bit for bit what the same launches give on
+    the decoded dense weights: the K-loop decodes each tile to the activations' dtype before its dot.
+    Seven experts (some picked by no token), prime token counts."""
+    from triton_ops.configs import GemmConfig
+    from triton_ops.fused_moe import invoke_fused_moe_kernel
+    from triton_ops.moe_align import moe_align_block_size
+
+    gen = torch.Generator().manual_seed(m)
+    experts, hidden, inter = 7, 96, 32
+    w13_blocks, w13_scales, w13 = _mxfp4_experts(experts, 2 * inter, hidden, gen)
+    w2_blocks, w2_scales, w2 = _mxfp4_experts(experts, hidden, inter, gen)
+    x = torch.randn(m, hidden, generator=gen).to(dtype)
+    ids = torch.randint(0, experts - 2, (m, top_k), generator=gen, dtype=torch.int32)
+    weights = torch.rand(m * top_k, generator=gen)
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=block_k)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, cfg.block_m, experts)
+    align = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post_padded)
+
+    def layer(gate_up, down, gate_up_scale=None, down_scale=None):
+        h = torch.empty(m * top_k, inter, dtype=dtype)
+        y = torch.empty(m * top_k, hidden, dtype=dtype)
+        invoke_fused_moe_kernel(x, gate_up, h, topk_weights=None, a_row_div=top_k, config=cfg,
+                                activation="silu", b_scale=gate_up_scale, **align)
+        invoke_fused_moe_kernel(h, down, y, topk_weights=weights, a_row_div=1, config=cfg,
+                                b_scale=down_scale, **align)
+        return h, y
+
+    packed = layer(w13_blocks, w2_blocks, w13_scales, w2_scales)
+    dense = layer(w13.to(dtype), w2.to(dtype))
+    for got, expected in zip(packed, dense, strict=True):
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, expected)
+
+
+def test_gemm_refuses_mxfp4_operands_that_do_not_fit():
+    from triton_ops.configs import GemmConfig
+    from triton_ops.fused_moe import invoke_fused_moe_kernel
+
+    x, out = torch.zeros(2, 64), torch.zeros(2, 8)
+    blocks, scales = torch.zeros(3, 8, 32, dtype=torch.uint8), torch.zeros(3, 8, 2, dtype=torch.uint8)
+    ids = torch.zeros(2, dtype=torch.int32)
+    kw = dict(topk_weights=None, a_row_div=1, direct_ids=ids)
+    with pytest.raises(ValueError, match=r"need b_scale: uint8 E8M0 scales \(3, 8, 2\)"):
+        invoke_fused_moe_kernel(x, blocks, out, config=GemmConfig(16, 16, 32), **kw)
+    with pytest.raises(ValueError, match="BLOCK_K a multiple of 32"):
+        invoke_fused_moe_kernel(x, blocks, out, config=GemmConfig(16, 16, 16), b_scale=scales, **kw)
+    with pytest.raises(ValueError, match=r"expected \(E, 8, 48\) uint8 \(MXFP4"):
+        invoke_fused_moe_kernel(torch.zeros(2, 96), blocks, out, config=GemmConfig(16, 16, 32),
+                                b_scale=scales, **kw)
+
+
+@interpreter
+@pytest.mark.parametrize("m, path", [(1, None), (1, "split"), (9, None), (9, "split"), (9, "fused"),
+                                     (9, "staged"), (40, "split")])
+def test_fused_experts_with_mxfp4_experts_matches_the_decoded_layer(m, path):
+    """``fused_experts(mxfp4=...)``: the layer on packed experts is bit for bit the layer on their decoded
+    values (same launches, same tiles), with and without adapters (ranks 8 and 16, tokens without one) on
+    every LoRA path, one decode token (direct pairs) to 40 tokens; and it matches the fp32 oracle."""
+    from test_decode_launches import lora_inputs
+
+    from moelora.reference import reference_moe
+    from triton_ops.configs import GemmConfig, MoEConfig
+    from triton_ops.fused_experts import fused_experts
+    from triton_ops.mxfp4 import Mxfp4Weights
+
+    gen = torch.Generator().manual_seed(m)
+    experts, top_k, hidden, inter = 6, 2, 64, 32
+    w13_blocks, w13_scales, w13 = _mxfp4_experts(experts, 2 * inter, hidden, gen)
+    w2_blocks, w2_scales, w2 = _mxfp4_experts(experts, hidden, inter, gen)
+    x = torch.randn(m, hidden, generator=gen)
+    weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(top_k, -1)
+    ids = ids.to(torch.int32)
+    kwargs = dict(config=MoEConfig(GemmConfig(16, 16, 32), GemmConfig(16, 16, 32)))
+    adapters = per_token = None
+    if path is not None:
+        lora, adapters, per_token = lora_inputs(m, experts, hidden, inter, torch.float32, seed=m)
+        kwargs |= dict(lora=lora, lora_path=path)
+    packed = fused_experts(x, w13_blocks, w2_blocks, weights, ids,
+                           mxfp4=Mxfp4Weights(w13_scales, w2_scales), **kwargs)
+    dense = fused_experts(x, w13, w2, weights, ids, **kwargs)
+    assert torch.isfinite(packed).all()
+    assert torch.equal(packed, dense)
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    torch.testing.assert_close(packed, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_experts_refuses_mxfp4_operands_that_do_not_fit():
+    from triton_ops.fp8 import BlockFp8Weights
+    from triton_ops.fused_experts import fused_experts
+    from triton_ops.mxfp4 import Mxfp4Weights
+
+    x, weights, ids = torch.zeros(2, 64), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+    w13, w2 = torch.zeros(3, 16, 32, dtype=torch.uint8), torch.zeros(3, 64, 4, dtype=torch.uint8)
+    scales = Mxfp4Weights(torch.zeros(3, 16, 2, dtype=torch.uint8), torch.zeros(3, 64, 1, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="Mxfp4Weights"):
+        fused_experts(x, w13, w2, weights, ids, mxfp4=(scales.w13_scale, scales.w2_scale))
+    with pytest.raises(ValueError, match=r"w13_scale must be \(3, 16, 2\)"):
+        fused_experts(x, w13, w2, weights, ids,
+                      mxfp4=Mxfp4Weights(scales.w13_scale[:, :, :1], scales.w2_scale))
+    with pytest.raises(ValueError, match=r"w2 must be \(E, H, I / 2\) = \(3, 64, 4\)"):
+        fused_experts(x, w13, w2[:, :, :3], weights, ids, mxfp4=scales)
+    with pytest.raises(TypeError, match="w13 and w2 must have dtype torch.uint8"):
+        fused_experts(x, w13.float(), w2, weights, ids, mxfp4=scales)
+    with pytest.raises(ValueError, match="fp8= or mxfp4="):
+        fused_experts(x, w13, w2, weights, ids, mxfp4=scales,
+                      fp8=BlockFp8Weights.__new__(BlockFp8Weights))
+
+
+@pytest.mark.parametrize("path", ["auto", "fused", "staged", "torch"])
+def test_layer_with_mxfp4_experts_matches_the_layer_on_their_values(path):
+    """``FusedMoEWithLoRA(mxfp4=...)`` with gpt-oss' layout read in place: gate/up rows interleaved (row 2n
+    gate n, row 2n + 1 up n) taken as an (E, 2, I, H / 2) halves view of the blocks and of the scales, two
+    adapters of ranks 3 and 8 and tokens without one. Bit for bit the layer on the decoded weights (the
+    Triton paths through the interpreter; the torch path decodes a dense copy) and the fp32 oracle."""
+    if path != "torch" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton kernels on the CPU: set TRITON_INTERPRET=1")
+    from test_lora_layer import make_adapter, make_pool
+
+    from moelora.layer import FusedMoEWithLoRA
+    from moelora.reference import reference_moe
+    from triton_ops.mxfp4 import Mxfp4Weights
+
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter, m, top_k = 5, 64, 32, 11, 2
+    gu_blocks, gu_scales, gu_values = _mxfp4_experts(experts, 2 * inter, hidden, gen)
+    w2_blocks, w2_scales, w2 = _mxfp4_experts(experts, hidden, inter, gen)
+
+    def halves(t):  # interleaved rows -> (E, 2, I, ...) view: [:, 0] the even (gate) rows, [:, 1] the odd
+        return t.view(experts, inter, 2, t.shape[-1]).transpose(1, 2)
+
+    w13 = halves(gu_values).reshape(experts, 2 * inter, hidden)  # gate rows, then up rows
+    pool = make_pool(torch.float32, num_experts=experts, hidden=hidden, inter=inter, layer_ids=[0])
+    adapters = {name: make_adapter(rank, 0.5, torch.float32, layers=[0], num_experts=experts, hidden=hidden,
+                                   inter=inter) for name, rank in (("a", 3), ("b", 8))}
+    for name, adapter in adapters.items():
+        pool.add_adapter_weights(name, adapter)
+    packed = FusedMoEWithLoRA(halves(gu_blocks), w2_blocks, pool=pool, layer_id=0, path=path,
+                              mxfp4=Mxfp4Weights(halves(gu_scales), w2_scales))
+    dense = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path=path)
+    x = torch.randn(m, hidden, generator=gen)
+    weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(top_k, -1)
+    names = [("a", None, "b")[t % 3] for t in range(m)]
+    batch = pool.prepare_batch(names)
+    out = packed(x, weights, ids.int(), batch)
+    assert torch.equal(out, dense(x, weights, ids.int(), batch))
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=[adapters["a"][0], adapters["b"][0]],
+                        token_adapter=[{"a": 0, "b": 1, None: -1}[n] for n in names])
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_refuses_mxfp4_experts_it_cannot_serve():
+    from test_lora_layer import make_pool
+
+    from moelora.layer import FusedMoEWithLoRA
+    from triton_ops.mxfp4 import Mxfp4Weights
+
+    pool = make_pool(torch.float32, num_experts=3, hidden=64, inter=32, layer_ids=[0])
+    w13, w2 = torch.zeros(3, 64, 32, dtype=torch.uint8), torch.zeros(3, 64, 16, dtype=torch.uint8)
+    scales = Mxfp4Weights(torch.zeros(3, 64, 2, dtype=torch.uint8), torch.zeros(3, 64, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"w13 must be \(E, 2I, H / 2\) uint8 MXFP4 blocks"):
+        FusedMoEWithLoRA(w13[:, :, :16], w2, pool=pool, layer_id=0, mxfp4=scales)
+    with pytest.raises(ValueError, match=r"w2 must be \(E, H, I / 2\)"):
+        FusedMoEWithLoRA(w13, w2[:, :, :8], pool=pool, layer_id=0, mxfp4=scales)
+    with pytest.raises(TypeError, match="MXFP4 w13 must be uint8"):
+        FusedMoEWithLoRA(w13.float(), w2, pool=pool, layer_id=0, mxfp4=scales)
+    layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, mxfp4=scales)
+    message = r"x's dtype \(float16\) differs from the layer's expert weights' dtype \(float32\)"
+    with pytest.raises(TypeError, match=message):
+        layer(torch.zeros(2, 64, dtype=torch.float16), torch.ones(2, 1),
+              torch.zeros(2, 1, dtype=torch.int32))

@@ -55,6 +55,7 @@ from triton_ops.moe_lora import (
     shrink_row_programs,
 )
 from triton_ops.moe_sum import moe_sum_reduce
+from triton_ops.mxfp4 import Mxfp4Weights, check_mxfp4_experts
 from triton_ops.pdl import (
     decode_shrink_overlap,
     dependent_fp8_decode,
@@ -139,6 +140,7 @@ def fused_experts(
     fp8: BlockFp8Weights | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    mxfp4: Mxfp4Weights | None = None,
 ) -> torch.Tensor:
     """Runs the routed experts of one MoE layer (see the module docstring for the math).
 
@@ -174,9 +176,18 @@ def fused_experts(
             each), while the LoRA shrinks read them unquantized; lora_path "split" or "staged".
         w13_bias, w2_bias: (E, 2I) and (E, H) expert biases in x's dtype (gpt-oss): gu = W13 x + b13 before
             the activation, y = W2 h + b2 inside the routed weight (each with its LoRA delta).
+        mxfp4: the E8M0 scales of MXFP4 experts (``triton_ops.mxfp4.Mxfp4Weights``): ``w13`` and ``w2`` are
+            then their packed uint8 E2M1 blocks, (E, 2I, H / 2) and (E, H, I / 2), which the GEMMs decode
+            in their K-loops (x and the LoRA stay in x's dtype; every LoRA path).
     """
     block_scaled = fp8 is not None or uses_block_fp8(w13, w2)
-    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, weight_dtype=FP8_DTYPE if block_scaled else None)
+    if mxfp4 is not None:
+        if block_scaled:
+            raise ValueError("pass fp8= or mxfp4=, not both: the experts are in one format")
+        check_moe_inputs(x, w13, w2, topk_weights, topk_ids, weight_dtype=torch.uint8, values_per_element=2)
+        check_mxfp4_experts(w13, w2, mxfp4)
+    else:
+        check_moe_inputs(x, w13, w2, topk_weights, topk_ids, weight_dtype=FP8_DTYPE if block_scaled else None)
     if block_scaled:
         check_block_fp8(w13, w2, fp8)
         if lora is not None and lora_path == "fused":
@@ -229,6 +240,8 @@ def fused_experts(
         gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=torch.float32, device=x.device)
     scale_block_n, scale_block_k = fp8.block_shape if block_scaled else (0, 0)
     gemm1_fp8 = gemm2_fp8 = {}
+    if mxfp4 is not None:  # the GEMMs' scale operands; nothing else changes for packed weights
+        gemm1_fp8, gemm2_fp8 = dict(b_scale=mxfp4.w13_scale), dict(b_scale=mxfp4.w2_scale)
     if block_scaled:
         # The GEMMs' copies of x and of the activated intermediate; the LoRA shrinks read the originals.
         x_q = torch.empty_like(x, dtype=FP8_DTYPE)
@@ -242,7 +255,8 @@ def fused_experts(
         rows = end - start
         plan = _chunk_plan(rows, top_k, num_experts, hidden, intermediate, x.dtype, x.device, lora=lora,
                            lora_path=lora_path, config=config, combine=pair_out is not None,
-                           sparse_routing=sparse_routing, scale_block_k=scale_block_k)
+                           sparse_routing=sparse_routing, scale_block_k=scale_block_k,
+                           mxfp4=mxfp4 is not None)
         cfg = plan.config
         chunk_ids = topk_ids[start:end]
         chunk_weights = topk_weights[start:end].reshape(-1)
@@ -455,12 +469,12 @@ class ChunkPlan:
 def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str,
                config: MoEConfig | None, combine: bool, sparse_routing: bool = False,
-               scale_block_k: int = 0) -> ChunkPlan:
+               scale_block_k: int = 0, mxfp4: bool = False) -> ChunkPlan:
     """The launch decisions of one ``fused_experts`` chunk of ``rows`` tokens (see :class:`ChunkPlan`).
     ``combine``: the routed pairs' outputs are summed over the top-k (not ``no_combine``, top_k > 1).
     ``sparse_routing``: where ``sparse_routing_aligns``, no direct pairs (and so no fused top-k sum):
     other ranks' pairs are null blocks. ``scale_block_k``: block-scaled FP8 GEMMs, whose K step is the
-    scale group (``triton_ops.fp8``)."""
+    scale group (``triton_ops.fp8``). ``mxfp4``: MXFP4 weights, whose K steps span whole scale groups (32)."""
     split = lora is not None and lora_path == "split"
     staged = lora is not None and lora_path == "staged"
     rank_block = lora_rank_block(lora.max_rank) if lora is not None else 0
@@ -479,6 +493,9 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     if scale_block_k:
         cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=scale_block_k),
                       gemm2=replace(cfg.gemm2, block_k=scale_block_k))
+    if mxfp4 and min(cfg.gemm1.block_k, cfg.gemm2.block_k) < 32:
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=max(32, cfg.gemm1.block_k)),
+                      gemm2=replace(cfg.gemm2, block_k=max(32, cfg.gemm2.block_k)))
     pairs = rows * top_k
     align_sparse = sparse_routing and sparse_routing_aligns(hidden, intermediate, elem_bytes)
     direct = (not staged and not align_sparse and pairs <= SINGLE_PROGRAM_MAX_PAIRS
@@ -562,17 +579,18 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
 
 def _chunk_plan(rows: int, top_k: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
                 device: torch.device, *, lora: MoELoRAInputs | None, lora_path: str, config: MoEConfig | None,
-                combine: bool, sparse_routing: bool, scale_block_k: int = 0) -> ChunkPlan:
+                combine: bool, sparse_routing: bool, scale_block_k: int = 0, mxfp4: bool = False
+                ) -> ChunkPlan:
     """``plan_chunk``, made once per key in the active ``LaunchCache`` (its owner's calls repeat it), else
     every call."""
     args = (rows, top_k, num_experts, hidden, intermediate, dtype, device)
     kwargs = dict(lora=lora, lora_path=lora_path, config=config, combine=combine,
-                  sparse_routing=sparse_routing, scale_block_k=scale_block_k)
+                  sparse_routing=sparse_routing, scale_block_k=scale_block_k, mxfp4=mxfp4)
     cache = active_cache()
     if cache is None:
         return plan_chunk(*args, **kwargs)
     lora_key = None if lora is None else (lora_path, lora_rank_block(lora.max_rank), lora.num_adapters)
-    return cache.plan(("chunk", *args, lora_key, config, combine, sparse_routing, scale_block_k),
+    return cache.plan(("chunk", *args, lora_key, config, combine, sparse_routing, scale_block_k, mxfp4),
                       lambda: plan_chunk(*args, **kwargs))
 
 
@@ -624,7 +642,8 @@ def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, 
     """Checks ``lora`` against the layer; returns it with every buffer as :class:`LoRAWeights`."""
     if lora_path not in LORA_PATHS:
         raise ValueError(f"lora_path must be one of {LORA_PATHS}, got {lora_path!r}")
-    num_experts, two_i, hidden = gate_up_dims(w13)
+    num_experts, two_i, _ = gate_up_dims(w13)
+    hidden = x.shape[1]  # w13's last dim is half of it for MXFP4 experts
     weights = {name: lora_weights(getattr(lora, name), kind=kind) for name, kind in
                (("gate_up_a", "gated_a"), ("gate_up_b", "b"), ("down_a", "a"), ("down_b", "b"))}
     slots, max_rank = weights["gate_up_a"].num_slots, weights["gate_up_a"].max_rank

@@ -149,8 +149,9 @@ def _fused_moe_kernel(
     #     stride_up: gated, offset of the up rows from the gate rows)
     c,  # ((numel, N) same dtype, a row per routed pair (2N with the raw gated output), stride_m, stride_n)
     a_scale,  # ((rows, cdiv(K, BLOCK_K)) fp32 per-row group scales of a, stride_m, stride_k) (FP8)
-    b_scale,  # ((E, cdiv(N or 2N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)) fp32 weight block scales, stride_e,
-    #           stride_n, stride_k) (FP8)
+    b_scale,  # ((E, cdiv(N or 2N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)) fp32 weight block scales (FP8), or
+    #           (E, N or 2N, K / 32) uint8 E8M0 scales (MXFP4), stride_e, stride_n, stride_k, and MXFP4's up
+    #           rows' offset)
     bias,  # ((E, N or 2N) same dtype as c: the experts' biases (gate then up), stride_e) (HAS_BIAS)
     N, K, num_experts,
     scale,  # multiplies every output row (rsf on GEMM2)
@@ -191,6 +192,7 @@ def _fused_moe_kernel(
     HAS_BIAS: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     DIRECT_PAIRS: tl.constexpr,
+    MXFP4: tl.constexpr = False,  # b packed E2M1 (E, N or 2N, K / 2) uint8 with b_scale's E8M0 scales
     USE_PDL: tl.constexpr = False,  # set by programmatic_launch where dependent launch exists
     LATE_WAIT: tl.constexpr = False,
 ):
@@ -221,7 +223,7 @@ def _fused_moe_kernel(
     b_ptr, stride_be, stride_bn, stride_bk, stride_b_up = b
     c_ptr, stride_cm, stride_cn = c
     a_scale_ptr, stride_asm, stride_ask = a_scale
-    b_scale_ptr, stride_bse, stride_bsn, stride_bsk = b_scale
+    b_scale_ptr, stride_bse, stride_bsn, stride_bsk, stride_bs_up = b_scale
     bias_ptr, stride_bias_e = bias
     shrunk_ptr, stride_ss, stride_sm = shrunk
     down_shrunk_ptr, stride_ds, stride_dm = down_shrunk
@@ -303,7 +305,10 @@ def _fused_moe_kernel(
 
     # ---- K-loop ----
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
+    if MXFP4:  # b's K rows are bytes, two values each
+        b_base = b_ptr + expert * stride_be + tl.arange(0, BLOCK_K // 2)[:, None] * stride_bk
+    else:
+        b_base = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk
     b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up_ptrs, acc_up = b_ptrs, acc  # the up half's, when gated
@@ -314,7 +319,11 @@ def _fused_moe_kernel(
         la_ptrs, main_rank_valid, main_gate, main_up = b_ptrs, offs_k, acc, acc
     a_scale_ptrs = a_scale_ptr + a_row * stride_asm
     b_scale_base = b_scale_ptr + expert * stride_bse
-    if TILE_B_SCALE:  # the tile's first column's block is all of its columns'
+    if MXFP4:  # a scale per column and 32 K rows
+        b_scale_ptrs = (b_scale_base + tl.arange(0, BLOCK_K // 32)[:, None] * stride_bsk
+                        + offs_n.to(tl.int64)[None, :] * stride_bsn)
+        up_scale_ptrs = b_scale_ptrs + stride_bs_up
+    elif TILE_B_SCALE:  # the tile's first column's block is all of its columns'
         b_scale_ptrs = b_scale_base + ((pid_n * BLOCK_N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
         up_scale_ptrs = b_scale_base + ((pid_n * BLOCK_N + N) // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
     else:
@@ -325,7 +334,7 @@ def _fused_moe_kernel(
         b_scale_ptrs, up_scale_ptrs, K, stride_ak, stride_bk, lora_a[5], lora_up_offset, stride_ask,
         stride_bsk, acc, acc_up, main_gate, main_up, GATED=GATED, INLINE_SHRINK=LORA == LORA_FUSED,
         BLOCK_SCALED=BLOCK_SCALED, TILE_B_SCALE=TILE_B_SCALE, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=BLOCK_K, MXFP4=MXFP4,
     )
 
     # ---- epilogue: the LoRA delta (lora_epilogues), then routed weight, activation and store ----
@@ -512,8 +521,11 @@ def invoke_fused_moe_kernel(
             raise ValueError(f"bias must be (E, {b_rows}) = {expected_bias} with contiguous rows on "
                              f"{c.device}, got {tuple(bias.shape)} strides {bias.stride()} on {bias.device}")
     block_scaled = a.dtype == FP8_DTYPE or b.dtype == FP8_DTYPE
+    mxfp4 = b.dtype == torch.uint8
     if block_scaled:
         _check_block_scaled(a, b, a_scale, b_scale, scale_block_n, config, lora)
+    elif mxfp4:
+        _check_mxfp4_gemm(a, b, a_scale, b_scale, config)
     elif a_scale is not None or b_scale is not None:
         raise TypeError(f"a_scale and b_scale belong to float8_e4m3fn a and b (block-scaled FP8), got "
                         f"{a.dtype} and {b.dtype}")
@@ -536,7 +548,7 @@ def invoke_fused_moe_kernel(
     num_counters = counters.counters.numel() if counters is not None else 0
     rows = sorted_ids if not direct else direct_ids
     # Unused operands point at c with zero strides: the kernel never reads them.
-    unused_a_scale, unused_b_scale = (c, 0, 0), (c, 0, 0, 0)
+    unused_a_scale, unused_b_scale = (c, 0, 0), (c, 0, 0, 0, 0)
     even_k = K % config.block_k == 0 and planned("even_k", lambda: overrides.switch("even_k", default=True))
     launch(_fused_moe_kernel, grid,
         a=(a, a.stride(0), a.stride(1)),
@@ -544,7 +556,10 @@ def invoke_fused_moe_kernel(
            b.stride(1) if b.dim() == 4 else out_n * b.stride(1)),
         c=(c, c.stride(0), c.stride(1)),
         a_scale=(a_scale, a_scale.stride(0), a_scale.stride(1)) if block_scaled else unused_a_scale,
-        b_scale=(b_scale, *b_scale.stride()) if block_scaled else unused_b_scale,
+        b_scale=(b_scale, *b_scale.stride(), 0) if block_scaled
+        else (b_scale, b_scale.stride(0), b_scale.stride(-2), b_scale.stride(-1),
+              b_scale.stride(1) if b_scale.dim() == 4 else out_n * b_scale.stride(1)) if mxfp4
+        else unused_b_scale,
         bias=(bias, bias.stride(0)) if bias is not None else (c, 0),
         N=out_n,
         K=K,
@@ -574,6 +589,7 @@ def invoke_fused_moe_kernel(
         HAS_BIAS=bias is not None,
         FP32_IEEE=a.dtype == torch.float32,
         DIRECT_PAIRS=direct,
+        **({"MXFP4": True} if mxfp4 else {}),
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
            else programmatic_launch(a.device, dependent)),
         num_warps=config.num_warps,
@@ -654,6 +670,25 @@ def _lora_kernel_args(lora: LoRAOperands | None, epilogue: LoRAEpilogue | None, 
     )
 
 
+def _check_mxfp4_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None,
+                      b_scale: torch.Tensor | None, config: GemmConfig) -> None:
+    """Raises for MXFP4 weights (``b`` uint8) whose scales, activations or tile do not fit them."""
+    if a_scale is not None:
+        raise TypeError("MXFP4 weights take bf16/fp16/fp32 activations and no a_scale")
+    if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"MXFP4 weights take float16, bfloat16 or float32 activations, got {a.dtype}")
+    if a.shape[1] % 32:
+        raise ValueError(f"MXFP4 weights need K a multiple of 32 (one scale per 32 values), got {a.shape[1]}")
+    expected = (*b.shape[:-1], a.shape[1] // 32)
+    if (b_scale is None or b_scale.dtype != torch.uint8 or tuple(b_scale.shape) != expected
+            or b_scale.device != b.device):
+        got = "none" if b_scale is None else f"{b_scale.dtype} {tuple(b_scale.shape)} on {b_scale.device}"
+        raise ValueError(f"MXFP4 weights {tuple(b.shape)} need b_scale: uint8 E8M0 scales {expected} on "
+                         f"{b.device}, got {got}")
+    if config.block_k < 32 or config.block_k % 32:
+        raise ValueError(f"MXFP4 GEMMs take BLOCK_K a multiple of 32 (a scale group), got {config.block_k}")
+
+
 def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
                      sorted_ids: torch.Tensor | None, expert_ids: torch.Tensor | None,
                      num_post_padded: torch.Tensor | None, direct_ids: torch.Tensor | None,
@@ -679,10 +714,12 @@ def _check_gemm_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_wei
         activation_args(activation)  # raises for an unknown one
     expected_b_rows = 2 * out_n if gated else out_n
     _, b_rows, b_cols = gate_up_dims(b)
-    if b_rows != expected_b_rows or b_cols != a.shape[1]:
+    expected_b_cols = a.shape[1] // 2 if b.dtype == torch.uint8 else a.shape[1]  # MXFP4: two values a byte
+    if b_rows != expected_b_rows or b_cols != expected_b_cols:
         raise ValueError(
             f"weights of shape {tuple(b.shape)} do not match activations {tuple(a.shape)} and output "
-            f"{tuple(c.shape)}: expected (E, {expected_b_rows}, {a.shape[1]})"
+            f"{tuple(c.shape)}: expected (E, {expected_b_rows}, {expected_b_cols})"
+            + (" uint8 (MXFP4, two values a byte)" if b.dtype == torch.uint8 else "")
         )
     if topk_weights is not None and topk_weights.dtype != torch.float32:
         raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.lora_tiles import _dot
+from triton_ops.mxfp4 import mxfp4_tile_kn
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -150,6 +151,42 @@ def _add_block_scaled_dot(
 
 
 @triton.jit
+def _load_mxfp4_b(
+    b_ptrs,  # (BLOCK_K / 2, BLOCK_N) pointers to packed E2M1 bytes (two K rows a byte, the even one low)
+    scale_ptrs,  # (BLOCK_K / 32, BLOCK_N) pointers to E8M0 scales
+    col_valid,  # (BLOCK_N,)
+    k_left,  # K columns from this step's first on
+    dtype: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One K step's (BLOCK_K, BLOCK_N) weight tile decoded from MXFP4 (``triton_ops.mxfp4``) to ``dtype``;
+    rows past K (a multiple of 32) are zero."""
+    if EVEN_K:
+        packed = tl.load(b_ptrs, mask=col_valid[None, :], other=0)
+        scales = tl.load(scale_ptrs, mask=col_valid[None, :], other=127)
+    else:
+        byte_valid = tl.arange(0, BLOCK_K // 2) < k_left // 2
+        group_valid = tl.arange(0, BLOCK_K // 32) < k_left // 32
+        packed = tl.load(b_ptrs, mask=byte_valid[:, None] & col_valid[None, :], other=0)
+        scales = tl.load(scale_ptrs, mask=group_valid[:, None] & col_valid[None, :], other=127)
+    return mxfp4_tile_kn(packed, scales, BLOCK_K).to(dtype)
+
+
+@triton.jit
+def _load_a_and_mxfp4_b(a_ptrs, b_ptrs, scale_ptrs, row_valid, col_valid, offs_k, k_left,
+                        EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The a tile and the decoded MXFP4 b tile of one K step, and the step's K mask (unmasked: None)."""
+    k_valid = offs_k < k_left
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+    b = _load_mxfp4_b(b_ptrs, scale_ptrs, col_valid, k_left, a.dtype, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
+    return a, b, k_valid
+
+
+@triton.jit
 def _gemm_k_loop(
     a_ptrs,  # (BLOCK_M, BLOCK_K) pointers to the block's rows of a, at K offset 0
     b_ptrs,  # (BLOCK_K, BLOCK_N) pointers to the expert's weight tile (gate rows when gated)
@@ -171,13 +208,20 @@ def _gemm_k_loop(
     FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    MXFP4: tl.constexpr = False,
 ):
     """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); with INLINE_SHRINK (LORA_FUSED)
     the block's main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``.
     With BLOCK_SCALED (FP8 a and b, ``triton_ops.fp8``; BLOCK_K is the scale group) each K step's dot is
-    multiplied by its rows' and columns' scales as it is added."""
+    multiplied by its rows' and columns' scales as it is added. With MXFP4 (``triton_ops.mxfp4``) b's
+    pointers are (BLOCK_K / 2, BLOCK_N) packed bytes and its scale pointers (BLOCK_K / 32, BLOCK_N) E8M0
+    scales (``up_scale_ptrs`` the up rows'): each step decodes its tiles to a's dtype before the dots."""
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if MXFP4:
+            a, b, k_valid = _load_a_and_mxfp4_b(a_ptrs, b_ptrs, b_scale_ptrs, row_valid, col_valid, offs_k,
+                                                 K - k0, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
+            b_scale_ptrs += (BLOCK_K // 32) * stride_bsk
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
         else:
@@ -192,7 +236,11 @@ def _gemm_k_loop(
         else:
             acc = _dot(a, b, acc, FP32_IEEE)
         if GATED:
-            if EVEN_K:
+            if MXFP4:
+                b_up = _load_mxfp4_b(up_ptrs, up_scale_ptrs, col_valid, K - k0, a.dtype, EVEN_K=EVEN_K,
+                                     BLOCK_K=BLOCK_K)
+                up_scale_ptrs += (BLOCK_K // 32) * stride_bsk
+            elif EVEN_K:
                 b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
             else:
                 b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
@@ -202,7 +250,7 @@ def _gemm_k_loop(
                 up_scale_ptrs += stride_bsk
             else:
                 acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
-            up_ptrs += BLOCK_K * stride_bk
+            up_ptrs += (BLOCK_K // 2 if MXFP4 else BLOCK_K) * stride_bk
         if INLINE_SHRINK:
             if EVEN_K:
                 la_mask = la_rank_valid[None, :]
@@ -214,5 +262,5 @@ def _gemm_k_loop(
                                  FP32_IEEE)
             la_ptrs += BLOCK_K * stride_la_k
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        b_ptrs += (BLOCK_K // 2 if MXFP4 else BLOCK_K) * stride_bk
     return acc, acc_up, shrink_gate, shrink_up

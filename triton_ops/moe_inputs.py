@@ -36,9 +36,12 @@ def check_moe_inputs(
     *,
     float_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
     weight_dtype: torch.dtype | None = None,
+    values_per_element: int = 1,
 ) -> None:
     """Raises ValueError/TypeError that say what was expected for inconsistent MoE inputs.
-    ``weight_dtype``: the experts' dtype where it is not x's (block-scaled FP8 weights).
+    ``weight_dtype``: the experts' dtype where it is not x's (block-scaled FP8 weights, MXFP4's uint8);
+    ``values_per_element``: weight values a stored element holds along K (MXFP4: 2, so w13 is
+    (E, 2I, H / 2) and w2 (E, H, I / 2)).
 
     Expert ids are not range-checked (that would read the device): a pair whose id is outside
     ``[0, E)`` contributes nothing on every path."""
@@ -51,6 +54,7 @@ def check_moe_inputs(
             f"w13 must be (E, 2*I, H) and w2 (E, H, I); got {tuple(w13.shape)} and {tuple(w2.shape)}"
         )
     num_experts, two_i, hidden = gate_up_dims(w13)
+    hidden *= values_per_element
     if x.dim() != 2 or x.shape[1] != hidden:
         raise ValueError(
             f"x must be (num_tokens, H={hidden}) to match the experts' w13 (E, 2I, H) = {tuple(w13.shape)}, "
@@ -58,11 +62,11 @@ def check_moe_inputs(
         )
     if two_i % 2:
         raise ValueError(f"w13's second dim must be 2*I (gate rows then up rows), got {two_i}")
-    if tuple(w2.shape) != (num_experts, hidden, two_i // 2):
-        raise ValueError(
-            f"w2 must be (E, H, I) = {(num_experts, hidden, two_i // 2)} to match w13 {tuple(w13.shape)}, "
-            f"got {tuple(w2.shape)}"
-        )
+    w2_shape = (num_experts, hidden, two_i // 2 // values_per_element)
+    if tuple(w2.shape) != w2_shape:
+        layout = "(E, H, I)" if values_per_element == 1 else f"(E, H, I / {values_per_element})"
+        raise ValueError(f"w2 must be {layout} = {w2_shape} to match w13 {tuple(w13.shape)}, got "
+                         f"{tuple(w2.shape)}")
     if x.dtype not in float_dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in float_dtypes)
         raise TypeError(f"x must be one of {names}, got {x.dtype}")

@@ -15,6 +15,8 @@ Grid of ``_dequantize_kernel``: (cdiv(rows, BLOCK_R), cdiv(K, BLOCK_K)), one til
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,18 @@ def mxfp4_tile(packed, scales, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     values = tl.reshape(values, (BLOCK_R, BLOCK_K // 32, 32))
     values = values * e8m0_to_fp32(scales.to(tl.int32))[:, :, None]
     return tl.reshape(values, (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def mxfp4_tile_kn(packed, scales, BLOCK_K: tl.constexpr):
+    """A GEMM's (BLOCK_K, BLOCK_N) fp32 weight tile from ``packed`` (BLOCK_K // 2, BLOCK_N) bytes (K rows
+    2i in the low nibbles, 2i + 1 in the high ones) and ``scales`` (BLOCK_K // 32, BLOCK_N)."""
+    bytes_ = packed.to(tl.int32)
+    block_n: tl.constexpr = packed.shape[1]
+    values = tl.join(e2m1_to_fp32(bytes_ & 15), e2m1_to_fp32(bytes_ >> 4))  # (K/2, N, 2)
+    values = tl.reshape(tl.permute(values, (0, 2, 1)), (BLOCK_K // 32, 32, block_n))  # k = 2i + j
+    values = values * e8m0_to_fp32(scales.to(tl.int32))[:, None, :]
+    return tl.reshape(values, (BLOCK_K, block_n))
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -125,3 +139,48 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
                scales_ptr=flat_scales, out_ptr=out, rows=rows, K=K, stride_br=flat_blocks.stride(0),
                stride_sr=flat_scales.stride(0), stride_or=out.stride(0), BLOCK_R=block_r, BLOCK_K=block_k)
     return out.view(*lead, K)
+
+
+@dataclass(frozen=True)
+class Mxfp4Weights:
+    """The E8M0 scales of MXFP4 experts whose packed E2M1 blocks are ``fused_experts``' ``w13`` / ``w2``:
+    ``w13`` (E, 2I, H / 2) uint8 (or an (E, 2, I, H / 2) halves view, gpt-oss' interleaved gate/up rows read
+    in place) with ``w13_scale`` of its rows' shape and H / 32 columns (the same view of the scales), and
+    ``w2`` (E, H, I / 2) with ``w2_scale`` (E, H, I / 32). The GEMMs decode them in their K-loops."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+
+
+def check_mxfp4_experts(w13: torch.Tensor, w2: torch.Tensor, mxfp4: Mxfp4Weights) -> None:
+    """Raises ValueError/TypeError unless ``w13`` / ``w2`` are uint8 E2M1 blocks and ``mxfp4`` holds their
+    uint8 scales, one per 32 values, on their device."""
+    if not isinstance(mxfp4, Mxfp4Weights):
+        raise TypeError(f"mxfp4 must be a triton_ops.mxfp4.Mxfp4Weights, got {type(mxfp4).__name__}")
+    for name, blocks, scale in (("w13", w13, mxfp4.w13_scale), ("w2", w2, mxfp4.w2_scale)):
+        if blocks.dtype != torch.uint8:
+            raise TypeError(f"MXFP4 {name} must be uint8 E2M1 blocks (two values a byte), got {blocks.dtype}")
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8:
+            got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+            raise TypeError(f"MXFP4 {name}_scale must be uint8 E8M0 scales, got {got}")
+        expected = (*blocks.shape[:-1], blocks.shape[-1] * 2 // MXFP4_GROUP)
+        if blocks.shape[-1] % (MXFP4_GROUP // 2) or tuple(scale.shape) != expected:
+            raise ValueError(f"MXFP4 {name}_scale must be {expected} (a scale per 32 values of {name} "
+                             f"{tuple(blocks.shape)}, 16 bytes each), got {tuple(scale.shape)}")
+        if scale.device != blocks.device:
+            raise ValueError(f"MXFP4 {name}_scale is on {scale.device}, {name} on {blocks.device}")
+
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+                           ) -> torch.Tensor:
+    """``dequantize_mxfp4`` in PyTorch ops, for devices Triton does not run on (the layer's torch path):
+    (..., N, K / 2) blocks (any strides) and (..., N, K / 32) scales to (..., N, K) ``dtype``."""
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()
+    exponents = scales.to(torch.int32).repeat_interleave(MXFP4_GROUP, dim=-1) - 127
+    values = torch.ldexp(table[codes], exponents.float())
+    values = torch.where(scales.repeat_interleave(MXFP4_GROUP, dim=-1) == 255, float("nan"), values)
+    return values.to(dtype)
