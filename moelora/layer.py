@@ -136,12 +136,12 @@ class FusedMoEWithLoRA(nn.Module):
 
         per_byte = 2 if mxfp4 is not None else 1  # MXFP4: two values a stored byte along K
         expected = (pool.num_experts, 2 * pool.intermediate_size, pool.hidden_size // per_byte)
-        layouts = "(E, 2I, H), or its (E, 2, I, H) halves view," if per_byte == 1 else \
-            "(E, 2I, H / 2) uint8 MXFP4 blocks, or their (E, 2, I, H / 2) halves view,"
+        layout, halves = ("(E, 2I, H)", "(E, 2, I, H)") if per_byte == 1 else \
+            ("(E, 2I, H / 2) uint8 MXFP4 blocks", "(E, 2, I, H / 2)")
         if not isinstance(w13, torch.Tensor) or (w13.dim() != 3 and not is_gate_up_halves(w13)) or \
                 gate_up_dims(w13) != expected:
-            raise ValueError(f"w13 must be {layouts} = {expected} to match the pool, got "
-                             f"{tuple(getattr(w13, 'shape', ()))}")
+            raise ValueError(f"w13 must be {layout} = {expected}, or its {halves} halves view, to match the "
+                             f"pool, got {tuple(getattr(w13, 'shape', ()))}")
         expected_w2 = (pool.num_experts, pool.hidden_size, pool.intermediate_size // per_byte)
         if tuple(w2.shape) != expected_w2:
             layout = "(E, H, I)" if per_byte == 1 else "(E, H, I / 2)"

@@ -276,7 +276,7 @@ def test_layer_refuses_mxfp4_experts_it_cannot_serve():
     pool = make_pool(torch.float32, num_experts=3, hidden=64, inter=32, layer_ids=[0])
     w13, w2 = torch.zeros(3, 64, 32, dtype=torch.uint8), torch.zeros(3, 64, 16, dtype=torch.uint8)
     scales = Mxfp4Weights(torch.zeros(3, 64, 2, dtype=torch.uint8), torch.zeros(3, 64, 1, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=r"w13 must be \(E, 2I, H / 2\) uint8 MXFP4 blocks"):
+    with pytest.raises(ValueError, match=r"w13 must be \(E, 2I, H / 2\) uint8 MXFP4 blocks = \(3, 64, 32\)"):
         FusedMoEWithLoRA(w13[:, :, :16], w2, pool=pool, layer_id=0, mxfp4=scales)
     with pytest.raises(ValueError, match=r"w2 must be \(E, H, I / 2\)"):
         FusedMoEWithLoRA(w13, w2[:, :, :8], pool=pool, layer_id=0, mxfp4=scales)

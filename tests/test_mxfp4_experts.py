@@ -1,5 +1,6 @@
 """gpt-oss loaded with MXFP4 experts (transformers' ``Mxfp4GptOssExperts``, packed for its hub kernels):
-``attach`` dequantizes them once and serves the model, equal to PEFT on the same weights in bf16 storage.
+``attach`` serves them packed (the GEMMs decode the blocks; the torch path a copy decoded once), or
+dequantized once with ``dequantize_mxfp4=True``, equal to PEFT on the same weights in bf16 storage.
 
 The hub kernels are not installed here, so the packed module holds stand-ins for the hub's tensors: the
 packed bytes and scales behind ``storage.data`` with a strided (identity) layout, as transformers'
@@ -11,6 +12,7 @@ the reference model's bf16-storage experts: every value is exact in fp32, so the
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -127,7 +129,7 @@ def _move_packed(model: nn.Module, device: str) -> nn.Module:
     return model
 
 
-def _check_served(device: str, tmp_path: Path) -> None:
+def _check_served(device: str, tmp_path: Path, *, dequantize: bool = False, path: str | None = None) -> None:
     ref, packed = _models(device)
     ids, mask = (t.to(device) for t in left_padded(ROW_LENS, 96))
     tol = REL_TOL[device]
@@ -141,10 +143,15 @@ def _check_served(device: str, tmp_path: Path) -> None:
     keys_before = list(packed.state_dict())
     hubs = [layer.mlp.experts for layer in packed.model.layers]
 
-    handle = attach(packed, max_loras=2, max_rank=8, path="torch" if device == "cpu" else "auto")
+    path = path or ("torch" if device == "cpu" else "auto")
+    handle = attach(packed, max_loras=2, max_rank=8, path=path, dequantize_mxfp4=dequantize)
     try:
         assert list(packed.state_dict()) == keys_before  # the packed module's parameters, not the copies
         assert all(isinstance(layer.mlp.experts, MoELoRAExperts) for layer in packed.model.layers)
+        served = [layer.mlp.experts.layer for layer in packed.model.layers]
+        # Packed: the layer reads uint8 blocks (no bf16 copy); dequantized: a dense copy.
+        assert all((s.w13.dtype == torch.uint8) is (not dequantize) for s in served)
+        assert all((s.mxfp4 is None) is dequantize for s in served)
         for name in ADAPTERS:
             handle.load_adapter(name, tmp_path / name)
         with torch.no_grad():
@@ -170,13 +177,22 @@ def _check_served(device: str, tmp_path: Path) -> None:
     assert list(packed.state_dict()) == keys_before
 
 
-def test_mxfp4_experts_dequantized_at_attach_match_peft(tmp_path):
-    _check_served("cpu", tmp_path)
+@pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
+def test_mxfp4_experts_match_peft(tmp_path, dequantize):
+    _check_served("cpu", tmp_path, dequantize=dequantize)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs Triton kernels on the CPU: set TRITON_INTERPRET=1")
+def test_mxfp4_experts_packed_on_the_kernels_match_peft(tmp_path):
+    """The packed experts through the Triton paths (the interpreter): the GEMMs decode the blocks."""
+    _check_served("cpu", tmp_path, path="auto")
 
 
 @pytest.mark.gpu
-def test_mxfp4_experts_on_cuda_match_peft(tmp_path):
-    _check_served("cuda", tmp_path)
+@pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
+def test_mxfp4_experts_on_cuda_match_peft(tmp_path, dequantize):
+    _check_served("cuda", tmp_path, dequantize=dequantize)
 
 
 def test_mxfp4_experts_without_their_scales_are_refused():

@@ -19,6 +19,7 @@ from moelora.integrations.families import (
     _identity_experts,
     _identity_term,
     _model_module,
+    _PackedMxfp4Experts,
     _per_pair,
     _post_expert_norm,
     _RoutedBlockExperts,
@@ -104,6 +105,8 @@ class MoELoRAExperts(nn.Module):
             # moe_tp_experts / AllReduceEP does for the original module.
             w13, w2 = w13.to_local().detach(), w2.to_local().detach()
             parallel = dict(process_group=process_group, reduce_results=True)
+        if isinstance(original, _PackedMxfp4Experts):
+            parallel["mxfp4"] = original.mxfp4
         if w13.dtype == torch.float8_e4m3fn:
             # transformers runs FP8 experts through its hub kernels; the layer serves base rows too.
             parallel["fp8"] = fp8_scales_of(original, "gate_up_proj", "down_proj")

@@ -227,6 +227,23 @@ def _is_mxfp4_packed(module: nn.Module) -> bool:
     return type(module).__name__ == "Mxfp4GptOssExperts"
 
 
+def _mxfp4_packed_tensors(name: str, packed: nn.Module, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed``'s ``proj`` blocks ``(E, rows, K / 32, 16)`` and scales ``(E, rows, K / 32)`` (uint8),
+    unswizzled from the hub tensors by transformers' own reverse conversion."""
+    try:
+        from transformers.integrations.mxfp4 import Mxfp4ReverseDeserialize
+
+        packed_tensors = Mxfp4ReverseDeserialize(None).convert({}, model=packed,
+                                                               full_layer_name=f"{proj}_blocks")
+        return packed_tensors[f"{proj}_blocks"], packed_tensors[f"{proj}_scales"]
+    except Exception as exc:  # plain uint8 tensors without their scales, another hub or transformers version
+        raise UnsupportedModelError(
+            f"experts module {name!r} ({type(packed).__name__}) holds MXFP4 weights whose blocks and scales "
+            f"cannot be read ({type(exc).__name__}: {exc}); load the model with quantization_config="
+            "Mxfp4Config(dequantize=True) (the experts in bfloat16) and attach that"
+        ) from exc
+
+
 def _mxfp4_dequantized(name: str, packed: nn.Module, proj: str, dtype: torch.dtype) -> torch.Tensor:
     """``packed``'s ``proj`` ("gate_up_proj" or "down_proj") in ``dtype``, stored as gpt-oss' bf16 experts
     store it: ``(E, H, 2I)`` (gate/up columns interleaved) or ``(E, I, H)``. The hub tensors are unswizzled
@@ -286,6 +303,55 @@ class _DequantizedMxfp4Experts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """``sum_k w_k * (W2 gpt_oss_swiglu(W13 x + b13) + b2)`` on the dequantized weights (PyTorch)."""
         w13, w2 = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        activation = GatedActivation("clamped_swiglu", self.limit, self.alpha, 1.0)
+        return moe_lora_forward_torch(hidden_states, w13, w2, top_k_weights, top_k_index, None, None,
+                                      activation=activation, w13_bias=self.gate_up_proj_bias,
+                                      w2_bias=self.down_proj_bias)
+
+
+class _PackedMxfp4Experts(_DequantizedMxfp4Experts):
+    """gpt-oss' MXFP4 experts served packed: the layer's GEMMs decode the E2M1 blocks and E8M0 scales in
+    their K-loops (``FusedMoEWithLoRA(mxfp4=)``), so the experts take their MXFP4 bytes once more (the
+    blocks and scales as transformers' reverse conversion unswizzles them), not four times in bf16. Gate/up
+    rows stay interleaved (row 2n gate n, row 2n + 1 up n) and are read in place through an (E, 2, I, H / 2)
+    halves view of the blocks and of the scales; the biases are de-interleaved (gate then up) as the
+    dequantized view's are. ``gate_up_proj`` / ``down_proj`` are stride-0 placeholders of the dense
+    storage's shape, dtype and device for attach's checks: they hold no values (the torch forward decodes
+    the blocks)."""
+
+    def __init__(self, name: str, packed: nn.Module, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        from triton_ops.mxfp4 import Mxfp4Weights
+
+        object.__setattr__(self, "packed", packed)  # not a child: the view owns nothing of the model's
+        self.alpha, self.limit = float(packed.alpha), float(packed.limit)
+        gu_blocks, gu_scales = _mxfp4_packed_tensors(name, packed, "gate_up_proj")
+        down_blocks, down_scales = _mxfp4_packed_tensors(name, packed, "down_proj")
+        experts, two_i, groups = (int(d) for d in gu_scales.shape)
+        hidden = int(down_scales.shape[1])
+        inter = two_i // 2
+
+        def halves(t: torch.Tensor) -> torch.Tensor:  # interleaved rows -> (E, 2, I, ...): gate, then up
+            return t.reshape(experts, inter, 2, t.shape[-1]).transpose(1, 2)
+
+        self.w13_blocks = halves(gu_blocks.reshape(experts, two_i, groups * 16))
+        self.w2_blocks = down_blocks.reshape(experts, hidden, -1)
+        self.mxfp4 = Mxfp4Weights(halves(gu_scales), down_scales)
+        device = gu_blocks.device
+        self.gate_up_proj = torch.empty((), dtype=dtype, device=device).expand(experts, hidden, two_i)
+        self.down_proj = torch.empty((), dtype=dtype, device=device).expand(experts, inter, hidden)
+        bias = packed.gate_up_proj_bias.detach().to(dtype)
+        self.gate_up_proj_bias = nn.Parameter(_deinterleaved(bias, dim=1), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(packed.down_proj_bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The dequantized view's forward on the blocks decoded for this call (PyTorch)."""
+        from triton_ops.mxfp4 import dequantize_mxfp4_torch
+
+        dtype = self.gate_up_proj.dtype
+        w13 = dequantize_mxfp4_torch(self.w13_blocks, self.mxfp4.w13_scale, dtype).flatten(1, 2)
+        w2 = dequantize_mxfp4_torch(self.w2_blocks, self.mxfp4.w2_scale, dtype)
         activation = GatedActivation("clamped_swiglu", self.limit, self.alpha, 1.0)
         return moe_lora_forward_torch(hidden_states, w13, w2, top_k_weights, top_k_index, None, None,
                                       activation=activation, w13_bias=self.gate_up_proj_bias,
@@ -373,7 +439,7 @@ _ViewOf = Callable[[str, nn.Module, torch.dtype], nn.Module]
 #: The modules served through a view of their own, tried in order: (detection, view). Any other module
 #: holding fused 3-D expert tensors is served as it is.
 _SPECIAL_MODULES: tuple[tuple[Callable[[nn.Module], bool], _ViewOf], ...] = (
-    (_is_mxfp4_packed, _DequantizedMxfp4Experts),  # gpt-oss, MXFP4
+    (_is_mxfp4_packed, _PackedMxfp4Experts),  # gpt-oss, MXFP4
     (_is_routed_block, lambda name, module, dtype: _RoutedBlockExperts(module)),  # JetMoE
 )
 
@@ -383,9 +449,12 @@ def _is_experts_module(module: nn.Module) -> bool:
     return _is_fused_experts(module) or any(detect(module) for detect, _ in _SPECIAL_MODULES)
 
 
-def _experts_view(name: str, module: nn.Module, dtype: torch.dtype) -> nn.Module:
+def _experts_view(name: str, module: nn.Module, dtype: torch.dtype, *, dequantize_mxfp4: bool = False
+                  ) -> nn.Module:
     """What attach checks and serves: the module itself, the experts of a routed block, or MXFP4 experts
-    dequantized into ``dtype``."""
+    packed (``_PackedMxfp4Experts``) or, with ``dequantize_mxfp4``, dequantized into ``dtype``."""
+    if dequantize_mxfp4 and _is_mxfp4_packed(module):
+        return _DequantizedMxfp4Experts(name, module, dtype)
     for detect, view in _SPECIAL_MODULES:
         if detect(module):
             return view(name, module, dtype)
@@ -408,7 +477,8 @@ def _adapter_gate_up_interleaved(module: nn.Module) -> bool:
 #: a module, or "" where its case does not apply.
 _STORAGE_WORDS: tuple[Callable[[nn.Module], str], ...] = (
     lambda m: "ungated up_proj" if _gate_up_name(m) == "up_proj" else "gate_up_proj",  # Nemotron-H
-    lambda m: "MXFP4 (dequantized at attach)" if isinstance(m, _DequantizedMxfp4Experts) else "",  # gpt-oss
+    lambda m: ("MXFP4 (packed)" if isinstance(m, _PackedMxfp4Experts) else "MXFP4 (dequantized at attach)"
+               if isinstance(m, _DequantizedMxfp4Experts) else ""),  # gpt-oss
     lambda m: "interleaved gate/up" if _adapter_gate_up_interleaved(m) else "",  # gpt-oss
     lambda m: "transposed" if _transposed(m) else "",  # Aria, gpt-oss, Llama-4
     lambda m: "biases" if any(b is not None for b in _raw_biases(m)) else "",  # gpt-oss
@@ -459,6 +529,8 @@ def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     unflagged, Llama-4), identity experts' rows left out (LongCat-Flash) and an ungated up projection
     (Nemotron-H: both halves read the same rows, stride 0); interleaved gate/up columns (gpt-oss) are
     de-interleaved into one copy of gate/up, in the storage's orientation."""
+    if isinstance(module, _PackedMxfp4Experts):  # uint8 blocks: FusedMoEWithLoRA(mxfp4=module.mxfp4)
+        return module.w13_blocks, module.w2_blocks
     w13, w2 = getattr(module, _gate_up_name(module)), module.down_proj
     if not getattr(module, "is_concatenated", True):
         # A halves view of interleaved columns reads gate and up at stride 2: 6-8x the time of GEMM1's

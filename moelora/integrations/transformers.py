@@ -459,6 +459,7 @@ def attach(
     cuda_graphs: bool = True,
     graph_max_tokens: int = 64,
     base_experts: str = "auto",
+    dequantize_mxfp4: bool = False,
 ) -> MoELoRAHandle:
     """Swaps every routed-experts module of a transformers-5 MoE ``model`` for a :class:`MoELoRAExperts`
     and returns the :class:`MoELoRAHandle`.
@@ -484,6 +485,9 @@ def attach(
             adapters do), ``"model"`` (the model's own experts module: exactly the model's numbers), or
             ``"auto"`` (default): the kernels on CUDA, where they are faster than transformers' own experts
             loop, the model's module elsewhere. Outside any adapter context the model's own module runs.
+        dequantize_mxfp4: MXFP4 experts (gpt-oss) are served packed by default, the GEMMs decoding them in
+            their K-loops (their bytes once more beside the model's hub tensors); ``True`` serves a bf16 copy
+            decoded at attach instead (about four times the MXFP4 bytes).
 
     Raises:
         UnsupportedModelError: a MoE layer that cannot be served exactly (the message says why), or no fused
@@ -530,7 +534,8 @@ def attach(
                 "this transformers runs them through its hub kernels' routing; load the model with "
                 "quantization_config=Mxfp4Config(dequantize=True) and attach that"
             )
-        module = views[name] = _experts_view(name, block, _activation_dtype(model))
+        module = views[name] = _experts_view(name, block, _activation_dtype(model),
+                                             dequantize_mxfp4=dequantize_mxfp4)
         activations[name] = _check_supported(name, module, parent)
         parallel[name] = _sharding_of(name, module, model)
         if parallel[name] is None and getattr(module, "_is_expert_parallel", False):
