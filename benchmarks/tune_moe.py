@@ -2,6 +2,7 @@
 
     python benchmarks/tune_moe.py --models deepseek-v2-lite qwen3-30b-a3b --M 1 16 64 256 1024 4096
     python benchmarks/tune_moe.py --dtype fp8 --models qwen3-30b-a3b deepseek-v3    # block-scaled FP8
+    python benchmarks/tune_moe.py --dtype mxfp4 --models gpt-oss-20b gpt-oss-120b    # MXFP4 (W4A16)
 
 For each model shape and token count M, the two GEMMs are tuned apart (they share BLOCK_SIZE_M, since
 one alignment feeds both): every candidate BLOCK_SIZE_M is aligned once, then each GEMM's candidates
@@ -50,6 +51,7 @@ from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
 from triton_ops.fused_moe import invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.hostmath import cdiv  # noqa: E402
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size  # noqa: E402
+from triton_ops.mxfp4 import Mxfp4Weights  # noqa: E402
 
 MODELS = {
     "deepseek-v2-lite": (64, 6, 2048, 1408),
@@ -57,6 +59,8 @@ MODELS = {
     "deepseek-v3": (256, 8, 7168, 2048),
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "deepseek-v2": (160, 6, 5120, 1536),
+    "gpt-oss-20b": (32, 4, 2880, 2880),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
 }
 
 
@@ -128,13 +132,16 @@ def compile_share(job: int, jobs: int) -> Callable[[Callable[[], object]], float
 
 def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator,
                fp8: BlockFp8Weights | None = None,
-               timer: Callable[[Callable[[], object]], float] = bench_gemm):
+               timer: Callable[[Callable[[], object]], float] = bench_gemm,
+               mxfp4: Mxfp4Weights | None = None):
     """Best MoEConfig for M tokens, with its time and the heuristic's time (µs, both GEMMs), each GEMM
     timed by ``timer``. ``fp8``: the scales of float8_e4m3fn w13/w2; the GEMMs then read x and h quantized
-    (bf16 activations), with BLOCK_SIZE_K the scale group."""
+    (bf16 activations), with BLOCK_SIZE_K the scale group. ``mxfp4``: the scales of uint8 MXFP4 blocks
+    w13 (E, 2I, H / 2) / w2 (E, H, I / 2), decoded in the GEMMs (bf16 activations)."""
     num_experts, two_i, hidden = w13.shape
+    hidden *= 2 if mxfp4 is not None else 1
     inter = two_i // 2
-    dtype = torch.bfloat16 if fp8 is not None else w13.dtype
+    dtype = torch.bfloat16 if fp8 is not None or mxfp4 is not None else w13.dtype
     x = torch.randn(m, hidden, device="cuda", dtype=dtype, generator=gen)
     logits = torch.randn(m, num_experts, device="cuda", generator=gen)
     weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
@@ -150,6 +157,8 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
         gemm2_a, h_scale = quantize_fp8_groups(act.normal_(generator=gen), block_k)
         gemm1_fp8 = dict(a_scale=x_scale, b_scale=fp8.w13_scale, scale_block_n=block_n)
         gemm2_fp8 = dict(a_scale=h_scale, b_scale=fp8.w2_scale, scale_block_n=block_n)
+    if mxfp4 is not None:
+        gemm1_fp8, gemm2_fp8 = dict(b_scale=mxfp4.w13_scale), dict(b_scale=mxfp4.w2_scale)
 
     def time_gemm1(cfg: GemmConfig, align: dict) -> float:
         return timer(lambda: invoke_fused_moe_kernel(
@@ -165,6 +174,9 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
         return dict(sorted_ids=s, expert_ids=e, num_post_padded=n)
 
     default = default_moe_config(m, num_experts, hidden, inter, top_k, dtype)
+    if mxfp4 is not None:  # K steps of whole scale groups
+        default = replace(default, gemm1=replace(default.gemm1, block_k=max(32, default.gemm1.block_k)),
+                          gemm2=replace(default.gemm2, block_k=max(32, default.gemm2.block_k)))
     if block_k is not None:
         default = replace(default, gemm1=replace(default.gemm1, block_k=block_k),
                           gemm2=replace(default.gemm2, block_k=block_k))
@@ -251,14 +263,18 @@ def compile_sweep(names: list[str], token_counts: list[int], dtype: torch.dtype,
         gen = torch.Generator(device="cuda").manual_seed(0)
         w13 = torch.empty(1, 2 * inter, hidden, device="cuda", dtype=dtype).expand(num_experts, -1, -1)
         w2 = torch.empty(1, hidden, inter, device="cuda", dtype=dtype).expand(num_experts, -1, -1)
-        fp8 = None
+        fp8 = mxfp4 = None
         if dtype == FP8_DTYPE:
             block_n, block_k = BlockFp8Weights.block_shape
             fp8 = BlockFp8Weights(*(
                 torch.ones(1, cdiv(w.shape[1], block_n), cdiv(w.shape[2], block_k), device="cuda")
                 .expand(num_experts, -1, -1) for w in (w13, w2)))
+        elif dtype == torch.uint8:
+            w13, w2 = (w[..., : w.shape[-1] // 2] for w in (w13, w2))  # two values a byte
+            mxfp4 = Mxfp4Weights(*(torch.full((1, w.shape[1], w.shape[2] // 16), 127, dtype=torch.uint8,
+                                              device="cuda").expand(num_experts, -1, -1) for w in (w13, w2)))
         for m in token_counts:
-            tune_point(m, w13, w2, top_k, gen, fp8, timer=compile_share(job, jobs))
+            tune_point(m, w13, w2, top_k, gen, fp8, timer=compile_share(job, jobs), mxfp4=mxfp4)
 
 
 def precompile(names: list[str], token_counts: list[int], dtype: torch.dtype, jobs: int) -> None:
@@ -282,12 +298,23 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
                ) -> tuple[str, dict]:
     num_experts, top_k, hidden, inter = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    fp8 = None
-    weight_dtype = torch.bfloat16 if dtype == FP8_DTYPE else dtype
+    fp8 = mxfp4 = None
+    weight_dtype = torch.bfloat16 if dtype in (FP8_DTYPE, torch.uint8) else dtype
     w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=weight_dtype,
                       generator=gen) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=weight_dtype,
                      generator=gen) / inter**0.5
+    if dtype == torch.uint8:  # random MXFP4 blocks and scales: the values do not change the timing
+        def blocks(rows: int, cols: int) -> torch.Tensor:
+            return torch.randint(0, 256, (num_experts, rows, cols // 2), device="cuda", generator=gen,
+                                 dtype=torch.int32).to(torch.uint8)
+
+        def scales(rows: int, cols: int) -> torch.Tensor:
+            return torch.randint(118, 126, (num_experts, rows, cols // 32), device="cuda", generator=gen,
+                                 dtype=torch.int32).to(torch.uint8)
+
+        w13, w2 = blocks(2 * inter, hidden), blocks(hidden, inter)
+        mxfp4 = Mxfp4Weights(scales(2 * inter, hidden), scales(hidden, inter))
     if dtype == FP8_DTYPE:
         (w13, w13_scale), (w2, w2_scale) = quantize_fp8_blocks(w13), quantize_fp8_blocks(w2)
         fp8 = BlockFp8Weights(w13_scale, w2_scale)
@@ -300,7 +327,7 @@ def tune_shape(name: str, token_counts: list[int], dtype: torch.dtype, out_dir: 
         else:
             # Decode-sized GEMMs take a few µs, less than an eager launch's host time: timed from graphs.
             timer = graph_timer if m * top_k <= SINGLE_PROGRAM_MAX_PAIRS else bench_gemm
-            tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen, fp8, timer=timer)
+            tuned, tuned_us, default_us = tune_point(m, w13, w2, top_k, gen, fp8, timer=timer, mxfp4=mxfp4)
             print(f"{name:18s} M={m:5d}  heuristic {default_us:9.1f} us  tuned {tuned_us:9.1f} us  "
                   f"({default_us / tuned_us:.2f}x)  {tuned.to_dict()}", flush=True)
         if lora_rank:
@@ -331,9 +358,10 @@ def main() -> None:
     )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--M", nargs="+", type=int, default=[1, 16, 64, 256, 1024, 4096])
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp8"], default="bf16",
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp8", "mxfp4"], default="bf16",
                         help="fp8: float8_e4m3fn experts with 128 x 128 block scales, bf16 activations "
-                             "(files named dtype=fp8_w8a8)")
+                             "(files named dtype=fp8_w8a8); mxfp4: MXFP4 experts decoded in the GEMMs, "
+                             "bf16 activations (dtype=mxfp4_w4a16)")
     parser.add_argument("--lora-rank", type=int, default=0, help="also tune the split LoRA layer's tiles "
                         "(prefill M) with adapters of this rank, stored as each entry's \"lora\" object")
     parser.add_argument("--lora-adapters", type=int, default=4, help="adapters in the LoRA tuning batch")
@@ -357,10 +385,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tune_moe.py needs a CUDA GPU")
     os.environ["MOELORA_MOE_CONFIG"] = "heuristic"  # trial configs come from the tuner, not the files
-    if args.dtype == "fp8" and args.lora_rank:
-        raise SystemExit("--lora-rank with --dtype fp8 is not supported yet: the FP8 LoRA layer uses the "
-                         "base entry's tiles")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}[args.dtype]
+    if args.dtype in ("fp8", "mxfp4") and args.lora_rank:
+        raise SystemExit(f"--lora-rank with --dtype {args.dtype} is not supported yet: that LoRA layer uses "
+                         "the base entry's tiles")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE,
+             "mxfp4": torch.uint8}[args.dtype]
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     if args.jobs > 1 and not args.lora_only:

@@ -193,9 +193,10 @@ def env_switch(name: str, default: bool) -> bool:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The dtype's name in tuned file names; float8_e4m3fn weights are the block-scaled W8A8 GEMMs."""
+    """The dtype's name in tuned file names; float8_e4m3fn weights are the block-scaled W8A8 GEMMs, uint8
+    ones MXFP4 blocks (W4A16: ``triton_ops.mxfp4``)."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-            torch.float8_e4m3fn: "fp8_w8a8"}[dtype]
+            torch.float8_e4m3fn: "fp8_w8a8", torch.uint8: "mxfp4_w4a16"}[dtype]
 
 
 def device_name(device: torch.device | None = None) -> str:

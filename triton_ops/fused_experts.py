@@ -24,8 +24,10 @@ from triton_ops import overrides
 from triton_ops.configs import (
     MAX_SHARED_BYTES,
     MoEConfig,
+    device_name,
     get_moe_config,
     pipeline_smem_bytes,
+    tuned_moe_config,
 )
 from triton_ops.decode_shrink import (
     decode_shrink_block_k,
@@ -486,6 +488,9 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         # FP8 GEMMs read their own tuned files (dtype "fp8_w8a8"), else the heuristic's tiles.
         bf16_tiles = not scale_block_k or (split and fp8_lora_takes_bf16_tiles(rows))
         tiles_dtype = dtype if bf16_tiles else FP8_DTYPE
+        if mxfp4 and tuned_moe_config(rows, num_experts, intermediate, torch.uint8,
+                                      device_name(device)) is not None:
+            tiles_dtype = torch.uint8  # the MXFP4 GEMMs' own tuned file (dtype "mxfp4_w4a16")
         cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, tiles_dtype, device, lora=split,
                              rank_block=rank_block if split else 0, num_adapters=num_adapters if split else 0)
     if lora is not None and lora_path == "fused":
