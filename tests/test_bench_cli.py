@@ -361,6 +361,55 @@ def test_merge_results_runs_split_by_m():
         merge_runs([small, large])
 
 
+@pytest.mark.interpreter
+def test_mxfp4_bench_dry_run_rows_and_bad_arguments(tmp_path, capsys):
+    """benchmarks/bench_mxfp4.py's dry run (tiny shape, Triton interpreter) times the bf16 and MXFP4 bases
+    with and without LoRA for each M: a row per M with a speedup, its target and both LoRA overheads, the
+    expert bytes of the model, and MXFP4 outputs equal to those of the decoded bf16-path weights. A bad
+    argument is a usage error (exit code 2) before anything runs."""
+    bench = _script("bench_mxfp4")
+    out = tmp_path / "mx.json"
+    assert bench.main(["--dry-run", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert out.with_suffix(".md").read_text() == table.removesuffix("\n")  # print() adds one
+    assert ("| model | M | bf16 base µs | MXFP4 base µs | MXFP4 speedup | target | MXFP4 weight TB/s "
+            "(roofline) | LoRA r4 x2: bf16 / MXFP4 overhead |") in table
+
+    payload = json.loads(out.read_text())
+    assert payload["device"] == "cpu (TRITON_INTERPRET=1)" and payload["dry_run"] is True
+    records = payload["records"]
+    assert [(r["model"], r["M"]) for r in records] == [("tiny", 1), ("tiny", 5)]
+    for r in records:
+        t = r["times_us"]
+        assert set(t) == {"bf16", "mxfp4", "bf16 r4 x2", "mxfp4 r4 x2"} and min(t.values()) > 0
+        assert r["mxfp4_speedup"] == pytest.approx(t["bf16"] / t["mxfp4"])
+        assert r["target_speedup"] == 1.8 and r["target_met"] == (r["mxfp4_speedup"] >= 1.8)
+        assert r["overheads"] == pytest.approx({f"{base} r4 x2": t[f"{base} r4 x2"] / t[base] - 1
+                                                for base in ("bf16", "mxfp4")})
+        assert r["mxfp4_weight_tbps"] > 0 and r["mxfp4_roofline"] is None  # no HBM peak for the CPU
+        # float32 dense copy of the same values: the MXFP4 GEMMs compute the same outputs
+        assert set(r["mxfp4_rel_err_vs_bf16"]) == {"mxfp4", "mxfp4 r4 x2"}
+        assert max(r["mxfp4_rel_err_vs_bf16"].values()) < 1e-5
+        row = f"| tiny | {r['M']} | {t['bf16']:.1f} | {t['mxfp4']:.1f} | {r['mxfp4_speedup']:.2f} | "
+        assert row in table
+    assert table.count("\n| tiny | ") == len(records) + 1  # + the expert-bytes row
+    (model,) = payload["models"]
+    # E x 3 x H x I values: 17 bytes per 32 packed (16 of codes, 1 scale), 64 in bf16
+    assert model["packed_gb"] == pytest.approx(4 * 3 * 64 * 32 * 17 / 32 / 1e9)
+    assert model["bf16_gb"] == pytest.approx(4 * 3 * 64 * 32 * 2 / 1e9)
+    assert "| tiny | 4 | 2 | 64 | 32 | silu | no |" in table
+
+    assert bench.target_for(64) == 1.8 and bench.target_for(256) is None and bench.target_for(4096) == 0.9
+    shape = bench.SHAPES["gpt-oss-120b"]
+    assert (shape.E, shape.top_k, shape.H, shape.I, shape.biases) == (128, 4, 2880, 2880, True)
+    assert shape.activation == bench.SHAPES["gpt-oss-20b"].activation
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--dry-run", "--adapters", "9", "--out", str(tmp_path / "bad.json")])
+    assert exc.value.code == 2 and "--adapters in [1, 8]" in capsys.readouterr().err
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_many_adapters_mixed_step_layout_and_floor():
     """A mixed serving step: the decode tokens draw their adapters one by one, the prefill chunk is one
     adapter's; its byte floor counts the (adapter, expert) pairs of that layout."""

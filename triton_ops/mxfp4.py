@@ -177,10 +177,20 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, 
 def dequantize_mxfp4_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
                            ) -> torch.Tensor:
     """``dequantize_mxfp4`` in PyTorch ops, for devices Triton does not run on (the layer's torch path):
-    (..., N, K / 2) blocks (any strides) and (..., N, K / 32) scales to (..., N, K) ``dtype``."""
+    (..., N, K / 2) blocks (any strides) and (..., N, K / 32) scales to (..., N, K) ``dtype``. Decoded a
+    slice of the leading dim at a time, so the temporaries stay a few times one slice's output."""
+    out = torch.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), dtype=dtype, device=blocks.device)
+    if blocks.dim() < 3:
+        return _decode_mxfp4_torch(blocks, scales, out)
+    for i in range(blocks.shape[0]):
+        _decode_mxfp4_torch(blocks[i], scales[i], out[i])
+    return out
+
+
+def _decode_mxfp4_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()
-    exponents = scales.to(torch.int32).repeat_interleave(MXFP4_GROUP, dim=-1) - 127
-    values = torch.ldexp(table[codes], exponents.float())
-    values = torch.where(scales.repeat_interleave(MXFP4_GROUP, dim=-1) == 255, float("nan"), values)
-    return values.to(dtype)
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).int()
+    group_scales = scales.repeat_interleave(MXFP4_GROUP, dim=-1)
+    values = torch.ldexp(table[codes], group_scales.float() - 127)
+    out.copy_(values.masked_fill_(group_scales == 255, float("nan")))
+    return out
