@@ -302,3 +302,18 @@ def test_layer_refuses_mxfp4_experts_it_cannot_serve():
     with pytest.raises(TypeError, match=message):
         layer(torch.zeros(2, 64, dtype=torch.float16), torch.ones(2, 1),
               torch.zeros(2, 1, dtype=torch.int32))
+
+
+def test_mxfp4_chunks_step_k_by_whole_scale_groups_within_the_registers():
+    """Without a tuned MXFP4 file the GEMMs' K step is held to 32-128 columns: whole scale groups, and no
+    decoded tile too big for the registers (sm_90 spills at 256)."""
+    from triton_ops.configs import GemmConfig, MoEConfig
+    from triton_ops.fused_experts import plan_chunk
+
+    forced = MoEConfig(GemmConfig(16, 64, 256), GemmConfig(16, 64, 16))
+    plan = plan_chunk(5, 2, 8, 64, 64, torch.bfloat16, torch.device("cpu"), lora=None, lora_path="fused",
+                      config=forced, combine=True, mxfp4=True)
+    assert (plan.config.gemm1.block_k, plan.config.gemm2.block_k) == (128, 32)
+    dense = plan_chunk(5, 2, 8, 64, 64, torch.bfloat16, torch.device("cpu"), lora=None, lora_path="fused",
+                       config=forced, combine=True)
+    assert (dense.config.gemm1.block_k, dense.config.gemm2.block_k) == (256, 16)

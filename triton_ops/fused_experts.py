@@ -482,14 +482,16 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     rank_block = lora_rank_block(lora.max_rank) if lora is not None else 0
     num_adapters = lora.num_adapters if lora is not None else 0
     elem_bytes = dtype.itemsize
+    mxfp4_tuned = False
     if config is not None:
         cfg = config.for_lora(rank_block, num_adapters) if split else config
     else:
         # FP8 GEMMs read their own tuned files (dtype "fp8_w8a8"), else the heuristic's tiles.
         bf16_tiles = not scale_block_k or (split and fp8_lora_takes_bf16_tiles(rows))
         tiles_dtype = dtype if bf16_tiles else FP8_DTYPE
-        if mxfp4 and tuned_moe_config(rows, num_experts, intermediate, torch.uint8,
-                                      device_name(device)) is not None:
+        mxfp4_tuned = mxfp4 and tuned_moe_config(rows, num_experts, intermediate, torch.uint8,
+                                                 device_name(device)) is not None
+        if mxfp4_tuned:
             tiles_dtype = torch.uint8  # the MXFP4 GEMMs' own tuned file (dtype "mxfp4_w4a16")
         cfg = get_moe_config(rows, num_experts, hidden, intermediate, top_k, tiles_dtype, device, lora=split,
                              rank_block=rank_block if split else 0, num_adapters=num_adapters if split else 0)
@@ -498,9 +500,11 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
     if scale_block_k:
         cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=scale_block_k),
                       gemm2=replace(cfg.gemm2, block_k=scale_block_k))
-    if mxfp4 and min(cfg.gemm1.block_k, cfg.gemm2.block_k) < 32:
-        cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=max(32, cfg.gemm1.block_k)),
-                      gemm2=replace(cfg.gemm2, block_k=max(32, cfg.gemm2.block_k)))
+    if mxfp4 and not mxfp4_tuned:
+        # K steps of whole scale groups; bf16 tiles' 256-deep steps decode a tile too big for the registers
+        # (sm_90, resource_report: 255 registers and spills at 16x64x256, none at 16x64x128).
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=min(128, max(32, cfg.gemm1.block_k))),
+                      gemm2=replace(cfg.gemm2, block_k=min(128, max(32, cfg.gemm2.block_k))))
     pairs = rows * top_k
     align_sparse = sparse_routing and sparse_routing_aligns(hidden, intermediate, elem_bytes)
     direct = (not staged and not align_sparse and pairs <= SINGLE_PROGRAM_MAX_PAIRS
