@@ -36,6 +36,7 @@ from moelora.bench import (  # noqa: E402
     device_peaks,
     graph_times_us,
     lora_inputs,
+    make_biases,
     make_lora_buffers,
     make_routing,
     make_weights,
@@ -84,6 +85,9 @@ def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int],
     w13_q, w13_s = quantize_fp8_blocks(w13, BLOCK)
     w2_q, w2_s = quantize_fp8_blocks(w2, BLOCK)
     fp8 = BlockFp8Weights(w13_s, w2_s, BLOCK)
+    # The shape's own math (gpt-oss: the clamped SwiGLU and expert biases) in every call.
+    math = dict(activation=shape.activation, w13_bias=None, w2_bias=None)
+    math["w13_bias"], math["w2_bias"] = make_biases(shape, dtype, device, seed)
     peak = device_peaks(torch.cuda.get_device_name())["hbm_tbps"]
     records = []
     for m in ms:
@@ -91,8 +95,8 @@ def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int],
         gen = torch.Generator().manual_seed(seed + 7 * m + 1)
         x = torch.randn(m, shape.H, generator=gen).to(device, dtype)
         calls = {
-            "bf16": lambda: fused_experts(x, w13, w2, weights, ids),
-            "fp8": lambda: fused_experts(x, w13_q, w2_q, weights, ids, fp8=fp8),
+            "bf16": lambda: fused_experts(x, w13, w2, weights, ids, **math),
+            "fp8": lambda: fused_experts(x, w13_q, w2_q, weights, ids, fp8=fp8, **math),
         }
         for rank in ranks:
             buf = make_lora_buffers(shape, rank, SLOTS, dtype, device, seed + rank)
@@ -100,9 +104,9 @@ def bench_model(name: str, ms: list[int], ranks: list[int], adapters: list[int],
                 slots = token_slots_for(m, n, "uniform", seed + 13 * m + n)
                 lora = lora_inputs(buf, slots, SLOTS, n, rank, device)
                 calls[f"bf16 r{rank} x{n}"] = (lambda lora=lora: fused_experts(
-                    x, w13, w2, weights, ids, lora=lora, lora_path="split"))
+                    x, w13, w2, weights, ids, lora=lora, lora_path="split", **math))
                 calls[f"fp8 r{rank} x{n}"] = (lambda lora=lora: fused_experts(
-                    x, w13_q, w2_q, weights, ids, fp8=fp8, lora=lora, lora_path="split"))
+                    x, w13_q, w2_q, weights, ids, fp8=fp8, lora=lora, lora_path="split", **math))
         if ab_env:  # every FP8 call again with the switch set, timed in the same rounds
             calls |= {f"{label} [B]": with_env(ab_env, fn) for label, fn in calls.items()
                       if label.startswith("fp8")}
