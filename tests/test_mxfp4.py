@@ -317,3 +317,52 @@ def test_mxfp4_chunks_step_k_by_whole_scale_groups_within_the_registers():
     dense = plan_chunk(5, 2, 8, 64, 64, torch.bfloat16, torch.device("cpu"), lora=None, lora_path="fused",
                        config=forced, combine=True)
     assert (dense.config.gemm1.block_k, dense.config.gemm2.block_k) == (256, 16)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 64, 300])
+@pytest.mark.parametrize("path", [None, "split", "fused", "staged"])
+def test_gpu_mxfp4_layer_matches_the_bf16_layer_on_its_values(m, path):
+    """Compiled kernels, bf16 activations, gpt-oss-20b's sizes (E=32, top-4, H=I=2880: 90 scale groups a
+    row): the MXFP4 layer is bit for bit the bf16 layer on the decoded weights
+    with the same tiles (the decode is exact), with gpt-oss' clamped SwiGLU and biases, four rank-16
+    adapters and tokens without one; and near the fp32 oracle."""
+    from test_decode_launches import lora_inputs
+
+    from moelora.activations import GatedActivation
+    from moelora.reference import reference_moe
+    from triton_ops.configs import GemmConfig, MoEConfig
+    from triton_ops.fused_experts import fused_experts
+    from triton_ops.mxfp4 import Mxfp4Weights, dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(m)
+    experts, top_k, hidden, inter = 32, 4, 2880, 2880
+    gu_blocks, gu_scales = random_mxfp4(experts * 2 * inter, hidden // 32, gen, scale_range=(118, 124))
+    w2_blocks, w2_scales = random_mxfp4(experts * hidden, inter // 32, gen, scale_range=(118, 124))
+    gu_blocks, gu_scales = (t.view(experts, 2 * inter, -1).cuda() for t in (gu_blocks, gu_scales))
+    w2_blocks, w2_scales = (t.view(experts, hidden, -1).cuda() for t in (w2_blocks, w2_scales))
+    w13 = dequantize_mxfp4(gu_blocks, gu_scales, torch.bfloat16)
+    w2 = dequantize_mxfp4(w2_blocks, w2_scales, torch.bfloat16)
+    x = torch.randn(m, hidden, generator=gen).cuda().to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(top_k, -1)
+    weights, ids = weights.cuda(), ids.to(torch.int32).cuda()
+    activation = GatedActivation("clamped_swiglu", 7.0, 1.702, 1.0)
+    b13 = (torch.randn(experts, 2 * inter, generator=gen) * 0.1).cuda().to(torch.bfloat16)
+    b2 = (torch.randn(experts, hidden, generator=gen) * 0.1).cuda().to(torch.bfloat16)
+    block_m = 16 if m * top_k <= 128 else 64
+    tiles = GemmConfig(block_m, 64, 64, 1 if block_m == 16 else 8, 4, 3)
+    kwargs = dict(activation=activation, w13_bias=b13, w2_bias=b2, config=MoEConfig(tiles, tiles))
+    adapters = per_token = None
+    if path is not None:
+        lora, adapters, per_token = lora_inputs(m, experts, hidden, inter, torch.bfloat16, seed=m,
+                                                ranks=(16, 8, 16, 4), device="cuda")
+        kwargs |= dict(lora=lora, lora_path=path)
+    packed = fused_experts(x, gu_blocks, w2_blocks, weights, ids, mxfp4=Mxfp4Weights(gu_scales, w2_scales),
+                           **kwargs)
+    dense = fused_experts(x, w13, w2, weights, ids, **kwargs)
+    assert torch.isfinite(packed).all()
+    assert torch.equal(packed, dense)
+    ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
+                        token_adapter=per_token, activation=activation, w13_bias=b13.float(),
+                        w2_bias=b2.float())
+    assert ((packed.float() - ref).norm() / ref.norm()).item() < 2e-2
