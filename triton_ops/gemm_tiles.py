@@ -178,7 +178,7 @@ def _load_mxfp4_b(
 @triton.jit
 def _load_a_and_mxfp4_b(a_ptrs, b_ptrs, scale_ptrs, row_valid, col_valid, offs_k, k_left,
                         EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The a tile and the decoded MXFP4 b tile of one K step, and the step's K mask (unmasked: None)."""
+    """The a tile and the decoded MXFP4 b tile of one K step, and the step's K mask."""
     k_valid = offs_k < k_left
     if EVEN_K:
         a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
