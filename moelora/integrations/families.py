@@ -249,19 +249,17 @@ def _mxfp4_dequantized(name: str, packed: nn.Module, proj: str, dtype: torch.dty
     store it: ``(E, H, 2I)`` (gate/up columns interleaved) or ``(E, I, H)``. The hub tensors are unswizzled
     and the FP4 values decoded by transformers' own conversion (what it runs to save such a model, and to
     load one with ``Mxfp4Config(dequantize=True)``)."""
+    blocks, scales = _mxfp4_packed_tensors(name, packed, proj)
     try:
-        from transformers.integrations.mxfp4 import Mxfp4ReverseDeserialize, convert_moe_packed_tensors
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-        packed_tensors = Mxfp4ReverseDeserialize(None).convert({}, model=packed,
-                                                               full_layer_name=f"{proj}_blocks")
-        blocks, scales = packed_tensors[f"{proj}_blocks"], packed_tensors[f"{proj}_scales"]
         with torch.no_grad():
             return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
-    except Exception as exc:  # plain uint8 tensors without their scales, another hub or transformers version
+    except Exception as exc:  # another transformers version's conversion
         raise UnsupportedModelError(
             f"experts module {name!r} ({type(packed).__name__}) holds MXFP4 weights that cannot be "
-            f"dequantized at attach ({type(exc).__name__}: {exc}); load the model with quantization_config="
-            "Mxfp4Config(dequantize=True) (the experts in bfloat16) and attach that"
+            f"dequantized at attach ({type(exc).__name__}: {exc}); attach it packed (the default) or load "
+            "the model with quantization_config=Mxfp4Config(dequantize=True) and attach that"
         ) from exc
 
 
