@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.lora_tiles import _dot
-from triton_ops.mxfp4 import mxfp4_tile_kn, mxfp4_tile_kn_bf16
+from triton_ops.mxfp4 import mxfp4_tile_kn
 
 ACTIVATION_NONE = 0
 ACTIVATION_SILU = 1
@@ -170,8 +170,8 @@ def _load_mxfp4_b(
         group_valid = tl.arange(0, BLOCK_K // 32) < k_left // 32
         packed = tl.load(b_ptrs, mask=byte_valid[:, None] & col_valid[None, :], other=0)
         scales = tl.load(scale_ptrs, mask=group_valid[:, None] & col_valid[None, :], other=127)
-    if dtype == tl.bfloat16:  # half the registers of the fp32 tile (mxfp4_tile_kn_bf16)
-        return mxfp4_tile_kn_bf16(packed, scales, BLOCK_K)
+    if dtype == tl.bfloat16:  # built in bf16: fewer registers than the fp32 tile
+        return mxfp4_tile_kn(packed, scales, BLOCK_K, BF16=True)
     return mxfp4_tile_kn(packed, scales, BLOCK_K).to(dtype)
 
 
