@@ -51,7 +51,7 @@ from triton_ops.fused_experts import MoELoRAInputs, fused_experts  # noqa: E402
 from triton_ops.fused_moe import invoke_fused_moe_kernel, lora_rank_block  # noqa: E402
 from triton_ops.hostmath import cdiv  # noqa: E402
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, moe_align_block_size  # noqa: E402
-from triton_ops.mxfp4 import Mxfp4Weights  # noqa: E402
+from triton_ops.mxfp4 import Mxfp4Weights, untuned_block_k  # noqa: E402
 
 MODELS = {
     "deepseek-v2-lite": (64, 6, 2048, 1408),
@@ -174,9 +174,9 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
         return dict(sorted_ids=s, expert_ids=e, num_post_padded=n)
 
     default = default_moe_config(m, num_experts, hidden, inter, top_k, dtype)
-    if mxfp4 is not None:  # K steps of whole scale groups
-        default = replace(default, gemm1=replace(default.gemm1, block_k=max(32, default.gemm1.block_k)),
-                          gemm2=replace(default.gemm2, block_k=max(32, default.gemm2.block_k)))
+    if mxfp4 is not None:  # the tiles an untuned MXFP4 layer runs
+        default = replace(default, **{gemm: replace(tile, block_k=untuned_block_k(tile.block_k))
+                                      for gemm, tile in (("gemm1", default.gemm1), ("gemm2", default.gemm2))})
     if block_k is not None:
         default = replace(default, gemm1=replace(default.gemm1, block_k=block_k),
                           gemm2=replace(default.gemm2, block_k=block_k))

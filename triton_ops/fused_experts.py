@@ -57,7 +57,7 @@ from triton_ops.moe_lora import (
     shrink_row_programs,
 )
 from triton_ops.moe_sum import moe_sum_reduce
-from triton_ops.mxfp4 import Mxfp4Weights, check_mxfp4_experts
+from triton_ops.mxfp4 import Mxfp4Weights, check_mxfp4_experts, untuned_block_k
 from triton_ops.pdl import (
     decode_shrink_overlap,
     dependent_fp8_decode,
@@ -241,9 +241,9 @@ def fused_experts(
         # input of the base path's fused epilogue and come out bit for bit equal to it (docs/design.md §1).
         gemm1_raw = torch.empty((chunk * top_k, two_i), dtype=torch.float32, device=x.device)
     scale_block_n, scale_block_k = fp8.block_shape if block_scaled else (0, 0)
-    gemm1_fp8 = gemm2_fp8 = {}
+    gemm1_quant = gemm2_quant = {}
     if mxfp4 is not None:  # the GEMMs' scale operands; nothing else changes for packed weights
-        gemm1_fp8, gemm2_fp8 = dict(b_scale=mxfp4.w13_scale), dict(b_scale=mxfp4.w2_scale)
+        gemm1_quant, gemm2_quant = dict(b_scale=mxfp4.w13_scale), dict(b_scale=mxfp4.w2_scale)
     if block_scaled:
         # The GEMMs' copies of x and of the activated intermediate; the LoRA shrinks read the originals.
         x_q = torch.empty_like(x, dtype=FP8_DTYPE)
@@ -296,8 +296,8 @@ def fused_experts(
         gemm1_a = x[start:end]
         if block_scaled:
             gemm1_a = x_q[start:end]
-            gemm1_fp8 = dict(a_scale=x_scale[start:end], b_scale=fp8.w13_scale, scale_block_n=scale_block_n)
-            gemm2_fp8 = dict(a_scale=h_scale[:pairs], b_scale=fp8.w2_scale, scale_block_n=scale_block_n)
+            gemm1_quant = dict(a_scale=x_scale[start:end], b_scale=fp8.w13_scale, scale_block_n=scale_block_n)
+            gemm2_quant = dict(a_scale=h_scale[:pairs], b_scale=fp8.w2_scale, scale_block_n=scale_block_n)
         gemm1_lora = gemm2_lora = None
         if lora is not None:
             common = dict(slot_ranks=lora.slot_ranks, slot_scalings=lora.slot_scalings, top_k=top_k,
@@ -326,7 +326,7 @@ def fused_experts(
         if staged:
             invoke_fused_moe_kernel(gemm1_a, w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", bias=w13_bias,
-                                    **align, **gemm1_fp8)
+                                    **align, **gemm1_quant)
             moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, chunk_slots,
                                lora.slot_ranks, lora.slot_scalings, **align, block_m=cfg.block_m, top_k=top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
@@ -346,7 +346,7 @@ def fused_experts(
                 late_wait=plan.gemm1_late_wait,
                 dependent=plan.fp8_chain and lora is None,
                 **align,
-                **gemm1_fp8,
+                **gemm1_quant,
             )
         gemm2_a = chunk_activated
         if block_scaled:
@@ -386,7 +386,7 @@ def fused_experts(
             late_wait=plan.gemm2_late_wait,
             dependent=plan.fp8_chain,
             **align,
-            **gemm2_fp8,
+            **gemm2_quant,
         )
         if pair_out is not None and topk_sum is None:
             moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
@@ -501,10 +501,8 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=scale_block_k),
                       gemm2=replace(cfg.gemm2, block_k=scale_block_k))
     if mxfp4 and not mxfp4_tuned:
-        # K steps of whole scale groups; bf16 tiles' 256-deep steps decode a tile too big for the registers
-        # (sm_90, resource_report: 255 registers and spills at 16x64x256, none at 16x64x128).
-        cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=min(128, max(32, cfg.gemm1.block_k))),
-                      gemm2=replace(cfg.gemm2, block_k=min(128, max(32, cfg.gemm2.block_k))))
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, block_k=untuned_block_k(cfg.gemm1.block_k)),
+                      gemm2=replace(cfg.gemm2, block_k=untuned_block_k(cfg.gemm2.block_k)))
     pairs = rows * top_k
     align_sparse = sparse_routing and sparse_routing_aligns(hidden, intermediate, elem_bytes)
     direct = (not staged and not align_sparse and pairs <= SINGLE_PROGRAM_MAX_PAIRS

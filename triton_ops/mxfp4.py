@@ -27,6 +27,12 @@ from triton_ops.launch import launch
 MXFP4_GROUP = 32  # values per E8M0 scale
 
 
+def untuned_block_k(block_k: int) -> int:
+    """An MXFP4 GEMM's K step from a bf16 tile's: whole scale groups, and at most 128 (sm_90,
+    ``resource_report.py``: a decoded 16x64x256 tile reaches 255 registers and spills, 16x64x128 none)."""
+    return min(128, max(MXFP4_GROUP, block_k))
+
+
 @triton.jit
 def _e2m1_bits(codes, EXP_SHIFT: tl.constexpr):
     """The bits of 4-bit E2M1 codes (int32, 0..15) as a float of exponent bias 127 whose exponent field
