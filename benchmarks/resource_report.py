@@ -41,13 +41,15 @@ from triton_ops.configs import (  # noqa: E402
 )
 from triton_ops.fused_experts import _with_lora_tiles  # noqa: E402
 from triton_ops.fused_moe import (  # noqa: E402
-    REGISTERS_PER_SM,
-    WARPS_PER_SM,
     LoRAOperands,
     invoke_fused_moe_kernel,
     lora_rank_block,
 )
 from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS  # noqa: E402
+
+# 64K 32-bit registers and 64 resident warps per SM on the H100/H200 (and A100).
+REGISTERS_PER_SM = 65536
+WARPS_PER_SM = 64
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SMS = 132  # H100 SXM and H200

@@ -115,8 +115,6 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
     LAUNCH_ADAPTER_COUNT_MAX,
     LONG_K_SLOT_GROUP_MIN_K,
     PREFETCH_MAX_ADAPTERS_PAST_DECODE,
-    REGISTERS_PER_SM,
-    WARPS_PER_SM,
     LoRAEpilogue,
     _check_down_shrink,
     _check_packed,

@@ -38,13 +38,6 @@ def lora_rank_block(max_rank: int) -> int:
     return max(16, next_power_of_2(max(1, max_rank)))
 
 
-# 64K 32-bit registers and 64 resident warps per SM on the H100/H200 (and A100).
-REGISTERS_PER_SM = 65536
-
-
-WARPS_PER_SM = 64
-
-
 def gemm_blocks_per_sm(config: GemmConfig, *, gated: bool, lora_cols: int = 0, elem_bytes: int = 2) -> int:
     """Blocks of this GEMM an SM holds as far as its pipeline's shared memory goes (gate and up B tiles
     when ``gated``; ``lora_cols`` columns of LoRA A per stage with an inline shrink)."""
