@@ -548,6 +548,23 @@ def test_engine_forwards_run_without_cudnn_attention():
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def test_overlapping_engine_steps_put_the_cudnn_flag_back():
+    """Two engines' steps overlapping in one process (A starts, B starts, A ends, B ends): cuDNN attention
+    is off while either runs and on again after both, whatever the order they end in."""
+    from moelora.serve.engine import _attention_without_cudnn
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for first_out in ("a", "b"):
+        steps = {name: _attention_without_cudnn() for name in ("a", "b")}
+        steps["a"].__enter__()
+        steps["b"].__enter__()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        steps[first_out].__exit__(None, None, None)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()  # the other engine's step still runs
+        steps["b" if first_out == "a" else "a"].__exit__(None, None, None)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_warm_up_runs_every_mix_and_changes_nothing(oracle):
     """``Engine.warm_up`` runs the token counts up to ``max_step_tokens`` without adapter and with each
     rank tile's mixes of 1, 2, 3 adapters, reports each, leaves the pool as it was (nothing loaded,

@@ -31,12 +31,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["Engine", "EngineRequest", "SamplingParams"]
 
@@ -642,12 +642,34 @@ class Engine:
             log.exception("on_finish of %s failed", request.request_id)
 
 
-def _attention_without_cudnn():
+# Engines of one process whose steps are running now, and the cuDNN SDPA flag from before the first.
+_CUDNN_OFF_LOCK = threading.Lock()
+_cudnn_off_steps = 0
+_cudnn_flag_before = True
+
+
+@contextmanager
+def _attention_without_cudnn() -> Iterator[None]:
     """SDPA without its cuDNN backend for the engine's forwards. cuDNN attention builds an execution plan
     for every new query/key shape, and a serving batch's key length changes every step: each step then
     waits on a plan build (tens to hundreds of milliseconds) where the other backends launch at once.
-    The flags are process-wide while a step runs (torch keeps them global)."""
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    torch keeps the flag process-wide, so the steps of every engine in the process share one count: the
+    first to start turns cuDNN off, the last to end puts the flag back as it was. (Each step saving and
+    restoring it, as ``torch.nn.attention.sdpa_kernel`` does, leaves it off for good when two engines'
+    steps overlap: the second saves the first's "off".)"""
+    global _cudnn_off_steps, _cudnn_flag_before
+    with _CUDNN_OFF_LOCK:
+        if _cudnn_off_steps == 0:
+            _cudnn_flag_before = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _cudnn_off_steps += 1
+    try:
+        yield
+    finally:
+        with _CUDNN_OFF_LOCK:
+            _cudnn_off_steps -= 1
+            if _cudnn_off_steps == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_cudnn_flag_before)
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
