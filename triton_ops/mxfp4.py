@@ -120,11 +120,11 @@ def _dequantize_kernel(
     offs_r = offs_r.to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    offs_group = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)
+    offs_group = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # one scale per 32 values (MXFP4_GROUP)
     packed = tl.load(blocks_ptr + offs_r[:, None] * stride_br + offs_byte[None, :],
                      mask=row_valid[:, None] & (offs_byte < K // 2)[None, :], other=0)
     scales = tl.load(scales_ptr + offs_r[:, None] * stride_sr + offs_group[None, :],
-                     mask=row_valid[:, None] & (offs_group < K // MXFP4_GROUP)[None, :], other=127)
+                     mask=row_valid[:, None] & (offs_group < K // 32)[None, :], other=127)
     values = mxfp4_tile(packed, scales, BLOCK_R, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_r[:, None] * stride_or + offs_k[None, :], values.to(out_ptr.dtype.element_ty),
