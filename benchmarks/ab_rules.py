@@ -127,6 +127,9 @@ RULES: dict[str, RuleCells] = {
     # cells: performance.md lever "32-column rank chunks at rank tile 64" (rank 64, 4 adapters)
     "lora_chunk_r": RuleCells("16", "lora", "plan.lora_rank_chunk", (
         (QWEN, 1024, 64, 4), (QWEN, 4096, 64, 4), (MIXTRAL, 1024, 64, 4), (V2L, 4096, 64, 4))),
+    # cells: performance.md lever "deferred prologue" (H200: DeepSeek-V2-Lite M=16 lost 4-6 % without it)
+    "lora_defer": RuleCells("0", "lora", "plan.defer_lora_prologue", (
+        (V2L, 16, 16, 4), (V2L, 16, 16, 1), (QWEN, 16, 16, 4), (V2L, 64, 16, 4))),
     # cells: performance.md lever "slot-range expand from a packed shrink" (GEMM2, M=1024, 4 adapters; not
     # DeepSeek-V2-Lite rank 64, whose GEMM2 tile on the H200 holds one block an SM: no expand there)
     "lora_ext": RuleCells("0", "lora", "plan.lora_ext_expand", (

@@ -31,7 +31,7 @@ from triton_ops.configs import (
 )
 from triton_ops.fused_experts import _with_lora_tiles, fused_experts
 from triton_ops.fused_moe import lora_plan_fields
-from triton_ops.lora_epilogues import LORA_ONE_ROW, LORA_PREFETCHED
+from triton_ops.lora_epilogues import LORA_DEFERRED, LORA_ONE_ROW, LORA_PREFETCHED
 from triton_ops.overrides import LAUNCH_OVERRIDES
 
 TUNED_FILES = sorted(_CONFIG_DIR.glob("*.json"))
@@ -92,7 +92,7 @@ def test_estimate_matches_the_compiler():
 
 
 # The kernel's LoRA variants that load the first slot's operands before the K-loop.
-PREFETCHING_VARIANTS = (LORA_ONE_ROW.value, LORA_PREFETCHED.value)
+PREFETCHING_VARIANTS = (LORA_ONE_ROW.value, LORA_PREFETCHED.value, LORA_DEFERRED.value)
 
 
 @pytest.mark.parametrize("model,prefetch", [("deepseek-v2", False), ("qwen3-30b-a3b", True)])

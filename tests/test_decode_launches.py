@@ -665,13 +665,17 @@ def test_aligned_decode_down_overlap_plan(monkeypatch, overlap):
 
 
 # M=1: the one-row prologue (its rank masks apply after the K-loop); M=7 top-6 (42 pairs): the aligned
-# decode's prefetch; M=23 top-6 (138 pairs): past decode, shrink launches and the small-tile prefetch.
+# decode's prefetch; M=23 top-6 (138 pairs): past decode, shrink launches and the small-tile prefetch. Each
+# with the prefetch's uses deferred past the K-loop (LORA_DEFERRED, the default where the partials are one
+# chunk at rank tile 16: ``defer_lora_prologue``) and not.
 @pytest.mark.parametrize("m", [1, 7, 23])
+@pytest.mark.parametrize("defer", ["1", "0"])
 @interpreter
-def test_lora_nan_past_rank_never_read(m):
+def test_lora_nan_past_rank_never_read(monkeypatch, m, defer):
     """A pool's rank rows and columns past each slot's real rank (and an idle slot) may hold anything (a
     user's buffers need not be zeroed there): NaN in them must not reach the output, whichever prologue
     loads the B tiles and whenever the rank masks apply."""
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_defer", defer)
     num_experts, top_k, hidden, inter = 9, 6, 48, 40
     x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=m)
     lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=m, ranks=(8, 16))
@@ -687,6 +691,38 @@ def test_lora_nan_past_rank_never_read(m):
     ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOL[F32]
+
+
+# M=7 top-6 (42 pairs, the aligned decode) and M=23 (138 pairs, past decode): the deferred prologue
+# (LORA_DEFERRED) gives the prefetching prologue's bits, ranks 8 and 16 mixed and tokens without an adapter.
+@pytest.mark.parametrize("m", [7, 23])
+@interpreter
+def test_deferred_prologue_gives_the_prefetched_bits(monkeypatch, m):
+    from triton_ops import plan
+    from triton_ops.lora_epilogues import LORA_DEFERRED, LORA_PREFETCHED
+
+    variants = []
+    original = plan.lora_variant
+
+    def recording(**kwargs):
+        variants.append(original(**kwargs))
+        return variants[-1]
+
+    monkeypatch.setattr(plan, "lora_variant", recording)
+    num_experts, top_k, hidden, inter = 9, 6, 48, 40
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=m)
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=m, ranks=(8, 16))
+    outs = {}
+    for defer in ("1", "0"):
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_defer", defer)
+        variants.clear()
+        outs[defer] = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+        taken, other = ((LORA_DEFERRED.value, LORA_PREFETCHED.value) if defer == "1"
+                        else (LORA_PREFETCHED.value, LORA_DEFERRED.value))
+        assert taken in variants and other not in variants, variants
+    assert torch.equal(outs["1"], outs["0"])
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert rel_err(outs["1"], ref) <= TOL[F32]
 
 
 # Past decode (M=23 x top-6 = 138 pairs, M=45 x top-4 = 180), both GEMMs expanding by the slot range from

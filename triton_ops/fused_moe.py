@@ -80,6 +80,7 @@ from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import active_cache, launch, planned
 from triton_ops.lora_epilogues import (
     LORA_CHUNKED,
+    LORA_DEFERRED,
     LORA_FUSED,
     LORA_GROUPS,
     LORA_NONE,
@@ -291,14 +292,16 @@ def _fused_moe_kernel(
     elif LORA != LORA_NONE:
         shrunk_rows = shrunk_ptr + pair.to(tl.int64) * stride_sm
         row_scaling = tl.load(slot_scalings_ptr + tl.where(has_slot, row_slot, 0), mask=has_slot, other=0.0)
-        if LORA == LORA_PREFETCHED:
-            pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, down_a0 = prefetch_prologue(
+        if (LORA == LORA_PREFETCHED) | (LORA == LORA_DEFERRED):
+            (pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, down_a0, col_rank0,
+             rank0) = prefetch_prologue(
                 shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr,
                 lora_b,
                 num_shrink_splits,
                 stride_ss, down_a,
                 GATED=GATED,
-                DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT, LORA_SPLITS=LORA_SPLITS,
+                DOWN_PREFETCH=DOWN_PREFETCH, LATE_WAIT=LATE_WAIT, DEFER=LORA == LORA_DEFERRED,
+                LORA_SPLITS=LORA_SPLITS,
                 LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R, BLOCK_N=BLOCK_N)
 
     # ---- K-loop ----
@@ -351,13 +354,12 @@ def _fused_moe_kernel(
             acc, acc_up, shrunk_rows, one_has, one_rank, one_scaling, one_rows, b0_gate, b0_up, gate_parts,
             up_parts, num_shrink_splits, stride_ss, GATED=GATED, LATE_WAIT=LATE_WAIT, FP32_IEEE=FP32_IEEE,
             LORA_SPLITS=LORA_SPLITS, LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_R=LORA_R)
-    elif LORA == LORA_PREFETCHED:
+    elif (LORA == LORA_PREFETCHED) | (LORA == LORA_DEFERRED):
         acc, acc_up = prefetched_expand(
-            acc, acc_up, pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, shrunk_rows,
-            row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr, lora_b,
-            num_shrink_splits,
-            stride_ss, GATED=GATED,
-            LATE_WAIT=LATE_WAIT, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
+            acc, acc_up, pre_gate, pre_up, slot0, row_group0, slot_after0, b0_gate, b0_up, col_rank0,
+            shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N, slot_ranks_ptr,
+            lora_b, num_shrink_splits, stride_ss, GATED=GATED,
+            LATE_WAIT=LATE_WAIT, DEFER=LORA == LORA_DEFERRED, FP32_IEEE=FP32_IEEE, LORA_SPLITS=LORA_SPLITS,
             LORA_SPLIT_CHUNK=LORA_SPLIT_CHUNK, LORA_GROUP=LORA_GROUP, LORA_R=LORA_R)
     elif LORA == LORA_GROUPS:
         acc, acc_up = grouped_expand(
@@ -396,6 +398,9 @@ def _fused_moe_kernel(
             if DOWN_SHRINK:
                 if LORA != LORA_ONE_ROW:  # its scalars exist only there
                     one_has, one_rank, one_rows = 0, 0, row_valid
+                if LORA == LORA_DEFERRED:
+                    if DOWN_PREFETCH:  # the rank mask its prologue left for after the K-loop
+                        down_a0 = tl.where((tl.arange(0, LORA_R) < rank0)[None, :], down_a0, 0.0)
                 down_shrink_epilogue(
                     acc, c_ptr, pair, row_slot, has_slot, expert, offs_n, col_valid,
                     pid_n, one_has, one_rank, one_rows, down_a0, down_a, down_shrunk_ptr, stride_ds,

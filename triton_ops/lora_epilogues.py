@@ -16,6 +16,8 @@ host-known sizes, and the kernel takes it as its ``LORA`` meta-parameter:
 |                 |                                          | every operand loaded before the K-loop      |
 | LORA_PREFETCHED | split-K partials                         | first slot group's operands before the      |
 |                 |                                          | loop, other groups after it                 |
+| LORA_DEFERRED   | split-K partials, one chunk, held raw    | as LORA_PREFETCHED, the prefetched loads'   |
+|                 | through the loop                         | uses (sum, scaling, rank masks) after it    |
 | LORA_GROUPS     | split-K partials, one load for all rows  | one dot per group of slots side by side     |
 | LORA_CHUNKED    | split-K partials, a slot and rank chunk  | a slot and rank chunk at a time             |
 | LORA_SLOT_RANGE | packed (summed, scaled: ``pack_shrink``) | a K-loop over the block's slot range        |
@@ -33,6 +35,7 @@ from triton_ops.lora_tiles import (
     _dot,
     first_slot,
     load_group_b,
+    load_group_ranks,
     load_raw_partials,
     load_scaled_gate_up_partials,
     load_shrink_partials,
@@ -55,6 +58,7 @@ LORA_FUSED = tl.constexpr(1)
 LORA_ONE_ROW = tl.constexpr(2)
 LORA_PREFETCHED = tl.constexpr(3)
 LORA_GROUPS = tl.constexpr(4)
+LORA_DEFERRED = tl.constexpr(5)
 LORA_CHUNKED = tl.constexpr(6)
 LORA_SLOT_RANGE = tl.constexpr(7)
 NO_SLOT = tl.constexpr(1 << 30)  # ``first_slot`` / ``next_slot`` past the last slot of a block
@@ -201,6 +205,7 @@ def prefetch_prologue(
     GATED: tl.constexpr,
     DOWN_PREFETCH: tl.constexpr,
     LATE_WAIT: tl.constexpr,
+    DEFER: tl.constexpr,
     LORA_SPLITS: tl.constexpr,
     LORA_SPLIT_CHUNK: tl.constexpr,
     LORA_GROUP: tl.constexpr,
@@ -209,37 +214,59 @@ def prefetch_prologue(
 ):
     """LORA_PREFETCHED: everything the epilogue reads for the block's first slot group is loaded before
     the K-loop, so its latency hides behind the loop instead of following it (the partials only once
-    they are written: not with LATE_WAIT). Returns (scaled partials gate and up, the first slot, its
-    group's row map, the slot after the group, the group's B tiles gate and up, the first slot's down A
-    tile (zeros unless DOWN_PREFETCH: the epilogue's last dependent load))."""
+    they are written: not with LATE_WAIT). LORA_DEFERRED (DEFER, never with LATE_WAIT): nothing loaded
+    here is used before the loop either, so no load waits on another's value but the slots: the partials
+    come raw (one chunk of splits) and are summed and scaled after it, the B and down A tiles load under
+    the slots' presence and take their rank masks after it (``deferred_masks``); same values, same bits.
+    Returns (partials gate and up: scaled, or raw with DEFER; the first slot, its group's row map, the
+    slot after the group, the group's B tiles gate and up, the first slot's down A tile (zeros unless
+    DOWN_PREFETCH: the epilogue's last dependent load), and with DEFER the group's column ranks and the
+    first slot's rank (zeros otherwise))."""
     offs_r = tl.arange(0, LORA_R)
     pre_gate = tl.zeros((1, LORA_R), dtype=tl.float32)  # placeholders with LATE_WAIT
     pre_up = pre_gate
-    if not LATE_WAIT:
+    if DEFER:
+        pre_gate = load_raw_partials(shrunk_rows, 0, num_shrink_splits, stride_ss, has_slot,
+                                     SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+        pre_up = pre_gate
+        if GATED:
+            pre_up = load_raw_partials(shrunk_rows, LORA_R, num_shrink_splits, stride_ss, has_slot,
+                                       SPLITS=LORA_SPLITS, CHUNK_R=LORA_R)
+    elif not LATE_WAIT:
         pre_gate, pre_up = load_scaled_gate_up_partials(
             shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling,
             GATED=GATED, SPLITS=LORA_SPLITS, LORA_R=LORA_R, SPLIT_CHUNK=LORA_SPLIT_CHUNK)
     slot0 = first_slot(row_slot, has_slot)
     col_slot0, row_group0, slot_after0 = slot_group(row_slot, has_slot, slot0, GROUP=LORA_GROUP,
                                                     LORA_R=LORA_R)
+    col_rank0 = tl.zeros((LORA_GROUP * LORA_R,), dtype=tl.int32)
+    if DEFER:
+        col_rank0 = load_group_ranks(col_slot0, slot_ranks_ptr)
     b_gate = load_group_b(lora_b, col_slot0, expert, offs_n, col_valid, slot_ranks_ptr,
-                          LORA_R=LORA_R, GROUP=LORA_GROUP)
+                          LORA_R=LORA_R, GROUP=LORA_GROUP, RANK_MASK_LATER=DEFER)
     b_up = b_gate
     if GATED:
         b_up = load_group_b(lora_shift_cols(lora_b, N), col_slot0, expert, offs_n, col_valid,
                             slot_ranks_ptr,
-                            LORA_R=LORA_R, GROUP=LORA_GROUP)
+                            LORA_R=LORA_R, GROUP=LORA_GROUP, RANK_MASK_LATER=DEFER)
+    has0 = slot0 < NO_SLOT
+    slot0_safe = tl.where(has0, slot0, 0)
+    rank0 = slot0 * 0  # the first slot's rank, read here only with DEFER
     if DOWN_PREFETCH:
-        has0 = slot0 < NO_SLOT
-        slot0_safe = tl.where(has0, slot0, 0)
-        rank0 = tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe), 0)
+        if DEFER:  # masked by the rank after the loop
+            slot0_r = tl.zeros((LORA_R,), dtype=tl.int32) + slot0
+            down_mask = col_valid[:, None] & (slot0_r < NO_SLOT)[None, :]
+            rank0 = tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe), 0)
+        else:
+            down_mask = col_valid[:, None] & (offs_r < tl.where(has0, tl.load(slot_ranks_ptr + slot0_safe),
+                                                                0))[None, :]
         down_a_tile = tl.load(
             lora_slot_rows(down_a, slot0_safe, expert)
             + offs_r[None, :] * down_a[4] + offs_n.to(tl.int64)[:, None] * down_a[5],
-            mask=col_valid[:, None] & (offs_r < rank0)[None, :], other=0.0)
+            mask=down_mask, other=0.0)
     else:
         down_a_tile = tl.zeros((BLOCK_N, LORA_R), dtype=down_a[0].dtype.element_ty)
-    return pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up, down_a_tile
+    return pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up, down_a_tile, col_rank0, rank0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -285,20 +312,29 @@ def one_row_expand(
 @triton.jit
 def prefetched_expand(
     acc, acc_up,  # (BLOCK_M, BLOCK_N) fp32
-    pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up,  # from ``prefetch_prologue``
+    pre_gate, pre_up, slot0, row_group0, slot_after0, b_gate, b_up, col_rank0,  # ``prefetch_prologue``'s
     shrunk_rows, row_slot, has_slot, row_scaling, expert, offs_n, col_valid, N,
     slot_ranks_ptr, lora_b,
     num_shrink_splits, stride_ss,
     GATED: tl.constexpr,
     LATE_WAIT: tl.constexpr,
+    DEFER: tl.constexpr,
     FP32_IEEE: tl.constexpr,
     LORA_SPLITS: tl.constexpr,
     LORA_SPLIT_CHUNK: tl.constexpr,
     LORA_GROUP: tl.constexpr,
     LORA_R: tl.constexpr,
 ):
-    """LORA_PREFETCHED: the first slot group from its prefetched operands, then the groups past it
-    (more adapters in the block than LORA_GROUP)."""
+    """LORA_PREFETCHED / LORA_DEFERRED: the first slot group from its prefetched operands, then the groups
+    past it (more adapters in the block than LORA_GROUP)."""
+    if DEFER:  # what ``load_scaled_gate_up_partials`` and ``load_group_b`` would have given
+        pre_gate = sum_raw_partials(pre_gate) * row_scaling[:, None]
+        if GATED:
+            pre_up = sum_raw_partials(pre_up) * row_scaling[:, None]
+        else:
+            pre_up = pre_gate
+        b_gate = mask_group_ranks(b_gate, col_rank0, LORA_R=LORA_R)
+        b_up = mask_group_ranks(b_up, col_rank0, LORA_R=LORA_R)
     if LATE_WAIT:
         pre_gate, pre_up = load_scaled_gate_up_partials(
             shrunk_rows, num_shrink_splits, stride_ss, has_slot, row_scaling, GATED=GATED,

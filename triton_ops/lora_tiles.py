@@ -388,6 +388,14 @@ def select_group_columns(
 
 
 @triton.jit
+def load_group_ranks(col_slot, slot_ranks_ptr):
+    """(GROUP * LORA_R,) int32: the real rank of each stacked column's slot (0: absent), from ``slot_group``'s
+    ``col_slot``."""
+    present = col_slot < (1 << 30)
+    return tl.load(slot_ranks_ptr + tl.where(present, col_slot, 0), mask=present, other=0)
+
+
+@triton.jit
 def mask_group_ranks(tile, col_rank, LORA_R: tl.constexpr):
     """``load_group_b``'s tile loaded with ``RANK_MASK_LATER``, with its rank rows past each slot's real rank
     zeroed as ``load_group_b`` leaves them."""

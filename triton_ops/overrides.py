@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...] | None] = {
     "fp8_tile_scale": _SWITCH,
     "fused_sum": _SWITCH,
     "lora_chunk_r": ("16", "32", "64"),
+    "lora_defer": _SWITCH,
     "lora_ext": ("0", "1", "gemm1", "gemm2"),
     "lora_ext_slots": _COUNT,
     "lora_ext_stages": _COUNT,

@@ -21,6 +21,7 @@ from triton_ops.hostmath import cdiv, next_power_of_2
 from triton_ops.launch import planned
 from triton_ops.lora_epilogues import (
     LORA_CHUNKED,
+    LORA_DEFERRED,
     LORA_FUSED,
     LORA_GROUPS,
     LORA_ONE_ROW,
@@ -178,6 +179,20 @@ def one_row_lora(*, direct: bool, prefetch: bool, late_wait: bool, splits: int, 
     return splits <= split_chunk
 
 
+def defer_lora_prologue(*, late_wait: bool, splits: int, split_chunk: int, rank_block: int) -> bool:
+    """Whether the epilogue prefetch (``lora_prefetch_pays``, past ``one_row_lora``) leaves every use of
+    what it loads to after the K-loop (LORA_DEFERRED): the shrink partials, one chunk of splits, are held
+    raw through the loop and summed and scaled after it; the B and down A tiles load under the slots'
+    presence and take their rank masks after it. Same values, so the same bits. Not with ``late_wait``
+    (the partials are read after the loop anyway; the rank mask alone moved out lost), and only at rank
+    tile 16, where the raw partials held through the loop are a quarter of rank 64's (rank 64 lost)
+    (docs/performance.md, 'Levers': deferred prologue). ``lora_defer=0`` / ``=1`` forces it off / on
+    where it applies (to compare)."""
+    if late_wait or splits > split_chunk:
+        return False
+    return overrides.switch("lora_defer", default=rank_block <= 16)
+
+
 def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: int,
                     elem_bytes: int = 2, block_scaled: bool = False) -> bool:
     """Whether a prefill GEMM of the split path takes its shrink packed (``pack_shrink_partials``: the
@@ -254,11 +269,11 @@ class LoRAEpilogue:
 
 
 def lora_variant(*, split: bool, packed: bool, one_row: bool, prefetch: bool, one_chunk: bool,
-                 group: int) -> int:
+                 group: int, defer: bool = False) -> int:
     """The kernel's LoRA variant from the launch decisions: ``split`` (the shrink is precomputed),
     ``packed`` (summed and scaled already), ``one_row`` (``one_row_lora``), ``prefetch``
-    (``lora_prefetch_pays``), ``one_chunk`` (the rank tile is one expand chunk) and ``group`` (slots a
-    dot)."""
+    (``lora_prefetch_pays``), ``defer`` (``defer_lora_prologue``), ``one_chunk`` (the rank tile is one
+    expand chunk) and ``group`` (slots a dot)."""
     if not split:
         return LORA_FUSED.value
     if packed:
@@ -266,7 +281,7 @@ def lora_variant(*, split: bool, packed: bool, one_row: bool, prefetch: bool, on
     if one_row:
         return LORA_ONE_ROW.value
     if prefetch:
-        return LORA_PREFETCHED.value
+        return LORA_DEFERRED.value if defer else LORA_PREFETCHED.value
     if one_chunk and group > 1:
         return LORA_GROUPS.value
     return LORA_CHUNKED.value
@@ -297,9 +312,11 @@ def plan_lora_epilogue(lora: LoRAOperands, config: GemmConfig, *, gated: bool, a
     one_row = one_row_lora(direct=direct, prefetch=prefetch, late_wait=late_wait, splits=splits,
                            split_chunk=split_chunk, programs=programs, device=a.device)
     split = lora.shrunk is not None or ext
+    defer = prefetch and not one_row and defer_lora_prologue(
+        late_wait=late_wait, splits=splits, split_chunk=split_chunk, rank_block=lora.rank_block)
     return LoRAEpilogue(
         variant=lora_variant(split=split, packed=ext, one_row=one_row, prefetch=prefetch, one_chunk=one_chunk,
-                             group=group),
+                             group=group, defer=defer),
         chunk_r=chunk_r,
         splits=splits,
         split_chunk=split_chunk,
