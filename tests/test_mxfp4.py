@@ -132,9 +132,11 @@ def _mxfp4_experts(experts: int, rows: int, cols: int, gen: torch.Generator, sca
 @pytest.mark.parametrize("m, top_k, block_k", [(7, 2, 32), (13, 3, 64)])
 def test_gemms_read_packed_weights_as_their_decoded_values(dtype, m, top_k, block_k):
     """Both GEMMs of a layer with MXFP4 weights (the gated GEMM1, K = 96 = three scale groups, so a 64-wide
-    K step is half past K; GEMM2 with the routed weight) give bit for bit what the same launches give on
-    the decoded dense weights: the K-loop decodes each tile to the activations' dtype before its dot.
-    Seven experts (some picked by no token), prime token counts."""
+    K step is half past K; GEMM2 with the routed weight) give what the same launches give on the decoded
+    dense weights: fp32 activations bit for bit (the K-loop decodes each tile exactly before the same
+    dot); fp16 ones through ``tl.dot_scaled``, whose products are the same exact values summed in another
+    order, so to fp16's rounding (relative norm). Seven experts (some picked by no token), prime token
+    counts."""
     from triton_ops.configs import GemmConfig
     from triton_ops.fused_moe import invoke_fused_moe_kernel
     from triton_ops.moe_align import moe_align_block_size
@@ -163,7 +165,11 @@ def test_gemms_read_packed_weights_as_their_decoded_values(dtype, m, top_k, bloc
     dense = layer(w13.to(dtype), w2.to(dtype))
     for got, expected in zip(packed, dense, strict=True):
         assert torch.isfinite(got).all()
-        assert torch.equal(got, expected)
+        if dtype == torch.float32:
+            assert torch.equal(got, expected)
+        else:
+            diff = (got.float() - expected.float()).norm() / expected.float().norm()
+            assert diff.item() < 2.0**-10, diff  # fp16 rounds at 2^-11: GEMM2 inherits GEMM1's roundings
 
 
 def test_gemm_refuses_mxfp4_operands_that_do_not_fit():
@@ -324,9 +330,11 @@ def test_mxfp4_chunks_step_k_by_whole_scale_groups_within_the_registers():
 @pytest.mark.parametrize("path", [None, "split", "fused", "staged"])
 def test_gpu_mxfp4_layer_matches_the_bf16_layer_on_its_values(m, path):
     """Compiled kernels, bf16 activations, gpt-oss-20b's sizes (E=32, top-4, H=I=2880: 90 scale groups a
-    row): the MXFP4 layer is bit for bit the bf16 layer on the decoded weights
-    with the same tiles (the decode is exact), with gpt-oss' clamped SwiGLU and biases, four rank-16
-    adapters and tokens without one; and near the fp32 oracle."""
+    row): the MXFP4 layer gives the bf16 layer's outputs on the decoded weights with the same tiles, with
+    gpt-oss' clamped SwiGLU and biases, four adapters of ranks 4-16 and tokens without one. The decode is
+    exact and ``tl.dot_scaled`` multiplies the same values; it sums them in another order (a warpgroup
+    MMA with the tokens as its N), so the outputs agree to bf16 rounding, not bit for bit. And near the
+    fp32 oracle."""
     from test_decode_launches import lora_inputs
 
     from moelora.activations import GatedActivation
@@ -361,7 +369,7 @@ def test_gpu_mxfp4_layer_matches_the_bf16_layer_on_its_values(m, path):
                            **kwargs)
     dense = fused_experts(x, w13, w2, weights, ids, **kwargs)
     assert torch.isfinite(packed).all()
-    assert torch.equal(packed, dense)
+    assert ((packed.float() - dense.float()).norm() / dense.float().norm()).item() < 2.0**-8
     ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
                         token_adapter=per_token, activation=activation, w13_bias=b13.float(),
                         w2_bias=b2.float())

@@ -151,17 +151,23 @@ def _add_block_scaled_dot(
 
 
 @triton.jit
-def _load_mxfp4_b(
+def _mxfp4_dot(
+    acc,  # (BLOCK_M, BLOCK_N) fp32, returned with the step's product added
+    a,  # (BLOCK_M, BLOCK_K) the step's activations (rows and K past the end zero)
     b_ptrs,  # (BLOCK_K / 2, BLOCK_N) pointers to packed E2M1 bytes (two K rows a byte, the even one low)
     scale_ptrs,  # (BLOCK_K / 32, BLOCK_N) pointers to E8M0 scales
     col_valid,  # (BLOCK_N,)
     k_left,  # K columns from this step's first on
-    dtype: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One K step's (BLOCK_K, BLOCK_N) weight tile decoded from MXFP4 (``triton_ops.mxfp4``) to ``dtype``;
-    rows past K (a multiple of 32) are zero."""
+    """``acc + a @ b`` for one K step of an MXFP4 weight tile (``triton_ops.mxfp4``); rows past K (a
+    multiple of 32) are zero. With fp16/bf16 activations Triton's scaled dot decodes the tile (a byte
+    permute per value pair, the scale as the exponent) and, on sm_90, multiplies it as the register
+    operand of a warpgroup MMA with the tokens as the MMA's N: about half the instructions of decoding
+    it by hand before a dot (docs/performance.md, 'MXFP4 base experts'). fp32 activations (the
+    interpreter's tests) take the tile decoded in fp32."""
     if EVEN_K:
         packed = tl.load(b_ptrs, mask=col_valid[None, :], other=0)
         scales = tl.load(scale_ptrs, mask=col_valid[None, :], other=127)
@@ -170,22 +176,13 @@ def _load_mxfp4_b(
         group_valid = tl.arange(0, BLOCK_K // 32) < k_left // 32
         packed = tl.load(b_ptrs, mask=byte_valid[:, None] & col_valid[None, :], other=0)
         scales = tl.load(scale_ptrs, mask=group_valid[:, None] & col_valid[None, :], other=127)
-    if dtype == tl.bfloat16:  # built in bf16: fewer registers than the fp32 tile
-        return mxfp4_tile_kn(packed, scales, BLOCK_K, BF16=True)
-    return mxfp4_tile_kn(packed, scales, BLOCK_K).to(dtype)
-
-
-@triton.jit
-def _load_a_and_mxfp4_b(a_ptrs, b_ptrs, scale_ptrs, row_valid, col_valid, offs_k, k_left,
-                        EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The a tile and the decoded MXFP4 b tile of one K step, and the step's K mask."""
-    k_valid = offs_k < k_left
-    if EVEN_K:
-        a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
+    if a.dtype == tl.bfloat16:
+        acc = tl.dot_scaled(a, None, "bf16", packed, tl.trans(scales), "e2m1", acc)
+    elif a.dtype == tl.float16:
+        acc = tl.dot_scaled(a, None, "fp16", packed, tl.trans(scales), "e2m1", acc)
     else:
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-    b = _load_mxfp4_b(b_ptrs, scale_ptrs, col_valid, k_left, a.dtype, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
-    return a, b, k_valid
+        acc = _dot(a, mxfp4_tile_kn(packed, scales, BLOCK_K), acc, FP32_IEEE)
+    return acc
 
 
 @triton.jit
@@ -217,42 +214,47 @@ def _gemm_k_loop(
     With BLOCK_SCALED (FP8 a and b, ``triton_ops.fp8``; BLOCK_K is the scale group) each K step's dot is
     multiplied by its rows' and columns' scales as it is added. With MXFP4 (``triton_ops.mxfp4``) b's
     pointers are (BLOCK_K / 2, BLOCK_N) packed bytes and its scale pointers (BLOCK_K / 32, BLOCK_N) E8M0
-    scales (``up_scale_ptrs`` the up rows'): each step decodes its tiles to a's dtype before the dots."""
+    scales (``up_scale_ptrs`` the up rows'), each step's product taken by ``_mxfp4_dot``."""
     for k0 in range(0, K, BLOCK_K):
-        if MXFP4:
-            a, b, k_valid = _load_a_and_mxfp4_b(a_ptrs, b_ptrs, b_scale_ptrs, row_valid, col_valid, offs_k,
-                                                 K - k0, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
-            b_scale_ptrs += (BLOCK_K // 32) * stride_bsk
-        elif EVEN_K:
+        k_valid = offs_k < K - k0
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
         else:
-            k_valid = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        if BLOCK_SCALED:
-            a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
-            acc = _add_block_scaled_dot(acc, a, b, a_scale, b_scale_ptrs, col_valid, TILE_B_SCALE)
-            a_scale_ptrs += stride_ask
-            b_scale_ptrs += stride_bsk
-        else:
-            acc = _dot(a, b, acc, FP32_IEEE)
-        if GATED:
-            if MXFP4:
-                b_up = _load_mxfp4_b(up_ptrs, up_scale_ptrs, col_valid, K - k0, a.dtype, EVEN_K=EVEN_K,
-                                     BLOCK_K=BLOCK_K)
+        if MXFP4:
+            acc = _mxfp4_dot(acc, a, b_ptrs, b_scale_ptrs, col_valid, K - k0, FP32_IEEE=FP32_IEEE,
+                             EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
+            b_scale_ptrs += (BLOCK_K // 32) * stride_bsk
+            if GATED:
+                acc_up = _mxfp4_dot(acc_up, a, up_ptrs, up_scale_ptrs, col_valid, K - k0, FP32_IEEE=FP32_IEEE,
+                                    EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
                 up_scale_ptrs += (BLOCK_K // 32) * stride_bsk
-            elif EVEN_K:
-                b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
+                up_ptrs += (BLOCK_K // 2) * stride_bk
+        else:
+            if EVEN_K:
+                b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
             else:
-                b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             if BLOCK_SCALED:
-                acc_up = _add_block_scaled_dot(acc_up, a, b_up, a_scale, up_scale_ptrs, col_valid,
-                                               TILE_B_SCALE)
-                up_scale_ptrs += stride_bsk
+                a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
+                acc = _add_block_scaled_dot(acc, a, b, a_scale, b_scale_ptrs, col_valid, TILE_B_SCALE)
             else:
-                acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
-            up_ptrs += (BLOCK_K // 2 if MXFP4 else BLOCK_K) * stride_bk
+                acc = _dot(a, b, acc, FP32_IEEE)
+            if GATED:
+                if EVEN_K:
+                    b_up = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
+                else:
+                    b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+                if BLOCK_SCALED:
+                    acc_up = _add_block_scaled_dot(acc_up, a, b_up, a_scale, up_scale_ptrs, col_valid,
+                                                   TILE_B_SCALE)
+                    up_scale_ptrs += stride_bsk
+                else:
+                    acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
+                up_ptrs += BLOCK_K * stride_bk
+            if BLOCK_SCALED:
+                a_scale_ptrs += stride_ask
+                b_scale_ptrs += stride_bsk
         if INLINE_SHRINK:
             if EVEN_K:
                 la_mask = la_rank_valid[None, :]

@@ -8,8 +8,9 @@ Semantics:  W[n, k] = e2m1(code[n, k]) * 2^(scale[n, k // 32] - 127)
 Layouts:    ``blocks`` (..., N, K / 2) uint8 and ``scales`` (..., N, K / 32) uint8: rows are the output
             features, packed along K (the reduction), as gpt-oss stores ``*_blocks`` (..., N, K / 32, 16).
 
-The jit helpers decode a tile where it is loaded (``mxfp4_tile``), so a GEMM's K-loop can read the packed
-bytes; ``dequantize_mxfp4`` writes a dense copy (for checks and for paths that take dense weights).
+The jit helpers decode a tile where it is loaded (``mxfp4_tile``); the GEMMs' K-loops read the packed
+bytes through ``tl.dot_scaled`` (``gemm_tiles._mxfp4_dot``); ``dequantize_mxfp4`` writes a dense copy (for
+checks and for paths that take dense weights).
 Grid of ``_dequantize_kernel``: (cdiv(rows, BLOCK_R), cdiv(K, BLOCK_K)), one tile of rows x K each.
 """
 
@@ -34,30 +35,17 @@ def untuned_block_k(block_k: int) -> int:
 
 
 @triton.jit
-def _e2m1_bits(codes, EXP_SHIFT: tl.constexpr):
-    """The bits of 4-bit E2M1 codes (int32, 0..15) as a float of exponent bias 127 whose exponent field
-    starts at bit ``EXP_SHIFT`` (fp32: 23, bf16: 7): sign, a 2-bit exponent of bias 1 (0: the subnormal 0 or
-    0.5) and a 1-bit mantissa."""
+def e2m1_to_fp32(codes):
+    """fp32 values of 4-bit E2M1 codes (int32, 0..15), built from their bits: sign, a 2-bit exponent of
+    bias 1 (0: the subnormal 0 or 0.5) and a 1-bit mantissa."""
     sign = (codes >> 3) & 1
     exponent = (codes >> 1) & 3
     mantissa = codes & 1
-    # Normal codes: 2^(e-1) * (1 + m/2) is exponent e + 126 with the mantissa's top bit m. The subnormal
-    # 0.5 (e 0, m 1) is exponent 126; zero is all zero bits.
+    # Normal codes: 2^(e-1) * (1 + m/2) is fp32 exponent e + 126 with the mantissa's top bit m. The
+    # subnormal 0.5 (e 0, m 1) is exponent 126; zero is all zero bits.
     float_exponent = tl.where(exponent > 0, exponent + 126, mantissa * 126)
-    float_mantissa = tl.where(exponent > 0, mantissa << (EXP_SHIFT - 1), 0)
-    return (sign << (EXP_SHIFT + 8)) | (float_exponent << EXP_SHIFT) | float_mantissa
-
-
-@triton.jit
-def e2m1_to_fp32(codes):
-    """fp32 values of 4-bit E2M1 codes (int32, 0..15), built from their bits."""
-    return _e2m1_bits(codes, 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e2m1_to_bf16(codes):
-    """bf16 values of 4-bit E2M1 codes (int32, 0..15): bf16 shares fp32's exponent bias."""
-    return _e2m1_bits(codes, 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    float_mantissa = tl.where(exponent > 0, mantissa << 22, 0)
+    return ((sign << 31) | (float_exponent << 23) | float_mantissa).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -81,25 +69,14 @@ def mxfp4_tile(packed, scales, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_tile_kn(packed, scales, BLOCK_K: tl.constexpr, BF16: tl.constexpr = False):
-    """A GEMM's (BLOCK_K, BLOCK_N) weight tile from ``packed`` (BLOCK_K // 2, BLOCK_N) bytes (K rows 2i in the
-    low nibbles, 2i + 1 in the high ones) and ``scales`` (BLOCK_K // 32, BLOCK_N): fp32, or with BF16 built
-    in bf16 for a bf16 GEMM (the codes' bf16 values times their scale's power of two in bf16, exact wherever
-    the product is a normal bf16, every scale of real weights; fewer registers than the fp32 tile:
-    docs/performance.md, 'MXFP4 base experts'). The interpreter cannot run the bf16 build (its bf16
-    arithmetic): GPU tests check it."""
+def mxfp4_tile_kn(packed, scales, BLOCK_K: tl.constexpr):
+    """A GEMM's fp32 (BLOCK_K, BLOCK_N) weight tile from ``packed`` (BLOCK_K // 2, BLOCK_N) bytes (K rows 2i
+    in the low nibbles, 2i + 1 in the high ones) and ``scales`` (BLOCK_K // 32, BLOCK_N). The GEMMs take
+    fp16/bf16 activations' products through ``tl.dot_scaled`` instead (``gemm_tiles._mxfp4_dot``)."""
     bytes_ = packed.to(tl.int32)
     block_n: tl.constexpr = packed.shape[1]
-    if BF16:
-        values = tl.join(e2m1_to_bf16(bytes_ & 15), e2m1_to_bf16(bytes_ >> 4))  # (K/2, N, 2)
-        s = scales.to(tl.int32)
-        # 2^(s - 127) as bf16 bits: exponent s, s = 0 the subnormal 2^-127. A NaN scale (255, no real weight
-        # has one) reads as infinity: its block comes out non-finite as in the fp32 build, but +-inf where
-        # that has NaN (a NaN test here cost GEMM1 46 registers on sm_90).
-        factor = tl.where(s == 0, 1 << 6, s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        values = tl.join(e2m1_to_fp32(bytes_ & 15), e2m1_to_fp32(bytes_ >> 4))  # (K/2, N, 2)
-        factor = e8m0_to_fp32(scales.to(tl.int32))
+    values = tl.join(e2m1_to_fp32(bytes_ & 15), e2m1_to_fp32(bytes_ >> 4))  # (K/2, N, 2)
+    factor = e8m0_to_fp32(scales.to(tl.int32))
     values = tl.reshape(tl.permute(values, (0, 2, 1)), (BLOCK_K // 32, 32, block_n))  # k = 2i + j
     return tl.reshape(values * factor[:, None, :], (BLOCK_K, block_n))
 
