@@ -8,7 +8,8 @@ The only errors allowed are the documented refusals; every forward is checked ag
 the adapters its batch names; the pool's invariants are checked after every transaction (the suite's
 debug mode) and once more at the end, with every batch gone and no load under way.
 
-``MOELORA_STORM_SECONDS`` sets the duration (default 20 s).
+``MOELORA_STORM_SECONDS`` sets the duration (default 20 s); a storm that has not yet run the rounds its
+test asserts (forwards, stale batches, ...) goes on, up to four times that.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _allowed(err: BaseException) -> bool:
     return False
 
 
-def _storm(device: str, dtype: torch.dtype, path: str, seconds: float) -> dict[str, int]:
+def _storm(device: str, dtype: torch.dtype, path: str, seconds: float,
+           wanted: dict[str, int]) -> dict[str, int]:
     cfg = mk.TINY_QWEN3_MOE
     e, h, i = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     sizes = dict(num_experts=e, hidden_size=h, intermediate_size=i, layer_ids=mk.MOE_LAYER_IDS, max_rank=16)
@@ -93,10 +95,20 @@ def _storm(device: str, dtype: torch.dtype, path: str, seconds: float) -> dict[s
             assert float((got - want).norm() / want.norm().clamp_min(1e-6)) <= 1e-2
         bump("forwards")
 
+    def storm_over() -> bool:
+        # The storm lasts ``seconds``, and past them until it has run what the caller asserts it ran (a
+        # loaded machine, e.g. GPU test shards side by side, runs fewer rounds a second), up to 4x.
+        now = time.monotonic()
+        if now < stop_at:
+            return False
+        with count_lock:
+            covered = all(counts[key] >= least for key, least in wanted.items())
+        return covered or now >= stop_at + 3 * seconds
+
     def guarded(body):
         def run(seed):
             rng = random.Random(seed)
-            while time.monotonic() < stop_at and not errors:
+            while not storm_over() and not errors:
                 try:
                     body(rng)
                 except BaseException as err:  # noqa: BLE001 - anything but a documented refusal fails
@@ -198,15 +210,18 @@ def _storm(device: str, dtype: torch.dtype, path: str, seconds: float) -> dict[s
     return counts
 
 
+CPU_COVERAGE = {"forwards": 100, "stale": 5, "refused": 10, "async": 10, "unloads": 10}
+GPU_COVERAGE = {"forwards": 100, "stale": 3}
+
+
 def test_three_thread_storm():
-    counts = _storm("cpu", torch.float32, "torch", SECONDS)
-    assert counts["forwards"] >= 100 and counts["stale"] >= 5 and counts["refused"] >= 10, counts
-    assert counts["async"] >= 10 and counts["unloads"] >= 10, counts
+    counts = _storm("cpu", torch.float32, "torch", SECONDS, CPU_COVERAGE)
+    assert all(counts[key] >= least for key, least in CPU_COVERAGE.items()), counts
 
 
 @pytest.mark.gpu
 def test_three_thread_storm_gpu():
     """The storm on the GPU in bf16, every forward through the Triton kernels; async loads staged in the
     load process and copied on a side stream."""
-    counts = _storm("cuda", torch.bfloat16, "auto", SECONDS)
-    assert counts["forwards"] >= 100 and counts["stale"] >= 3, counts
+    counts = _storm("cuda", torch.bfloat16, "auto", SECONDS, GPU_COVERAGE)
+    assert all(counts[key] >= least for key, least in GPU_COVERAGE.items()), counts
