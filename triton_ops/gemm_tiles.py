@@ -151,11 +151,24 @@ def _add_block_scaled_dot(
 
 
 @triton.jit
+def _load_mxfp4_scales(
+    scale_ptrs,  # (BLOCK_K / 32, BLOCK_N) pointers to a K step's E8M0 scales
+    col_valid,  # (BLOCK_N,)
+    k_left,  # K columns from the step's first on (<= 0: past K, nothing loaded)
+    BLOCK_K: tl.constexpr,
+):
+    """A K step's (BLOCK_K / 32, BLOCK_N) uint8 scales; groups past K read 127 (2^0; their codes are
+    zero)."""
+    group_valid = tl.arange(0, BLOCK_K // 32) < k_left // 32
+    return tl.load(scale_ptrs, mask=group_valid[:, None] & col_valid[None, :], other=127)
+
+
+@triton.jit
 def _mxfp4_dot(
     acc,  # (BLOCK_M, BLOCK_N) fp32, returned with the step's product added
     a,  # (BLOCK_M, BLOCK_K) the step's activations (rows and K past the end zero)
     b_ptrs,  # (BLOCK_K / 2, BLOCK_N) pointers to packed E2M1 bytes (two K rows a byte, the even one low)
-    scale_ptrs,  # (BLOCK_K / 32, BLOCK_N) pointers to E8M0 scales
+    scales,  # (BLOCK_K / 32, BLOCK_N) uint8 the step's E8M0 scales (``_load_mxfp4_scales``)
     col_valid,  # (BLOCK_N,)
     k_left,  # K columns from this step's first on
     FP32_IEEE: tl.constexpr,
@@ -170,12 +183,9 @@ def _mxfp4_dot(
     interpreter's tests) take the tile decoded in fp32."""
     if EVEN_K:
         packed = tl.load(b_ptrs, mask=col_valid[None, :], other=0)
-        scales = tl.load(scale_ptrs, mask=col_valid[None, :], other=127)
     else:
         byte_valid = tl.arange(0, BLOCK_K // 2) < k_left // 2
-        group_valid = tl.arange(0, BLOCK_K // 32) < k_left // 32
         packed = tl.load(b_ptrs, mask=byte_valid[:, None] & col_valid[None, :], other=0)
-        scales = tl.load(scale_ptrs, mask=group_valid[:, None] & col_valid[None, :], other=127)
     if a.dtype == tl.bfloat16:
         acc = tl.dot_scaled(a, None, "bf16", packed, tl.trans(scales), "e2m1", acc)
     elif a.dtype == tl.float16:
@@ -215,6 +225,13 @@ def _gemm_k_loop(
     multiplied by its rows' and columns' scales as it is added. With MXFP4 (``triton_ops.mxfp4``) b's
     pointers are (BLOCK_K / 2, BLOCK_N) packed bytes and its scale pointers (BLOCK_K / 32, BLOCK_N) E8M0
     scales (``up_scale_ptrs`` the up rows'), each step's product taken by ``_mxfp4_dot``."""
+    if MXFP4:
+        # The scales are a load of a few bytes a thread that Triton's pipeline does not stage: each step
+        # loads the next step's, so their latency hides behind this step's dots instead of stalling it.
+        scales = _load_mxfp4_scales(b_scale_ptrs, col_valid, K, BLOCK_K=BLOCK_K)
+        up_scales = scales
+        if GATED:
+            up_scales = _load_mxfp4_scales(up_scale_ptrs, col_valid, K, BLOCK_K=BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
         if EVEN_K:
@@ -222,13 +239,17 @@ def _gemm_k_loop(
         else:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         if MXFP4:
-            acc = _mxfp4_dot(acc, a, b_ptrs, b_scale_ptrs, col_valid, K - k0, FP32_IEEE=FP32_IEEE,
-                             EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
+            step_scales = scales
             b_scale_ptrs += (BLOCK_K // 32) * stride_bsk
+            scales = _load_mxfp4_scales(b_scale_ptrs, col_valid, K - k0 - BLOCK_K, BLOCK_K=BLOCK_K)
+            acc = _mxfp4_dot(acc, a, b_ptrs, step_scales, col_valid, K - k0, FP32_IEEE=FP32_IEEE,
+                             EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
             if GATED:
-                acc_up = _mxfp4_dot(acc_up, a, up_ptrs, up_scale_ptrs, col_valid, K - k0, FP32_IEEE=FP32_IEEE,
-                                    EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
+                step_up_scales = up_scales
                 up_scale_ptrs += (BLOCK_K // 32) * stride_bsk
+                up_scales = _load_mxfp4_scales(up_scale_ptrs, col_valid, K - k0 - BLOCK_K, BLOCK_K=BLOCK_K)
+                acc_up = _mxfp4_dot(acc_up, a, up_ptrs, step_up_scales, col_valid, K - k0,
+                                    FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K, BLOCK_K=BLOCK_K)
                 up_ptrs += (BLOCK_K // 2) * stride_bk
         else:
             if EVEN_K:
