@@ -451,3 +451,32 @@ def test_ab_rules_covers_every_launch_override():
     assert set(module.RULES) == set(CHOICES)
     module.check_rules(module.RULES)
     assert module.KEEP_AT == 1.02
+
+
+def test_gptoss_model_bench_dry_run_serves_packed_experts(tmp_path, capsys):
+    """benchmarks/bench_gptoss_model.py's dry run (tiny gpt-oss, the CPU): the experts are built packed (no
+    bf16 expert weights ever allocated), attach serves the packed bytes in place, adapters are placed and
+    both modes generate; the JSON holds the memory figures and a row per batch."""
+    pytest.importorskip("transformers.integrations.mxfp4", exc_type=ImportError)
+    from transformers.integrations import mxfp4
+    if not hasattr(mxfp4, "Mxfp4GptOssMLP"):
+        pytest.skip("this transformers has no Mxfp4GptOssMLP")
+    bench = _script("bench_gptoss_model")
+    model = bench.build_model(2, True, torch.device("cpu"), torch.float32)
+    assert all(layer.mlp.experts.gate_up_proj_bias.numel() > 0 for layer in model.model.layers)
+    assert not any(p.dtype == torch.float32 and p.dim() == 3 for p in model.parameters())  # no dense experts
+    # E x 3 x H x I values, 17 bytes per 32 (16 of codes, 1 scale), two layers
+    assert bench.packed_bytes(model) == 2 * 8 * 3 * 64 * 32 * 17 // 32
+
+    out = tmp_path / "gptoss.json"
+    assert bench.main(["--dry-run", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["device"] == "cpu" and payload["peak_gb"] is None
+    assert payload["adapter_gb"] > 0 and payload["arena_gb"] >= payload["adapter_gb"]
+    (row,) = payload["records"]
+    assert row["batch"] == 2 and row["base_tok_s"] > 0 and row["adapters_tok_s"] > 0
+    assert "| batch | base tok/s | adapters tok/s | adapters / base |" in table
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--dry-run", "--adapters", "0"])
+    assert exc.value.code == 2
