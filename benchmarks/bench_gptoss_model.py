@@ -8,7 +8,10 @@ model) with random weights, its experts packed as the hub kernels leave them (tr
 ``Mxfp4GptOssExperts`` holding E2M1 blocks and E8M0 scales): no bf16 copy of the experts exists at any
 point, as 229 GB of them would not fit. ``attach`` serves the experts packed (the GEMMs decode the blocks);
 ``--adapters`` random adapters of rank ``--rank`` on every expert's gate/up/down of every layer are placed
-in the pool (``pool.add_adapter_weights``) and rows take them round-robin.
+in the pool (``pool.add_adapter_weights``) and rows take them round-robin. The hub tensors here have the
+layout that unswizzles to itself, so ``attach`` serves their bytes in place; a checkpoint loaded for the hub
+kernels on a GPU has them swizzled, and ``attach`` then holds the unswizzled bytes once more
+(docs/models.md): 61 GB more at 36 layers.
 
 Reported: the packed experts' bytes, the pool's adapter bytes, the device's peak memory
 (``torch.cuda.max_memory_allocated``) and, per batch size, ``generate`` tokens/s (greedy, exactly
