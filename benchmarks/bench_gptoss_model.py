@@ -69,24 +69,25 @@ class _NoExperts(nn.Module):
 
 
 def packed_experts(config, device: torch.device, gen: torch.Generator) -> nn.Module:
-    """An ``Mxfp4GptOssExperts`` of random codes and scales on ``device`` (its declared uint8 parameters made
-    on the meta device and replaced, as transformers' conversion replaces them, by the hub tensors)."""
+    """An ``Mxfp4GptOssExperts`` of random codes and scales drawn on ``device`` by ``gen`` (its declared
+    uint8 parameters made on the meta device and replaced, as transformers' conversion replaces them, by
+    the hub tensors)."""
     from transformers.integrations import mxfp4
 
     e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
     with torch.device("meta"):
         experts = mxfp4.Mxfp4GptOssExperts(config)
     for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-        blocks = torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=gen).to(device)
-        scales = torch.randint(*SCALE_EXPONENTS, (e, rows, cols // 32), dtype=torch.uint8,
-                               generator=gen).to(device)
+        blocks = torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=gen, device=device)
+        scales = torch.randint(*SCALE_EXPONENTS, (e, rows, cols // 32), dtype=torch.uint8, generator=gen,
+                               device=device)
         del experts._parameters[proj]
         setattr(experts, proj, _HubTensor(blocks.transpose(-2, -1)))
         setattr(experts, f"{proj}_precision_config", SimpleNamespace(weight_scale=_HubTensor(
             scales.transpose(-2, -1))))
-    experts.gate_up_proj_bias = nn.Parameter(torch.randn(e, 2 * i, generator=gen).to(device) * 0.05,
+    experts.gate_up_proj_bias = nn.Parameter(torch.randn(e, 2 * i, generator=gen, device=device) * 0.05,
                                              requires_grad=False)
-    experts.down_proj_bias = nn.Parameter(torch.randn(e, h, generator=gen).to(device) * 0.05,
+    experts.down_proj_bias = nn.Parameter(torch.randn(e, h, generator=gen, device=device) * 0.05,
                                           requires_grad=False)
     return experts
 
@@ -105,7 +106,7 @@ def build_model(layers: int, dry_run: bool, device: torch.device, dtype: torch.d
     torch.manual_seed(0)
     with mock.patch.object(modeling_gpt_oss, "GptOssExperts", _NoExperts), torch.device(device):
         model = transformers.GptOssForCausalLM(config).to(dtype).eval()
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device).manual_seed(1)  # drawn where they live: 61 GB at 36 layers
     for layer in model.model.layers:
         layer.mlp = mxfp4.Mxfp4GptOssMLP(layer.mlp.router, packed_experts(config, device, gen))
     model.generation_config.pad_token_id = 0
