@@ -65,26 +65,32 @@ MODELS = {
 
 
 def candidates(num_tokens: int, top_k: int, num_experts: int, gemm: int,
-               block_k: int | None = None) -> list[GemmConfig]:
+               block_k: int | None = None, mxfp4: bool = False) -> list[GemmConfig]:
     """``block_k``: only this BLOCK_SIZE_K (FP8: the scale group; its one-byte tiles also let deeper
-    pipelines fit in shared memory)."""
+    pipelines fit in shared memory). ``mxfp4``: half-byte weight tiles, and at decode sizes also two
+    warpgroups and 128-256 columns (on sm_90 each warpgroup decodes its own 64 columns for the scaled
+    dot's MMA, so a second one doubles the decode throughput of a program)."""
     pairs_per_expert = num_tokens * top_k / num_experts
     out = []
     if pairs_per_expert <= 8:
         block_ms, block_ns, block_ks, warps, stages = [16], [32, 64, 128], [64, 128, 256], [4], [3, 4, 5]
+        if mxfp4:
+            block_ns, warps = [64, 128, 256], [4, 8]
     elif pairs_per_expert <= 48:
         block_ms, block_ns, block_ks, warps, stages = [16, 32], [64, 128], [64, 128], [4, 8], [3, 4]
     else:
         block_ms, block_ns, block_ks, warps, stages = [64, 128], [64, 128], [64, 128], [4, 8], [3, 4]
         if gemm == 2:
             block_ns = [64, 128, 256]
-    elem_bytes = 2
+    a_bytes = b_bytes = 2
     if block_k is not None:
-        block_ks, elem_bytes = [block_k], 1
+        block_ks, a_bytes, b_bytes = [block_k], 1, 1
         stages = sorted({*stages, 5})
+    if mxfp4:
+        b_bytes = 0.5
     for bm, bn, bk, w, s in itertools.product(block_ms, block_ns, block_ks, warps, stages):
         # Fused gate+up doubles the B tile and the accumulators of GEMM1.
-        smem = s * (bm * bk + (2 if gemm == 1 else 1) * bk * bn) * elem_bytes
+        smem = s * (bm * bk * a_bytes + (2 if gemm == 1 else 1) * bk * bn * b_bytes)
         if smem > 200 * 1024:
             continue
         if bm * bn * (2 if gemm == 1 else 1) >= 128 * 256 and w < 8:
@@ -185,7 +191,7 @@ def tune_point(m: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: tor
     best_us, best = default_us, default
     by_block_m: dict[int, tuple[list, list]] = {}
     for gemm in (1, 2):
-        for cfg in candidates(m, top_k, num_experts, gemm, block_k):
+        for cfg in candidates(m, top_k, num_experts, gemm, block_k, mxfp4=mxfp4 is not None):
             by_block_m.setdefault(cfg.block_m, ([], []))[gemm - 1].append(cfg)
     for block_m, (c1s, c2s) in by_block_m.items():
         align = align_for(block_m)

@@ -374,3 +374,25 @@ def test_gpu_mxfp4_layer_matches_the_bf16_layer_on_its_values(m, path):
                         token_adapter=per_token, activation=activation, w13_bias=b13.float(),
                         w2_bias=b2.float())
     assert ((packed.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_tuner_searches_two_warpgroups_for_mxfp4_decode():
+    """``tune_moe.py --dtype mxfp4``: at decode sizes the sweep holds 8-warp tiles of 128-256 columns (each
+    warpgroup decodes its own 64 columns for the scaled dot on sm_90) besides the bf16 sweep's 4-warp ones,
+    and it counts the packed weight tiles at half a byte a value against shared memory."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "tune_moe", Path(__file__).resolve().parents[1] / "benchmarks" / "tune_moe.py")
+    tune_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_moe)
+    for gemm in (1, 2):
+        dense = tune_moe.candidates(1, 4, 32, gemm)
+        packed = tune_moe.candidates(1, 4, 32, gemm, mxfp4=True)
+        assert {c.num_warps for c in dense} == {4} and {c.num_warps for c in packed} == {4, 8}
+        assert {c.block_n for c in packed} == {64, 128, 256}
+        assert any(c.num_warps == 8 and c.block_n == 128 for c in packed)
+        assert len(packed) > len(dense)
+    # Past decode the sweep is the bf16 one, its shared-memory filter at half-byte weight tiles.
+    assert set(tune_moe.candidates(4096, 4, 32, 2)) <= set(tune_moe.candidates(4096, 4, 32, 2, mxfp4=True))
