@@ -766,6 +766,34 @@ def test_slot_range_expand_matches_oracle(monkeypatch, m, top_k, stages, dtype):
     assert rel_err(out.float(), ref) <= TOL[dtype]
 
 
+# A pool of 71 slots (70 adapters, ranks 8 and 16): tokens use slots 0, 62, 66 and 70 (and none), so the
+# blocks' slot ranges run across the first 63-slot presence word into the second; slots 63-65 hold
+# adapters no token uses, their B NaN: the slot-range expand must not read them, past slot 62 as before it.
+@interpreter
+def test_slot_range_expand_skips_unused_slots_past_the_first_presence_word(monkeypatch):
+    from triton_ops import plan
+
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_ext", "1")
+    m, top_k, num_experts, hidden, inter = 45, 4, 5, 48, 40  # 180 pairs: past decode, packed shrinks
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, F32, seed=5)
+    ranks = [16 if k % 2 == 0 else 8 for k in range(70)]
+    used = (0, 62, 66, 70)
+    tokens = [(-1, *used)[t % 5] for t in range(m)]
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, F32, seed=5, ranks=ranks,
+                                            slots_per_token=tokens)
+    for slot in (63, 64, 65):
+        lora.gate_up_b[slot] = float("nan")
+        lora.down_b[slot] = float("nan")
+    variants = []
+    original = plan.lora_variant
+    monkeypatch.setattr(plan, "lora_variant", lambda **kw: variants.append(original(**kw)) or variants[-1])
+    out = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split")
+    ref = reference_moe(x, w13, w2, weights, ids, adapters=adapters, token_adapter=per_token)
+    assert variants == [LORA_SLOT_RANGE.value] * 2, variants
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOL[F32]
+
+
 @interpreter
 def test_pack_shrink_partials_matches_torch():
     """The packed shrink is the split sum times the token's slot scaling, rounded to the GEMM's dtype, 0

@@ -489,6 +489,28 @@ def _bit_or(a, b):
 
 
 @triton.jit
+def _slot_presence_word(row_slot, has_slot, WORD: tl.constexpr):
+    """int64 bits of the slots 63 * WORD .. 63 * WORD + 62 that the block's rows use (the last word, 3, also
+    stands for every slot past 251: they share its top bit)."""
+    first = WORD * 63
+    in_word = has_slot & (row_slot >= first)
+    if WORD < 3:
+        in_word = in_word & (row_slot < first + 63)
+    bit = tl.minimum(row_slot - first, 62).to(tl.int64)
+    return tl.reduce(tl.where(in_word, tl.full(row_slot.shape, 1, tl.int64) << tl.maximum(bit, 0), 0), 0,
+                     _bit_or)
+
+
+@triton.jit
+def _slot_is_used(col_slot, used0, used1, used2, used3):
+    """Whether each of ``col_slot``'s slots is in the block's presence words (``_slot_presence_word``)."""
+    word = tl.minimum(col_slot // 63, 3)
+    bits = tl.where(word == 0, used0, tl.where(word == 1, used1, tl.where(word == 2, used2, used3)))
+    bit = tl.minimum(col_slot - word * 63, 62).to(tl.int64)
+    return ((bits >> bit) & 1) != 0
+
+
+@triton.jit
 def lora_expand_slot_range(
     acc,  # (BLOCK_M, BLOCK_N) fp32 output tile (one of gate / up, or GEMM2's)
     packed_rows_ptr,  # (BLOCK_M,) pointers to each row's packed shrink (pack_shrink_partials), column 0
@@ -514,18 +536,20 @@ def lora_expand_slot_range(
     fp32 partials, no layout round trip per slot, EXT_K // LORA_R slots a dot. Columns past a slot's real
     rank, and slots no row of the block has, load nothing."""
     offs_c = tl.arange(0, EXT_K)
-    # The slots the block's rows use, one bit each (slot 62 and up share the last bit): a slot inside the
-    # range that no row uses (another sequence's adapter) has its B tile masked off, so the bytes follow
-    # the slots present, not the range.
-    used_bits = tl.reduce(tl.where(has_slot, tl.full(row_slot.shape, 1, tl.int64)
-                                   << tl.minimum(row_slot, 62).to(tl.int64), 0), 0, _bit_or)
+    # The slots the block's rows use, one bit each in four words (slots 0-251; past them they share the
+    # last bit): a slot inside the range that no row uses (another sequence's adapter) has its B tile
+    # masked off, so the bytes follow the slots present, not the range.
+    used0 = _slot_presence_word(row_slot, has_slot, 0)
+    used1 = _slot_presence_word(row_slot, has_slot, 1)
+    used2 = _slot_presence_word(row_slot, has_slot, 2)
+    used3 = _slot_presence_word(row_slot, has_slot, 3)
     for c0 in tl.range(slot_lo * LORA_R, slot_hi * LORA_R, EXT_K, num_stages=EXT_STAGES):
         cols = c0 + offs_c
         col_slot = cols // LORA_R
         col_r = cols % LORA_R
         in_range = col_slot < slot_hi
         col_rank = tl.load(slot_ranks_ptr + col_slot, mask=in_range, other=0)
-        col_used = ((used_bits >> tl.minimum(col_slot, 62).to(tl.int64)) & 1) != 0
+        col_used = _slot_is_used(col_slot, used0, used1, used2, used3)
         col_live = in_range & col_used & (col_r < col_rank)
         rows_of_col = has_slot[:, None] & (row_slot[:, None] == col_slot[None, :]) & col_live[None, :]
         u = tl.load(packed_rows_ptr[:, None] + (col_offset + col_r)[None, :], mask=rows_of_col, other=0.0)
