@@ -1,0 +1,100 @@
+"""Many adapters in one batch: dozens of resident adapters of ranks 1-64, each training its own subset of
+experts, tokens without an adapter, from one decode token to prefill batches of thousands of tokens.
+
+Every forward runs through the layer the way a server runs it (a pool with its arena, ``prepare_batch``,
+``FusedMoEWithLoRA`` on path "auto") and is checked against :func:`moelora.reference.reference_moe` fed
+each adapter's own tensors (fp32). A block of routed pairs then holds many adapters; the launch rules'
+expand and the slot-range expand forced on both GEMMs (one pipeline stage and two: the variants the
+many-adapter A/B times) must both give the reference's values, with the experts an adapter does not train
+contributing nothing and the rank rows past each adapter's rank never counted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moelora import FusedMoEWithLoRA
+from moelora.pool import MoELoRAMemoryPool
+from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
+from triton_ops.overrides import LAUNCH_OVERRIDES
+
+LAYER = 0
+# The launch rules' choice, and the slot-range expand forced on both GEMMs in one and two stages.
+VARIANTS = {"rule": {}, "ext": {"lora_ext": "1"}, "ext2": {"lora_ext": "1", "lora_ext_stages": "2"}}
+
+
+def _adapters(count: int, ranks: tuple[int, ...], experts: int, hidden: int, inter: int,
+              seed: int) -> dict[str, dict[int, ReferenceLoRA]]:
+    """``count`` adapters, ranks cycling through ``ranks``; every third trains all experts, the others a
+    random half (the rest point at the arena's zero block)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dims = {"gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
+    out = {}
+    for n in range(count):
+        rank = ranks[n % len(ranks)]
+        trained = range(experts) if n % 3 == 0 else sorted(rng.sample(range(experts), experts // 2))
+        lora = ReferenceLoRA()
+        for e in trained:
+            for mod, (in_f, out_f) in dims.items():
+                getattr(lora, mod)[e] = LoRAProjection(
+                    a=torch.randn(rank, in_f, generator=gen) / in_f**0.5,
+                    b=torch.randn(out_f, rank, generator=gen) / rank**0.5, scaling=0.5 + 0.01 * n)
+        out[f"a{n}"] = {LAYER: lora}
+    return out
+
+
+def _check(m: int, *, experts: int, top_k: int, hidden: int, inter: int, count: int, ranks: tuple[int, ...],
+           dtype: torch.dtype, device: str, variant: str, tol: float, monkeypatch) -> None:
+    for name, value in VARIANTS[variant].items():
+        monkeypatch.setitem(LAUNCH_OVERRIDES, name, value)
+    weights_of = _adapters(count, ranks, experts, hidden, inter, seed=count)
+    pool = MoELoRAMemoryPool(num_experts=experts, hidden_size=hidden, intermediate_size=inter,
+                             layer_ids=[LAYER], max_loras=count, max_rank=max(ranks), dtype=dtype,
+                             device=device)
+    for name, weights in weights_of.items():
+        pool.add_adapter_weights(name, weights)
+    gen = torch.Generator().manual_seed(m)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    x = torch.randn(m, hidden, generator=gen)
+    topk_weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(top_k, -1)
+    ids = ids.to(torch.int32)
+    # Each token its own sequence; one in five without an adapter, the others drawn from all of them.
+    rng = random.Random(m)
+    names = [None if rng.random() < 0.2 else f"a{rng.randrange(count)}" for _ in range(m)]
+    batch = pool.prepare_batch(names)
+    layer = FusedMoEWithLoRA(w13.to(device, dtype), w2.to(device, dtype), pool=pool, layer_id=LAYER,
+                             path="auto")
+    got = layer(x.to(device, dtype), topk_weights.to(device), ids.to(device), batch).float().cpu()
+    order = sorted({n for n in names if n is not None})
+    want = reference_moe(x.to(dtype).float(), w13.to(dtype).float(), w2.to(dtype).float(), topk_weights, ids,
+                         adapters=[weights_of[n][LAYER] for n in order],
+                         token_adapter=[-1 if n is None else order.index(n) for n in names])
+    assert torch.isfinite(got).all()
+    rel = float((got - want).norm() / want.norm())
+    assert rel <= tol, f"M={m}, {variant}: relative L2 error {rel:.3g} > {tol}"
+    batch.release()
+    pool.close()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("variant", ["rule", "ext2"])
+@pytest.mark.parametrize("m", [1, 97])
+def test_many_adapters_match_the_reference_interpreter(m, variant, monkeypatch):
+    """12 adapters of ranks 1, 3, 8 and 16 in a rank-16 pool, 9 experts, top-4, fp32 (the interpreter)."""
+    _check(m, experts=9, top_k=4, hidden=48, inter=40, count=12, ranks=(1, 3, 8, 16), dtype=torch.float32,
+           device="cpu", variant=variant, tol=1e-4, monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("m", [1, 7, 300, 1024, 4096])
+def test_many_adapters_match_the_reference_gpu(m, variant, monkeypatch):
+    """40 adapters of ranks 1, 3, 8, 16, 33 and 64 in a rank-64 pool, 64 experts, top-6, bf16; M from one
+    decode token to 4096 (a 64-row block of M=4096 holds dozens of adapters)."""
+    _check(m, experts=64, top_k=6, hidden=512, inter=384, count=40, ranks=(1, 3, 8, 16, 33, 64),
+           dtype=torch.bfloat16, device="cuda", variant=variant, tol=2e-2, monkeypatch=monkeypatch)
