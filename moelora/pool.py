@@ -50,6 +50,7 @@ from moelora.parallel import MoEShard
 from moelora.peft_loader import ExpertParamLayout, arena_bytes_of, check_adapter_path
 from moelora.pool_batches import _Hold, _PoolBatches
 from moelora.pool_buffers import DenseLoRA, LoRALayerBuffers, _alloc_blocks, _ArenaWrites
+from moelora.pool_invariants import check_pool_invariants
 from moelora.pool_report import AdapterMemory, PoolMemoryReport, PoolState
 from moelora.stager import AdapterStager, StagedAdapter, _check_positive_int, _dtype_name, _is_int
 from moelora.staging import DEFAULT_STAGING_BYTES, PinnedStaging
@@ -779,53 +780,7 @@ class MoELoRAMemoryPool(_PoolBatches, _ArenaWrites, AdapterStager):
             self._check_invariants()
 
     def _check_invariants(self) -> None:
-        def expect(ok: bool, what: str) -> None:
-            if not ok:
-                raise AssertionError(f"pool invariant broken: {what}")
-
-        resident = {n: s for s, n in enumerate(self.slot_adapters) if isinstance(n, str)}
-        loading = {s for s, n in enumerate(self.slot_adapters) if n is _LOADING}
-        expect(resident == self.adapter_slots, f"slot_adapters {self.slot_adapters} and adapter_slots "
-               f"{self.adapter_slots} disagree")
-        expect(all(n is None or n is _LOADING or isinstance(n, str) for n in self.slot_adapters),
-               "a slot holds something other than a name, None or a reservation")
-        expect(loading == set(self._loading), f"reserved slots {sorted(loading)} are not the loads' "
-               f"{sorted(self._loading)}")
-        expect(all(p.slot == s for s, p in self._loading.items()), "a load's slot is not the one it reserved")
-        expect(not set(self._pending) & set(resident), f"adapters both loading and resident: "
-               f"{sorted(set(self._pending) & set(resident))}")
-        expect(set(self._recent) == set(resident), f"LRU order {list(self._recent)} is not the resident "
-               f"adapters {sorted(resident)}")
-        expect(set(self._staged) == set(resident), "host copies of resident adapters do not match them")
-        expect(self._pinned <= set(resident), f"pinned adapters not resident: {self._pinned - set(resident)}")
-        expect(not set(self._host_tier) & set(resident), "an adapter is both resident and in the host tier")
-        expect(len(self._host_tier) <= self.max_cpu_loras, "host tier over max_cpu_loras")
-        users = [0] * self.max_loras
-        for hold in self._holds:  # a hold queued by a finalizer still counts until the next transaction
-            for slot, gen in zip(hold.slots, hold.generations, strict=True):
-                users[slot] += self._slot_generation[slot] == gen
-        expect(users == self._slot_users, f"live-batch counts {self._slot_users} are not the holds' {users}")
-        expect(all(users[s] == 0 for s in range(self.max_loras) if s not in resident.values()),
-               "an empty or reserved slot counts live batches")
-        occupied = set(resident.values()) | loading
-        starts = [u for s in range(self.max_loras) for layer in self._slot_units[s] for u in layer]
-        expect(all(not self._slot_units[s] for s in range(self.max_loras) if s not in occupied),
-               "an empty slot owns arena blocks")
-        expect(len(starts) == len(set(starts)) and set(starts) == self._units.live_starts(),
-               "the slots' arena blocks are not the allocator's live blocks")
-        for s in range(self.max_loras):
-            if s not in resident.values():
-                expect(self.slot_rank_host[s] == 0 and self.slot_scaling_host[s] == 0.0,
-                       f"empty slot {s} has a rank or scaling")
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # the device tables cannot be read while a CUDA graph is being captured
-        settled = [s for s in range(self.max_loras) if s not in loading]  # a load writes its slot unlocked
-        expect(self.slot_ranks[settled].tolist() == [self.slot_rank_host[s] for s in settled],
-               f"device slot ranks {self.slot_ranks.tolist()} are not the host's {self.slot_rank_host}")
-        free = [s for s in range(self.max_loras) if s not in occupied]
-        if free:
-            expect(not bool(self.blocks[:, free].any()) and not bool(self.layer_ranks[:, free].any()),
-                   "an empty slot's block table or layer ranks are not zero")
+        check_pool_invariants(self, _LOADING)
 
     # ----------------------------------------------------------------------------------------------
     # Batches
