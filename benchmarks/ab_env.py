@@ -18,7 +18,9 @@ A config edit is A/B'd the same way: ``--env MOELORA_MOE_CONFIG_DIR=DIR`` with D
 committed ones).
 
 ``--layer base`` times the base layer (no adapters) as A and B instead, for switches that change the base
-path too (e.g. ``decode_direct=0``); the overheads are then B's and A's time over the base's.
+path too (e.g. ``decode_direct=0``); the overheads are then B's and A's time over the base's. ``--layer
+staged`` times the LoRA layer on the staged path (for the staged path's own rules, e.g.
+``lora_by_adapter=1``).
 
 ``--dry-run`` runs a tiny shape on the CPU through the Triton interpreter (set TRITON_INTERPRET=1 before
 starting it; eager calls, the numbers mean nothing) to check the script.
@@ -104,8 +106,11 @@ def captured(fn: Callable[[], Any], on_gpu: bool) -> Callable[[], Any]:
 
 def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[str, str], *, rounds: int,
              device: torch.device, dtype: torch.dtype, weights: tuple[torch.Tensor, torch.Tensor],
-             seed: int, warmup_ms: float, rep_ms: float, base_layer: bool = False) -> dict[str, Any]:
-    """Times base, A and B of one point in ``rounds`` interleaved rounds (see the module docstring)."""
+             seed: int, warmup_ms: float, rep_ms: float, base_layer: bool = False,
+             lora_path: str = "split") -> dict[str, Any]:
+    """Times base, A and B of one point in ``rounds`` interleaved rounds (see the module docstring);
+    ``lora_path``: the LoRA layer's path (the split path, which "auto" runs, unless a rule is the staged
+    path's)."""
     on_gpu = device.type == "cuda"
     w13, w2 = weights
     slots = max(8, n_adapters)
@@ -117,7 +122,7 @@ def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[st
 
     def layer(with_lora: bool) -> torch.Tensor:
         return fused_experts(x, w13, w2, topk_weights, topk_ids, lora=lora if with_lora else None,
-                             lora_path="split")
+                             lora_path=lora_path)
 
     timed_lora = not base_layer
     calls = {"base": captured(lambda: layer(False), on_gpu), "A": captured(lambda: layer(timed_lora), on_gpu)}
@@ -140,7 +145,7 @@ def ab_point(shape: ModelShape, m: int, rank: int, n_adapters: int, env: dict[st
     base = statistics.median(times["base"])
     return dict(
         model=shape.name, M=m, rank=rank, n_adapters=n_adapters, env=env, rounds=rounds,
-        layer="base" if base_layer else "lora",
+        layer="base" if base_layer else ("staged" if lora_path == "staged" else "lora"),
         base_us=base, a_us=statistics.median(times["A"]), b_us=statistics.median(times["B"]),
         a_overhead=statistics.median(a / b - 1 for a, b in zip(times["A"], times["base"], strict=True)),
         b_overhead=statistics.median(a / b - 1 for a, b in zip(times["B"], times["base"], strict=True)),
@@ -176,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="warm-up per timing, ms")
     parser.add_argument("--rep", type=float, default=40.0, help="measured time per timing, ms")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layer", choices=("lora", "base"), default="lora",
-                        help="time A and B with adapters (default) or the base layer")
+    parser.add_argument("--layer", choices=("lora", "base", "staged"), default="lora",
+                        help="time A and B with adapters (default: the split path), the base layer, or the "
+                             "LoRA layer on the staged path")
     parser.add_argument("--out", type=Path, help="also write the records as JSON")
     parser.add_argument("--dry-run", action="store_true", help="tiny shape on CPU (TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
@@ -202,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 for n_adapters in args.adapters:
                     record = ab_point(shape, m, rank, n_adapters, env, rounds=args.rounds, device=device,
                                       dtype=dtype, weights=weights, seed=args.seed, warmup_ms=args.warmup,
-                                      rep_ms=args.rep, base_layer=args.layer == "base")
+                                      rep_ms=args.rep, base_layer=args.layer == "base",
+                                      lora_path="staged" if args.layer == "staged" else "split")
                     records.append(record)
                     print(f"{shape.name} M={m} r={rank} x{n_adapters}: B/A {record['b_over_a']:.3f} "
                           f"[{record['b_over_a_min']:.3f}, {record['b_over_a_max']:.3f}]", file=sys.stderr,

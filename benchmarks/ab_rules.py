@@ -6,7 +6,8 @@ forcing the rule's other answer, on the cells where the rule was decided. For de
     python benchmarks/ab_rules.py --rules lora_prefetch one_row_lora --rounds 3
 
 :data:`RULES` holds, per override, the forced value (the rule's other answer; for a count, the value that
-reverts the rule to its simpler form), the layer timed (``ab_env.py --layer``: ``lora`` or ``base``), the
+reverts the rule to its simpler form), the layer timed (``ab_env.py --layer``: ``lora``, ``base`` or
+``staged``), the
 experts (bf16, block-scaled FP8, or one rank of two expert-parallel ranks) and at most four cells (model, M,
 rank, adapters), taken from the rule's docstring and its row in docs/performance.md ('Levers'). Each cell
 is one ``ab_env.ab_point``: the base layer, the layer as the rules launch it (A) and the layer with the
@@ -73,7 +74,7 @@ EP_SIZE = 2
 DRY_RUN_MAX_M = 80
 
 Cell = tuple[str, int, int, int]  # (model, M, rank, adapters)
-Layer = Literal["lora", "base"]
+Layer = Literal["lora", "base", "staged"]
 Experts = Literal["bf16", "fp8", "ep2"]
 EXPERTS: tuple[str, ...] = ("bf16", "fp8", "ep2")
 
@@ -124,6 +125,10 @@ RULES: dict[str, RuleCells] = {
     # cells: performance.md lever "two-launch decode", its current A/B of the fused sum (--layer base, M=1)
     "fused_sum": RuleCells("0", "base", "plan.fused_topk_sum", (
         (QWEN, 1, 16, 1), (V2L, 1, 16, 1), (V3, 1, 16, 1), (MIXTRAL, 1, 16, 1))),
+    # cells: the many-adapter batches the grouping is for (staged path, 32 adapters); not yet timed, so the
+    # rule is off and "1" forces it on
+    "lora_by_adapter": RuleCells("1", "staged", "plan.lora_by_adapter", (
+        (QWEN, 256, 16, 32), (QWEN, 1024, 16, 32), (V2L, 1024, 16, 32), (QWEN, 1024, 16, 4))),
     # cells: performance.md lever "32-column rank chunks at rank tile 64" (rank 64, 4 adapters)
     "lora_chunk_r": RuleCells("16", "lora", "plan.lora_rank_chunk", (
         (QWEN, 1024, 64, 4), (QWEN, 4096, 64, 4), (MIXTRAL, 1024, 64, 4), (V2L, 4096, 64, 4))),
@@ -189,8 +194,8 @@ def check_rules(rules: dict[str, RuleCells]) -> None:
         raise ValueError(f"one entry per launch override: missing {missing}, unknown {unknown}")
     for name, entry in rules.items():
         overrides.parse([f"{name}={entry.forced}"])
-        if entry.layer not in ("lora", "base") or entry.experts not in EXPERTS:
-            raise ValueError(f"{name}: layer must be lora or base and experts one of {EXPERTS}")
+        if entry.layer not in ("lora", "base", "staged") or entry.experts not in EXPERTS:
+            raise ValueError(f"{name}: layer must be lora, base or staged and experts one of {EXPERTS}")
         if not 1 <= len(entry.cells) <= 4:
             raise ValueError(f"{name}: 1 to 4 cells, got {len(entry.cells)}")
         for model, m, rank, adapters in entry.cells:
@@ -290,7 +295,8 @@ def run_cells(names: list[str], *, dry_run: bool, rounds: int, warmup_ms: float,
                     record = ab_env.ab_point(point_shape, m, rank, adapters, {name: entry.forced},
                                              rounds=rounds, device=device, dtype=dtype, weights=weights,
                                              seed=seed, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                                             base_layer=entry.layer == "base")
+                                             base_layer=entry.layer == "base",
+                                             lora_path="staged" if entry.layer == "staged" else "split")
                 except Exception as err:  # a failing cell (out of memory, a launch error) leaves the others
                     error = f"{type(err).__name__}: {err}"
                     records.append(info | dict(model=shape.name, M=m, rank=rank, n_adapters=adapters,

@@ -20,6 +20,8 @@ rank 8 alone, and for ESFT-style adapters training an eighth of the experts.
 ``--ab NAME=VALUE`` (launch overrides, ``triton_ops.overrides``) also times the N-adapter batch on a second
 layer captured with those overrides set, in the same rounds: ``ab_us`` and ``ab_over_rule`` (its time over
 the rules' time, the median over rounds) in each record, for deciding a launch rule on these cells.
+``--ab-path staged`` runs that second layer on the staged LoRA path (for its own rules, e.g.
+``--ab-path staged --ab lora_by_adapter=1``).
 
 Writes ``OUT.json``, ``OUT.md`` and ``OUT.png``; ``--render JSON`` re-renders a result (and its floors).
 """
@@ -123,9 +125,10 @@ def adapters_per_gb(shape, layers: int) -> dict[str, float]:
 
 def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str], rounds: int,
                 warmup_ms: float, rep_ms: float, mixed: list[tuple[int, int]] = (),
-                ab: dict[str, str] | None = None) -> list[dict]:
+                ab: dict[str, str] | None = None, ab_path: str = "auto") -> list[dict]:
     """Every (M, N, popularity) point, then every mixed step (decode, prefill) of ``mixed`` at each N; with
-    ``ab`` (launch overrides) the N-adapter batch also on a layer captured with them set."""
+    ``ab`` (launch overrides) the N-adapter batch also on a layer of path ``ab_path`` captured with them
+    set."""
     shape = MODELS[name]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     w13, w2 = make_weights(shape, dtype, dev, seed=0)
@@ -142,7 +145,8 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
     pool.add_adapter_weights("one64", adapter(shape, 64, rng))
     layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path="auto", cuda_graphs=False)
     # Its own launch cache: the overrides are read when it first plans a token count, inside ``applied``.
-    layer_b = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path="auto", cuda_graphs=False) if ab else None
+    layer_b = (FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path=ab_path, cuda_graphs=False) if ab
+               else None)
     report = pool.memory_report()
     print(f"{name}: {max_n + 1} adapters resident, arena {report.arena_bytes / 1e9:.2f} GB, used "
           f"{report.used_bytes / 1e9:.2f} GB", flush=True)
@@ -179,7 +183,8 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
                 ab_note = ""
                 if ab:
                     ratios = sorted(b / a for a, b in zip(many, times[3], strict=True))
-                    rec |= {"ab": dict(ab), "ab_us": times[3][mid], "ab_over_rule": ratios[rounds // 2]}
+                    rec |= {"ab": dict(ab), "ab_path": ab_path, "ab_us": times[3][mid],
+                            "ab_over_rule": ratios[rounds // 2]}
                     ab_note = f", forced {times[3][mid]:.1f} ({rec['ab_over_rule']:.3f}x)"
                 records.append(rec)
                 print(f"  {step_label(rec)} N={n} {pop}: base {base[mid]:.1f} us, one r64 {single[mid]:.1f}, "
@@ -265,8 +270,12 @@ def main() -> None:
                         help="re-render OUT.md/.png (and the floors) from this JSON instead of measuring")
     parser.add_argument("--ab", nargs="+", default=[], metavar="NAME=VALUE",
                         help="launch overrides: also time each N-adapter batch with them set")
+    parser.add_argument("--ab-path", choices=("auto", "split", "staged"), default="auto",
+                        help="the --ab layer's LoRA path (default auto)")
     parser.add_argument("--out", required=True, help="output path without extension")
     args = parser.parse_args()
+    if args.ab_path != "auto" and not args.ab:
+        parser.error("--ab-path needs --ab NAME=VALUE (the overrides its layer runs with)")
     try:
         ab = overrides.parse(args.ab)
     except ValueError as err:
@@ -286,7 +295,7 @@ def main() -> None:
         records = []
         for name in args.models:
             records += bench_model(name, args.M, args.N, args.popularity, args.rounds, args.warmup, args.rep,
-                                   mixed=mixed, ab=ab)
+                                   mixed=mixed, ab=ab, ab_path=args.ab_path)
         result = {"device": torch.cuda.get_device_name(), "records": records, "memory": memory}
     add_roofline(result["records"], device_peaks(result["device"])["hbm_tbps"])
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

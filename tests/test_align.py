@@ -244,3 +244,34 @@ def test_align_puts_out_of_range_ids_in_the_null_run(bs, E, M, k, dtype):
     ids.view(-1)[0] = -1  # at least one null pair
     check_align(ids, bs, E)
     check_align(torch.full((M, k), E, dtype=dtype), bs, E)  # every pair null
+
+
+# Grouping by (expert, adapter slot): the same contract on virtual experts e * (L + 1) + s, a token without
+# an adapter (or with a slot outside [0, L)) in group L of its expert, ids outside [0, E) in the null run;
+# expert_ids holds the real expert. Torch operations: the same on the CPU and the GPU.
+@pytest.mark.parametrize("bs, E, L, M, k", [(16, 5, 3, 1, 2), (16, 9, 12, 45, 4), (16, 128, 33, 300, 8),
+                                            (32, 7, 0, 40, 3), (16, 3, 70, 97, 2)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, device):
+    from triton_ops.moe_align import align_by_adapter
+
+    gen = torch.Generator().manual_seed(M + L)
+    ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
+    ids.view(-1)[::7] = E + 3  # the null run
+    slots = torch.randint(-1, L + 2, (M,), generator=gen, dtype=torch.int32)  # L, L + 1: out of range
+    sorted_ids, expert_ids, num_post_padded = align_by_adapter(ids.to(device), slots.to(device), bs, E, L)
+    groups = L + 1
+    slot_col = torch.where((slots >= 0) & (slots < L), slots, L).repeat_interleave(k).long()
+    flat = ids.reshape(-1).long()
+    virtual = torch.where((flat >= 0) & (flat < E), flat * groups + slot_col, E * groups)
+    want_sorted, want_experts, want_padded = reference_align(virtual.view(M, k), bs, E * groups)
+    # The reference's null run (virtual id E * groups) is the function's null run; its virtual experts
+    # map to their real expert.
+    want_experts = torch.where(want_experts >= 0, want_experts // groups, -1).to(torch.int32)
+    assert sorted_ids.shape == want_sorted.shape and expert_ids.shape == want_experts.shape
+    assert torch.equal(sorted_ids.cpu(), want_sorted) and torch.equal(expert_ids.cpu(), want_experts)
+    assert int(num_post_padded) == int(want_padded)
+    for block in range(int(num_post_padded) // bs):  # one (expert, adapter) a block
+        pairs = sorted_ids[block * bs:(block + 1) * bs].cpu()
+        pairs = pairs[pairs < M * k].long()
+        assert len(set(virtual[pairs].tolist())) == 1

@@ -440,6 +440,10 @@ def test_many_adapters_ab_overrides_are_checked_before_anything_runs(monkeypatch
         with pytest.raises(SystemExit) as exc:
             bench.main()
         assert exc.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_many_adapters.py", "--ab-path", "staged", "--out", "unused"])
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    assert exc.value.code == 2 and "--ab-path needs --ab" in capsys.readouterr().err
 
 
 def test_ab_rules_covers_every_launch_override():

@@ -1197,3 +1197,37 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
     replays_match_plain_launches(
         monkeypatch, layer, x, ids, lora, num_experts, seed=11,
         check_plain=lambda: check_overlap_plan(events, overlap=False, through_sum=through_sum))
+
+
+# Past decode (M=45 x top-4 = 180 pairs, 97 x top-2) on the staged path, the LoRA launches on pairs grouped
+# by (expert, adapter): 12 adapters of ranks 1-16 (slot 1 idle), a fifth of the tokens without one, an
+# expert id outside [0, E) (the null run). Each row's shrink and expand are the same dots over the same K
+# splits whichever block holds the row: the same bits as on the expert blocks, and the oracle's values.
+@pytest.mark.parametrize("m, top_k", [(45, 4), (97, 2)])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
+@interpreter
+def test_staged_lora_by_adapter_gives_the_expert_blocks_bits(monkeypatch, m, top_k, dtype):
+    from triton_ops import plan
+
+    num_experts, hidden, inter = 9, 48, 40
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, dtype, seed=m)
+    ids[3, 0] = num_experts + 2  # the null run: contributes nothing on both alignments
+    ranks = (16, 8, 1, 3, 16, 8, 5, 16, 2, 12, 16, 7)
+    rng = torch.Generator().manual_seed(m)
+    choice = torch.randint(-3, len(ranks), (m,), generator=rng).tolist()
+    adapter_slots = (0, *range(2, len(ranks) + 1))
+    slots = [adapter_slots[c] if c >= 0 else -1 for c in choice]
+    lora, adapters, per_token = lora_inputs(m, num_experts, hidden, inter, dtype, seed=m, ranks=ranks,
+                                            slots_per_token=slots)
+    taken = []
+    original = fe.align_by_adapter
+    monkeypatch.setattr(fe, "align_by_adapter", lambda *a: taken.append(a[2]) or original(*a))
+    outs = {}
+    for by_adapter in ("0", "1"):
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_by_adapter", by_adapter)
+        outs[by_adapter] = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="staged")
+    assert taken == [plan.ADAPTER_BLOCK_M]  # only the forced run grouped the pairs by adapter
+    assert torch.equal(outs["1"], outs["0"])
+    ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
+                        token_adapter=per_token)
+    assert rel_err(outs["1"].float(), ref) <= TOL[dtype]

@@ -2,11 +2,12 @@
 experts, tokens without an adapter, from one decode token to prefill batches of thousands of tokens.
 
 Every forward runs through the layer the way a server runs it (a pool with its arena, ``prepare_batch``,
-``FusedMoEWithLoRA`` on path "auto") and is checked against :func:`moelora.reference.reference_moe` fed
-each adapter's own tensors (fp32). A block of routed pairs then holds many adapters; the launch rules'
-expand and the slot-range expand forced on both GEMMs (one pipeline stage and two: the variants the
-many-adapter A/B times) must both give the reference's values, with the experts an adapter does not train
-contributing nothing and the rank rows past each adapter's rank never counted.
+``FusedMoEWithLoRA``) and is checked against :func:`moelora.reference.reference_moe` fed each adapter's own
+tensors (fp32). A block of routed pairs then holds many adapters; the launch rules' expand (path "auto"),
+the slot-range expand forced on both GEMMs (one pipeline stage and two) and the staged path on pairs
+grouped by (expert, adapter) (the variants the many-adapter A/B times) must all give the reference's
+values, with the experts an adapter does not train contributing nothing and the rank rows past each
+adapter's rank never counted.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
 from triton_ops.overrides import LAUNCH_OVERRIDES
 
 LAYER = 0
-# The launch rules' choice, and the slot-range expand forced on both GEMMs in one and two stages.
-VARIANTS = {"rule": {}, "ext": {"lora_ext": "1"}, "ext2": {"lora_ext": "1", "lora_ext_stages": "2"}}
+# (path, overrides): the launch rules' choice, the slot-range expand forced on both GEMMs in one and two
+# stages, and the staged path with its LoRA launches on pairs grouped by (expert, adapter).
+VARIANTS = {"rule": ("auto", {}), "ext": ("auto", {"lora_ext": "1"}),
+            "ext2": ("auto", {"lora_ext": "1", "lora_ext_stages": "2"}),
+            "by_adapter": ("staged", {"lora_by_adapter": "1"})}
 
 
 def _adapters(count: int, ranks: tuple[int, ...], experts: int, hidden: int, inter: int,
@@ -49,7 +53,8 @@ def _adapters(count: int, ranks: tuple[int, ...], experts: int, hidden: int, int
 
 def _check(m: int, *, experts: int, top_k: int, hidden: int, inter: int, count: int, ranks: tuple[int, ...],
            dtype: torch.dtype, device: str, variant: str, tol: float, monkeypatch) -> None:
-    for name, value in VARIANTS[variant].items():
+    path, forced = VARIANTS[variant]
+    for name, value in forced.items():
         monkeypatch.setitem(LAUNCH_OVERRIDES, name, value)
     weights_of = _adapters(count, ranks, experts, hidden, inter, seed=count)
     pool = MoELoRAMemoryPool(num_experts=experts, hidden_size=hidden, intermediate_size=inter,
@@ -68,7 +73,7 @@ def _check(m: int, *, experts: int, top_k: int, hidden: int, inter: int, count: 
     names = [None if rng.random() < 0.2 else f"a{rng.randrange(count)}" for _ in range(m)]
     batch = pool.prepare_batch(names)
     layer = FusedMoEWithLoRA(w13.to(device, dtype), w2.to(device, dtype), pool=pool, layer_id=LAYER,
-                             path="auto")
+                             path=path)
     got = layer(x.to(device, dtype), topk_weights.to(device), ids.to(device), batch).float().cpu()
     order = sorted({n for n in names if n is not None})
     want = reference_moe(x.to(dtype).float(), w13.to(dtype).float(), w2.to(dtype).float(), topk_weights, ids,
@@ -82,7 +87,7 @@ def _check(m: int, *, experts: int, top_k: int, hidden: int, inter: int, count: 
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("variant", ["rule", "ext2"])
+@pytest.mark.parametrize("variant", ["rule", "ext2", "by_adapter"])
 @pytest.mark.parametrize("m", [1, 97])
 def test_many_adapters_match_the_reference_interpreter(m, variant, monkeypatch):
     """12 adapters of ranks 1, 3, 8 and 16 in a rank-16 pool, 9 experts, top-4, fp32 (the interpreter)."""

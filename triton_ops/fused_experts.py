@@ -46,7 +46,12 @@ from triton_ops.fused_moe import (
 from triton_ops.hostmath import cdiv
 from triton_ops.launch import active_cache
 from triton_ops.lora_weights import LoRAWeights, lora_weights
-from triton_ops.moe_align import SINGLE_PROGRAM_MAX_PAIRS, max_padded_size, moe_align_block_size
+from triton_ops.moe_align import (
+    SINGLE_PROGRAM_MAX_PAIRS,
+    align_by_adapter,
+    max_padded_size,
+    moe_align_block_size,
+)
 from triton_ops.moe_inputs import check_moe_inputs, gate_up_dims
 from triton_ops.moe_lora import (
     moe_lora_a,
@@ -64,6 +69,7 @@ from triton_ops.pdl import (
     prefill_shrink_overlap,
 )
 from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from here as before)
+    ADAPTER_BLOCK_M,
     LONG_K_SLOT_GROUP_MIN_K,
     MAX_DECODE_DOWN_PARTIALS,
     MAX_DOWN_PARTIALS,
@@ -82,6 +88,7 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
     decode_down_partials_limit,
     fp8_lora_takes_bf16_tiles,
     fused_topk_sum,
+    lora_by_adapter,
     lora_ext_expand,
     lora_rank_block,
     one_split_shrink,
@@ -314,9 +321,17 @@ def fused_experts(
         if plan.down_in_gemm1:
             gemm1_lora.down_a, gemm1_lora.down_shrunk = lora.down_a, shrunk_down
             gemm2_lora.shrunk = shrunk_down
+        # The LoRA launches' alignment: the GEMMs' expert blocks, or one adapter's rows a block (so its
+        # shrinks stack no slots side by side: one adapter a block).
+        lora_align, lora_block_m = align, cfg.block_m
+        if plan.by_adapter:
+            lora_block_m = ADAPTER_BLOCK_M
+            lora_align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), align_by_adapter(
+                chunk_ids, chunk_slots, lora_block_m, num_experts, lora.slot_ranks.numel()), strict=True))
         if (split or staged) and not plan.decode_shrink:
-            moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **align,
-                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
+            moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **lora_align,
+                       num_adapters=1 if plan.by_adapter else lora.num_adapters, block_m=lora_block_m,
+                       top_k=top_k,
                        x_row_div=top_k, rank_block=rank_block, gated=True, slot_programs=plan.slot_programs,
                        out=shrunk_gate_up, release_next=plan.gate_up_overlap)
         if split:
@@ -328,7 +343,8 @@ def fused_experts(
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", bias=w13_bias,
                                     **align, **gemm1_quant)
             moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, chunk_slots,
-                               lora.slot_ranks, lora.slot_scalings, **align, block_m=cfg.block_m, top_k=top_k,
+                               lora.slot_ranks, lora.slot_scalings, **lora_align, block_m=lora_block_m,
+                               top_k=top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
                                out=chunk_activated)
         else:
@@ -391,8 +407,9 @@ def fused_experts(
         if pair_out is not None and topk_sum is None:
             moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
         if staged:
-            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
-                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
+            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **lora_align,
+                       num_adapters=1 if plan.by_adapter else lora.num_adapters, block_m=lora_block_m,
+                       top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down)
             moe_lora_down_combine(shrunk_down, lora.down_b, chunk_slots, chunk_ids.contiguous(),
@@ -442,6 +459,8 @@ class ChunkPlan:
         reduce_gate_up, reduce_down: the split-K partials are summed once before the GEMM.
         gate_up_overlap, down_overlap: the shrink launch before a GEMM (and its split sum) releases it early.
         gemm1_late_wait, gemm2_late_wait: the GEMM is launched dependently, waiting after its K-loop.
+        by_adapter: the staged path's LoRA launches run on pairs grouped by (expert, adapter)
+            (``lora_by_adapter``), the GEMMs on the expert blocks.
         fp8_chain: one token's FP8 quantizations are links of a dependent-launch chain
             (``dependent_fp8_decode``): x quantization -> GEMM1 -> h quantization -> GEMM2, with adapters
             (split path) x quantization -> gate/up shrink (GEMM1 after it as before) -> ... .
@@ -465,6 +484,7 @@ class ChunkPlan:
     down_overlap: bool = False
     gemm1_late_wait: bool = False
     gemm2_late_wait: bool = False
+    by_adapter: bool = False
     fp8_chain: bool = False
 
 
@@ -580,6 +600,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         reduce_gate_up=reduce_gate_up, reduce_down=reduce_down, gate_up_overlap=gate_up_overlap,
         down_overlap=down_overlap, gemm1_late_wait=decode_overlap or gate_up_overlap,
         gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap,
+        by_adapter=staged and lora_by_adapter(num_adapters),
         fp8_chain=fp8_chain,
     )
 

@@ -451,3 +451,53 @@ def moe_align_block_size(
         num_warps=4,
     )
     return sorted_ids, expert_ids, num_post_padded
+
+
+def align_by_adapter(
+    topk_ids: torch.Tensor, token_slots: torch.Tensor, block_size: int, num_experts: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed pairs grouped by (expert, adapter slot), each group padded to ``block_size``: the LoRA
+    launches' alignment when a batch holds many adapters, so that every block has one adapter's rows (its
+    A and B tiles read once a block, its dots on its own rows only) where the expert alignment's blocks
+    mix dozens.
+
+    Semantics: as ``moe_align_block_size`` with the virtual expert ``e * (num_slots + 1) + s`` of a pair
+    in place of its expert ``e`` (``s`` its token's slot, ``num_slots`` for a token without an adapter or
+    with a slot outside [0, num_slots)), in the order of those ids, then the null run (ids outside
+    [0, E)); ``expert_ids`` holds each block's real expert (-1 for the null run and past the end), so the
+    LoRA kernels take it unchanged. Pairs keep their ascending order inside a group (deterministic).
+
+    Torch operations sized on the host (a sort, a histogram, prefix sums, scatters): no sync, capturable
+    in a CUDA graph. Returns sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),)
+    int32, num_post_padded (1,) int32; max_padded = numel + min(groups, numel) * (block_size - 1).
+    """
+    flat = _check_align_args(topk_ids, block_size, num_experts).to(torch.int64)
+    if token_slots.dim() != 1 or flat.numel() % max(1, token_slots.numel()):
+        raise ValueError(f"token_slots must be (num_tokens,) for topk_ids {tuple(topk_ids.shape)}, got "
+                         f"{tuple(token_slots.shape)}")
+    if num_slots < 0:
+        raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+    device = topk_ids.device
+    numel, top_k = flat.numel(), topk_ids.shape[1]
+    groups = num_slots + 1
+    null_group = num_experts * groups
+    slots = token_slots.to(torch.int64).repeat_interleave(top_k)
+    slot_col = torch.where((slots >= 0) & (slots < num_slots), slots, num_slots)
+    virtual = torch.where((flat >= 0) & (flat < num_experts), flat * groups + slot_col, null_group)
+    max_padded = numel + min(null_group + 1, numel) * (block_size - 1)
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    expert_ids = torch.full((cdiv(max_padded, block_size),), -1, dtype=torch.int32, device=device)
+    if numel == 0:
+        return sorted_ids, expert_ids, torch.zeros((1,), dtype=torch.int32, device=device)
+    order = torch.sort(virtual, stable=True).indices
+    counts = torch.zeros((null_group + 1,), dtype=torch.int64, device=device)
+    counts.scatter_add_(0, virtual, torch.ones_like(virtual))
+    padded = (counts + block_size - 1) // block_size * block_size
+    padded_start = torch.cumsum(padded, 0) - padded
+    first = torch.cumsum(counts, 0) - counts
+    in_order = virtual[order]
+    dest = padded_start[in_order] + torch.arange(numel, device=device) - first[in_order]
+    sorted_ids[dest] = order.to(torch.int32)
+    block_expert = torch.where(in_order < null_group, in_order // groups, -1).to(torch.int32)
+    expert_ids[dest // block_size] = block_expert  # every pair of a block writes its block's expert
+    return sorted_ids, expert_ids, padded.sum().to(torch.int32).reshape(1)

@@ -33,6 +33,7 @@ CHOICES: dict[str, tuple[str, ...] | None] = {
     "fp8_lora_tiles": ("auto", "bf16", "fp8"),
     "fp8_tile_scale": _SWITCH,
     "fused_sum": _SWITCH,
+    "lora_by_adapter": _SWITCH,
     "lora_chunk_r": ("16", "32", "64"),
     "lora_defer": _SWITCH,
     "lora_ext": ("0", "1", "gemm1", "gemm2"),

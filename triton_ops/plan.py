@@ -193,6 +193,21 @@ def defer_lora_prologue(*, late_wait: bool, splits: int, split_chunk: int, rank_
     return overrides.switch("lora_defer", default=rank_block <= 16)
 
 
+# The adapter-grouped alignment's block: one adapter's rows of one expert, padded to this many (the MMA's
+# smallest M).
+ADAPTER_BLOCK_M = 16
+
+
+def lora_by_adapter(num_adapters: int) -> bool:
+    """Whether the staged path's LoRA launches (the shrinks and the gate/up expand with the activation) run
+    on pairs grouped by (expert, adapter) (``moe_align.align_by_adapter``), blocks of ``ADAPTER_BLOCK_M``
+    rows of one adapter, instead of on the GEMMs' expert blocks, where a block of a many-adapter batch
+    holds dozens of adapters and each costs a dot over all of the block's rows and a dependent B load.
+    Off unless forced (``lora_by_adapter=1``, with two adapters or more): not yet timed against the
+    expert blocks (``bench_many_adapters.py --ab-path staged --ab lora_by_adapter=1``)."""
+    return num_adapters >= 2 and overrides.switch("lora_by_adapter", default=False)
+
+
 def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: int,
                     elem_bytes: int = 2, block_scaled: bool = False) -> bool:
     """Whether a prefill GEMM of the split path takes its shrink packed (``pack_shrink_partials``: the
