@@ -55,6 +55,7 @@ from triton_ops.moe_align import (
 from triton_ops.moe_inputs import check_moe_inputs, gate_up_dims
 from triton_ops.moe_lora import (
     moe_lora_a,
+    moe_lora_down_b,
     moe_lora_down_combine,
     moe_lora_gate_up_b,
     shrink_block_k,
@@ -404,14 +405,21 @@ def fused_experts(
             **align,
             **gemm2_quant,
         )
-        if pair_out is not None and topk_sum is None:
-            moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
         if staged:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **lora_align,
                        num_adapters=1 if plan.by_adapter else lora.num_adapters, block_m=lora_block_m,
                        top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down)
+        if plan.by_adapter:  # each pair's delta into GEMM2's rows, before the top-k sum
+            moe_lora_down_b(target, shrunk_down, lora.down_b, chunk_slots, lora.slot_ranks,
+                            lora.slot_scalings, **lora_align, block_m=lora_block_m, top_k=top_k,
+                            rank_block=rank_block,
+                            topk_weights=None if apply_router_weight_on_input else chunk_weights,
+                            routed_scaling_factor=routed_scaling_factor)
+        if pair_out is not None and topk_sum is None:
+            moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
+        if staged and not plan.by_adapter:
             moe_lora_down_combine(shrunk_down, lora.down_b, chunk_slots, chunk_ids.contiguous(),
                                   None if apply_router_weight_on_input else chunk_weights.view(rows, top_k),
                                   lora.slot_ranks, lora.slot_scalings, out[start:end], rank_block=rank_block,

@@ -7,7 +7,9 @@ Staged path, around the base GEMMs of ``fused_moe.py``:
   4. base GEMM2 + sum    out[t]    = rsf * sum_k w_k W2[e_k] h[p_k]
   5. moe_lora_down       out[t]   += rsf * sum_k w_k s_a B_down[a, e_k] (A_down[a, e_k] h[p_k])
                          (a grouped shrink, then a gather-form expand that sums the top-k in registers:
-                         no atomics, one writer per output element)
+                         no atomics, one writer per output element; or, on pairs grouped by (expert,
+                         adapter), ``moe_lora_down_b`` adds each pair's delta to GEMM2's rows before the
+                         top-k sum)
 Shrinks and the gate_up expand run on the base alignment's blocks (one expert per block) and loop over
 the adapter slots present in each block (the shrink up to 64 // R of them at a time, side by side in one
 A tile, so a block of several adapters' tokens walks K once); rows of other slots are masked out of every
@@ -214,6 +216,74 @@ def _moe_lora_gate_up_b_kernel(
     h = _gated_activation(gate + delta_gate, up + delta_up, ACTIVATION, ACT_LIMIT, ACT_ALPHA, ACT_UP_OFFSET)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _moe_lora_down_b_kernel(
+    # Pointers
+    y_ptr,  # (numel, N) in/out: GEMM2's per-pair rows (routed weight and scale applied), the delta added
+    shrunk_ptr,  # (numel, splits, LORA_R) fp32 partial shrinks of A_down h
+    lora_b,  # (L, E, N, R) down_b
+    token_slots_ptr,  # (M,) int32
+    slot_ranks_ptr,  # (L,) int32
+    slot_scalings_ptr,  # (L,) fp32
+    topk_weights_ptr,  # (numel,) fp32, read when MUL_ROUTED_WEIGHT
+    sorted_ids_ptr,  # (max_padded,) int32
+    expert_ids_ptr,  # (max_padded / BLOCK_M,) int32
+    num_post_padded_ptr,  # (1,) int32
+    # Sizes
+    N,
+    numel,
+    top_k,
+    num_splits,
+    scale,
+    # Strides
+    stride_ym,
+    stride_ss,
+    stride_sm,
+    # Meta-parameters
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    LORA_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a null block: its pairs contribute nothing
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = pair < numel
+    row_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_valid, other=-1)
+    has_slot = row_valid & (row_slot >= 0)
+    if tl.max(has_slot.to(tl.int32), axis=0) == 0:  # no row with an adapter: nothing to add
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = offs_n < N
+    offs_r = tl.arange(0, LORA_R)
+    s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    shrunk = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    for _split in range(0, num_splits):
+        shrunk += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
+        s_ptrs += stride_ss
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    delta, _ = lora_expand_slots(
+        zeros, zeros, shrunk, shrunk, row_valid, row_slot, lora_b, expert, offs_n, col_valid, N,
+        slot_ranks_ptr, slot_scalings_ptr, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+    )
+    row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
+    if MUL_ROUTED_WEIGHT:
+        row_scale *= tl.load(topk_weights_ptr + pair, mask=has_slot, other=0.0)
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    mask = has_slot[:, None] & col_valid[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta * row_scale[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # M changes with every batch: no divisibility specialization (a compile per class otherwise), but M == 1,
@@ -484,6 +554,67 @@ def moe_lora_gate_up_b(
         BLOCK_N=block_n,
     )
     return out
+
+
+def moe_lora_down_b(
+    y: torch.Tensor,
+    shrunk: torch.Tensor,
+    down_b: torch.Tensor | LoRAWeights,
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    *,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor,
+    block_m: int,
+    top_k: int,
+    rank_block: int,
+    topk_weights: torch.Tensor | None,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """In place, before the top-k sum: ``y[p] += rsf * w_p * s B_down[slot, e_p] sum_s shrunk[p, s]`` for
+    every routed pair p with an adapter, ``y`` GEMM2's per-pair rows (its routed weight and ``rsf``
+    applied; ``topk_weights`` (numel,) None when the weight was applied on the input). On an alignment
+    whose blocks each hold one adapter's rows (``moe_align.align_by_adapter``) each (adapter, expert)'s B
+    is read once a block and its dot covers its own rows only; on the expert blocks it loops the slots
+    present, as ``moe_lora_gate_up_b`` does.
+    Grid: (max_padded / block_m * cdiv(N, BLOCK_N),).
+    """
+    numel, n = y.shape
+    down_b = lora_weights(down_b, kind="b")
+    if down_b.cols != n or (shrunk.shape[0], shrunk.shape[2]) != (numel, rank_block):
+        raise ValueError(f"down_b ({down_b.cols} outputs) / shrunk {tuple(shrunk.shape)} do not match y "
+                         f"{tuple(y.shape)} with rank block {rank_block}")
+    if numel == 0:
+        return y
+    block_n = 64
+    launch(_moe_lora_down_b_kernel, (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, block_n),),
+        y_ptr=y,
+        shrunk_ptr=shrunk,
+        lora_b=down_b.bundle(),
+        token_slots_ptr=token_slots,
+        slot_ranks_ptr=slot_ranks,
+        slot_scalings_ptr=slot_scalings,
+        topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
+        sorted_ids_ptr=sorted_ids,
+        expert_ids_ptr=expert_ids,
+        num_post_padded_ptr=num_post_padded,
+        N=n,
+        numel=numel,
+        top_k=top_k,
+        num_splits=shrunk.shape[1],
+        scale=float(routed_scaling_factor),
+        stride_ym=y.stride(0),
+        stride_ss=shrunk.stride(1),
+        stride_sm=shrunk.stride(0),
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        FP32_IEEE=y.dtype == torch.float32,
+        LORA_R=rank_block,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
+    return y
 
 
 def moe_lora_down_combine(
