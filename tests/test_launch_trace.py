@@ -281,3 +281,22 @@ def test_replay_inside_cuda_graph_capture_gpu(native, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+@pytest.mark.interpreter
+def test_calls_with_torch_work_between_launches_are_not_replayed_interpreter(monkeypatch):
+    """The staged path grouped by adapter aligns its pairs with torch operations (a sort, scatters), which a
+    trace could not replay: every call runs through ``fused_experts`` (nothing is kept to replay) and
+    equals the eager forward."""
+    from triton_ops.overrides import LAUNCH_OVERRIDES
+
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_by_adapter", "1")
+    layer, pool, top_k = _setup(F16, "cpu", path="staged")
+    calls = _count_eager_calls(monkeypatch)
+    for step in range(3):
+        x, weights, ids = _inputs(67, layer, top_k, F16, "cpu", seed=step)
+        batch = pool.prepare_batch(_mix(step, 67))
+        got = layer(x, weights, ids, batch)
+        assert torch.equal(got, _eager(layer, x, weights, ids, batch, monkeypatch))
+    assert len(calls) == 6  # three calls and three eager references
+    assert not layer.launch_cache.traces

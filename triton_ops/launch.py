@@ -136,6 +136,15 @@ def launch(kernel: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
         cache.launch(kernel, grid, kwargs)
 
 
+def not_replayable() -> None:
+    """Marks the call being recorded (``LaunchCache.recording``), if any, as one a trace cannot replay: it
+    does device work besides ``launch()`` calls and ``torch.empty`` buffers (a torch operation), which a
+    replay would skip. Called by that work itself."""
+    cache = _ACTIVE.get()
+    if cache is not None and cache._recorder is not None:
+        cache._recorder.replayable = False
+
+
 def active_cache() -> LaunchCache | None:
     """The :class:`LaunchCache` serving this context, if any."""
     return _ACTIVE.get()

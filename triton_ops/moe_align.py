@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from triton_ops.hostmath import cdiv, next_power_of_2
-from triton_ops.launch import launch
+from triton_ops.launch import launch, not_replayable
 
 # Pairs handled by one program of the count/scatter kernels; the in-chunk rank uses a
 # CHUNK x CHUNK comparison, so this also bounds registers.
@@ -468,9 +468,11 @@ def align_by_adapter(
     LoRA kernels take it unchanged. Pairs keep their ascending order inside a group (deterministic).
 
     Torch operations sized on the host (a sort, a histogram, prefix sums, scatters): no sync, capturable
-    in a CUDA graph. Returns sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),)
-    int32, num_post_padded (1,) int32; max_padded = numel + min(groups, numel) * (block_size - 1).
+    in a CUDA graph, but not in a launch trace (a call that runs it is never replayed from one).
+    Returns sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),) int32,
+    num_post_padded (1,) int32; max_padded = numel + min(groups, numel) * (block_size - 1).
     """
+    not_replayable()  # torch operations, which a launch trace would skip
     flat = _check_align_args(topk_ids, block_size, num_experts).to(torch.int64)
     if token_slots.dim() != 1 or flat.numel() % max(1, token_slots.numel()):
         raise ValueError(f"token_slots must be (num_tokens,) for topk_ids {tuple(topk_ids.shape)}, got "
