@@ -21,7 +21,8 @@ rank 8 alone, and for ESFT-style adapters training an eighth of the experts.
 layer captured with those overrides set, in the same rounds: ``ab_us`` and ``ab_over_rule`` (its time over
 the rules' time, the median over rounds) in each record, for deciding a launch rule on these cells.
 ``--ab-path staged`` runs that second layer on the staged LoRA path (for its own rules, e.g.
-``--ab-path staged --ab lora_by_adapter=1``).
+``--ab-path staged --ab lora_by_adapter=1``; without it, ``lora_by_adapter=1`` moves only the split path's
+shrinks).
 
 Writes ``OUT.json``, ``OUT.md`` and ``OUT.png``; ``--render JSON`` re-renders a result (and its floors).
 """

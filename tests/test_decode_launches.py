@@ -1199,15 +1199,17 @@ def test_gpu_prefill_shrink_overlap_bit_equal_over_replays(monkeypatch, name, m,
         check_plain=lambda: check_overlap_plan(events, overlap=False, through_sum=through_sum))
 
 
-# Past decode (M=45 x top-4 = 180 pairs, 97 x top-2, 150 x top-1) on the staged path, its LoRA launches on
-# pairs grouped by (expert, adapter): 12 adapters of ranks 1-16 (slot 1 idle), a fifth of the tokens without
-# one, an expert id outside [0, E) (the null run), with a routed scaling factor, and the routing weight on
-# the input for one case. The shrinks and the gate/up expand are each row's own dots whichever block holds
-# it; the down delta joins GEMM2's rows before the top-k sum instead of after it (another rounding order).
+# Past decode (M=45 x top-4 = 180 pairs, 97 x top-2, 150 x top-1), the LoRA launches apart from the GEMMs on
+# pairs grouped by (expert, adapter): the split path's shrinks, every LoRA launch of the staged path. 12
+# adapters of ranks 1-16 (slot 1 idle), a fifth of the tokens without one, an expert id outside [0, E) (the
+# null run), a routed scaling factor, and the routing weight on the input for one case. Each row's shrink
+# and gate/up expand are its own dots whichever block holds it (the K splits may differ); the staged down
+# delta joins GEMM2's rows before the top-k sum instead of after it (another rounding order).
 @pytest.mark.parametrize("m, top_k, on_input", [(45, 4, False), (97, 2, True), (150, 1, False)])
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("path", ["staged", "split"])
 @interpreter
-def test_staged_lora_by_adapter_matches_the_oracle(monkeypatch, m, top_k, on_input, dtype):
+def test_lora_by_adapter_matches_the_oracle(monkeypatch, m, top_k, on_input, dtype, path):
     from triton_ops import plan
 
     num_experts, hidden, inter = 9, 48, 40
@@ -1227,7 +1229,7 @@ def test_staged_lora_by_adapter_matches_the_oracle(monkeypatch, m, top_k, on_inp
     outs = {}
     for by_adapter in ("0", "1"):
         monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_by_adapter", by_adapter)
-        outs[by_adapter] = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="staged", **kwargs)
+        outs[by_adapter] = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path=path, **kwargs)
     assert taken == [plan.ADAPTER_BLOCK_M]  # only the forced run grouped the pairs by adapter
     ref = reference_moe(x.float(), w13.float(), w2.float(), weights, ids, adapters=adapters,
                         token_adapter=per_token, **kwargs)

@@ -48,6 +48,7 @@ from triton_ops.launch import active_cache
 from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import (
     SINGLE_PROGRAM_MAX_PAIRS,
+    adapter_max_padded,
     align_by_adapter,
     max_padded_size,
     moe_align_block_size,
@@ -376,8 +377,9 @@ def fused_experts(
                                   rank_block=rank_block, out=shrunk_down, release_next=plan.decode_overlap)
             gemm2_lora.shrunk = shrunk_down
         elif split and not plan.down_in_gemm1:
-            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **align,
-                       num_adapters=lora.num_adapters, block_m=cfg.block_m, top_k=top_k,
+            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **lora_align,
+                       num_adapters=1 if plan.by_adapter else lora.num_adapters, block_m=lora_block_m,
+                       top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False, slot_programs=plan.slot_programs,
                        out=shrunk_down, release_next=plan.down_overlap)
             gemm2_lora = _with_epilogue_shrink(gemm2_lora, shrunk_down, pack=plan.pack_down,
@@ -411,7 +413,7 @@ def fused_experts(
                        top_k=top_k,
                        x_row_div=1, rank_block=rank_block, gated=False,
                        out=shrunk_down)
-        if plan.by_adapter:  # each pair's delta into GEMM2's rows, before the top-k sum
+        if staged and plan.by_adapter:  # each pair's delta into GEMM2's rows, before the top-k sum
             moe_lora_down_b(target, shrunk_down, lora.down_b, chunk_slots, lora.slot_ranks,
                             lora.slot_scalings, **lora_align, block_m=lora_block_m, top_k=top_k,
                             rank_block=rank_block,
@@ -467,8 +469,8 @@ class ChunkPlan:
         reduce_gate_up, reduce_down: the split-K partials are summed once before the GEMM.
         gate_up_overlap, down_overlap: the shrink launch before a GEMM (and its split sum) releases it early.
         gemm1_late_wait, gemm2_late_wait: the GEMM is launched dependently, waiting after its K-loop.
-        by_adapter: the staged path's LoRA launches run on pairs grouped by (expert, adapter)
-            (``lora_by_adapter``), the GEMMs on the expert blocks.
+        by_adapter: the shrinks (and on the staged path the expands) run on pairs grouped by (expert,
+            adapter) (``lora_by_adapter``), the GEMMs on the expert blocks.
         fp8_chain: one token's FP8 quantizations are links of a dependent-launch chain
             (``dependent_fp8_decode``): x quantization -> GEMM1 -> h quantization -> GEMM2, with adapters
             (split path) x quantization -> gate/up shrink (GEMM1 after it as before) -> ... .
@@ -566,11 +568,18 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         pairs, rank_block, num_adapters, shrink_row_programs(max_padded, cfg.block_m), longest_k)
     slot_programs = prefill_split and slot_program_shrink(num_adapters, longest_k, pairs, one_pass)
     block_k = shrink_block_k(dtype)
+    # The shrinks (and the staged expands) on pairs grouped by adapter: one adapter a block, so no slot
+    # programs, and K splits counted on that alignment's many more row programs.
+    by_adapter = (staged or prefill_split) and lora_by_adapter(num_adapters)
+    if by_adapter:
+        one_pass = slot_programs = False
+        max_padded = adapter_max_padded(pairs, num_experts, lora.slot_ranks.numel(), ADAPTER_BLOCK_M)
+    shrink_block = ADAPTER_BLOCK_M if by_adapter else cfg.block_m
     if one_pass or slot_programs:  # one partial a pair either way
         gate_up_splits = down_shrink_splits = 1
     else:
-        gate_up_splits = shrink_k_splits(max_padded, cfg.block_m, hidden, block_k)
-        down_shrink_splits = shrink_k_splits(max_padded, cfg.block_m, intermediate, block_k)
+        gate_up_splits = shrink_k_splits(max_padded, shrink_block, hidden, block_k)
+        down_shrink_splits = shrink_k_splits(max_padded, shrink_block, intermediate, block_k)
     if decode_shrink:
         gate_up_splits = decode_shrink_splits(pairs, hidden, decode_shrink_block_k(dtype))
         if rows == 1:  # the same splits with or without the alignment: the same bits
@@ -608,7 +617,7 @@ def plan_chunk(rows: int, top_k: int, num_experts: int, hidden: int, intermediat
         reduce_gate_up=reduce_gate_up, reduce_down=reduce_down, gate_up_overlap=gate_up_overlap,
         down_overlap=down_overlap, gemm1_late_wait=decode_overlap or gate_up_overlap,
         gemm2_late_wait=(down_gemv and decode_overlap) or down_overlap,
-        by_adapter=staged and lora_by_adapter(num_adapters),
+        by_adapter=by_adapter,
         fp8_chain=fp8_chain,
     )
 

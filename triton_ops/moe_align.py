@@ -453,6 +453,12 @@ def moe_align_block_size(
     return sorted_ids, expert_ids, num_post_padded
 
 
+def adapter_max_padded(numel: int, num_experts: int, num_slots: int, block_size: int) -> int:
+    """``align_by_adapter``'s bound on ``num_post_padded``: every group with a pair (E x (num_slots + 1)
+    (expert, slot) groups and the null run) pads at most block_size - 1 slots."""
+    return numel + min(num_experts * (num_slots + 1) + 1, numel) * (block_size - 1)
+
+
 def align_by_adapter(
     topk_ids: torch.Tensor, token_slots: torch.Tensor, block_size: int, num_experts: int, num_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -486,7 +492,7 @@ def align_by_adapter(
     slots = token_slots.to(torch.int64).repeat_interleave(top_k)
     slot_col = torch.where((slots >= 0) & (slots < num_slots), slots, num_slots)
     virtual = torch.where((flat >= 0) & (flat < num_experts), flat * groups + slot_col, null_group)
-    max_padded = numel + min(null_group + 1, numel) * (block_size - 1)
+    max_padded = adapter_max_padded(numel, num_experts, num_slots, block_size)
     sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
     expert_ids = torch.full((cdiv(max_padded, block_size),), -1, dtype=torch.int32, device=device)
     if numel == 0:

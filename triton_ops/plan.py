@@ -199,12 +199,13 @@ ADAPTER_BLOCK_M = 16
 
 
 def lora_by_adapter(num_adapters: int) -> bool:
-    """Whether the staged path's LoRA launches (the shrinks and the gate/up expand with the activation) run
-    on pairs grouped by (expert, adapter) (``moe_align.align_by_adapter``), blocks of ``ADAPTER_BLOCK_M``
-    rows of one adapter, instead of on the GEMMs' expert blocks, where a block of a many-adapter batch
-    holds dozens of adapters and each costs a dot over all of the block's rows and a dependent B load.
+    """Whether the LoRA launches that run apart from the GEMMs run on pairs grouped by (expert, adapter)
+    (``moe_align.align_by_adapter``), blocks of ``ADAPTER_BLOCK_M`` rows of one adapter, instead of on the
+    GEMMs' expert blocks, where a block of a many-adapter batch holds dozens of adapters and each costs a
+    dot over all of the block's rows and a dependent load: the prefill shrinks of the split path, every
+    LoRA launch of the staged path (its shrinks, the gate/up expand with the activation, the down expand).
     Off unless forced (``lora_by_adapter=1``, with two adapters or more): not yet timed against the
-    expert blocks (``bench_many_adapters.py --ab-path staged --ab lora_by_adapter=1``)."""
+    expert blocks (``bench_many_adapters.py --ab lora_by_adapter=1``, and with ``--ab-path staged``)."""
     return num_adapters >= 2 and overrides.switch("lora_by_adapter", default=False)
 
 
