@@ -858,3 +858,60 @@ def test_bench_fp8_table_and_refusal(capsys):
     switched()
     assert calls == ["on"] and "BENCH_FP8_TEST_SWITCH" not in os.environ
 
+
+
+@pytest.mark.interpreter
+# 5 tokens: the decode alignment's 16-row blocks; 67: prefill (16-row blocks where the tiles take them).
+@pytest.mark.parametrize("m,top_k", [(5, 2), (67, 2)])
+@pytest.mark.parametrize("path", [None, "split"])
+def test_fp8_swapped_k_loop_matches_torch_path_interpreter(m, top_k, path, monkeypatch):
+    """``swap_ab=1``: 16-row blocks accumulate the transposed block-scaled products (``plan.swap_ab``); the
+    layer still matches the PyTorch path, and the GEMMs took the swap (64-column tiles forced)."""
+    from triton_ops import fused_moe
+    from triton_ops.configs import GemmConfig, MoEConfig
+    from triton_ops.overrides import LAUNCH_OVERRIDES
+
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "swap_ab", "1")
+    swapped = []
+    real = fused_moe.swap_ab
+    monkeypatch.setattr(fused_moe, "swap_ab", lambda config: swapped.append(real(config)) or swapped[-1])
+    x, w13, w2, fp8, weights, ids = _case(m, top_k)
+    pool, batch = _pool_and_batch(x.shape[0])
+    lora = None if path is None else _lora_inputs(pool, batch)
+    tiles = GemmConfig(16, 64, 128, 1, 4, 2)
+    got = fused_experts(x, w13, w2, weights, ids, fp8=fp8, lora=lora, lora_path=path or "split",
+                        config=MoEConfig(tiles, tiles))
+    want = moe_lora_forward_torch(x, w13, w2, weights, ids, pool.layer(0) if path else None,
+                                  batch if path else None, fp8=fp8)
+    assert swapped and all(swapped)
+    _close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_experts", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("m", [16, 64])
+def test_swapped_k_loop_on_the_gpu(m, fp8_experts, monkeypatch):
+    """Compiled kernels at Qwen3-30B-A3B's sizes, 16-row tiles of 64 columns: the layer with ``swap_ab=1``
+    (warpgroup MMAs over ``b^T a^T``) gives the unswapped layer's outputs to bf16 rounding, bf16 and
+    block-FP8 experts."""
+    from triton_ops.configs import GemmConfig, MoEConfig
+
+    gen = torch.Generator().manual_seed(m)
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    x = torch.randn(m, hidden, generator=gen).cuda().to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(top_k, -1)
+    weights, ids = weights.cuda(), ids.to(torch.int32).cuda()
+    kwargs = dict(config=MoEConfig(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4)))
+    if fp8_experts:
+        (w13, s13), (w2, s2) = quantize_fp8_blocks(w13.cuda()), quantize_fp8_blocks(w2.cuda())
+        kwargs["fp8"] = BlockFp8Weights(s13, s2, (128, 128))
+    else:
+        w13, w2 = w13.cuda().to(torch.bfloat16), w2.cuda().to(torch.bfloat16)
+    outs = {}
+    for swap in ("0", "1"):
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "swap_ab", swap)
+        outs[swap] = fused_experts(x, w13, w2, weights, ids, **kwargs).float()
+    assert torch.isfinite(outs["1"]).all()
+    assert ((outs["1"] - outs["0"]).norm() / outs["0"].norm()).item() < 2.0**-8

@@ -133,6 +133,7 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
     one_row_lora,
     plan_lora_epilogue,
     sm_count,
+    swap_ab,
     tile_b_scale,
 )
 
@@ -192,6 +193,7 @@ def _fused_moe_kernel(
     FP32_IEEE: tl.constexpr,
     DIRECT_PAIRS: tl.constexpr,
     MXFP4: tl.constexpr = False,  # b packed E2M1 (E, N or 2N, K / 2) uint8 with b_scale's E8M0 scales
+    SWAP_AB: tl.constexpr = False,  # the K-loop accumulates b^T a^T (plan.swap_ab)
     USE_PDL: tl.constexpr = False,  # set by programmatic_launch where dependent launch exists
     LATE_WAIT: tl.constexpr = False,
 ):
@@ -335,7 +337,7 @@ def _fused_moe_kernel(
         b_scale_ptrs, up_scale_ptrs, K, stride_ak, stride_bk, lora_a[5], lora_up_offset, stride_ask,
         stride_bsk, acc, acc_up, main_gate, main_up, GATED=GATED, INLINE_SHRINK=LORA == LORA_FUSED,
         BLOCK_SCALED=BLOCK_SCALED, TILE_B_SCALE=TILE_B_SCALE, FP32_IEEE=FP32_IEEE, EVEN_K=EVEN_K,
-        BLOCK_K=BLOCK_K, MXFP4=MXFP4,
+        BLOCK_K=BLOCK_K, MXFP4=MXFP4, SWAP_AB=SWAP_AB,
     )
 
     # ---- epilogue: the LoRA delta (lora_epilogues), then routed weight, activation and store ----
@@ -593,6 +595,7 @@ def invoke_fused_moe_kernel(
         FP32_IEEE=a.dtype == torch.float32,
         DIRECT_PAIRS=direct,
         **({"MXFP4": True} if mxfp4 else {}),
+        **({"SWAP_AB": True} if not mxfp4 and swap_ab(config) else {}),
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
            else programmatic_launch(a.device, dependent)),
         num_warps=config.num_warps,

@@ -131,18 +131,26 @@ def _expert_bias(bias_ptr, expert, stride_bias_e, cols, col_valid):
 
 @triton.jit
 def _add_block_scaled_dot(
-    acc,  # (BLOCK_M, BLOCK_N) fp32
+    acc,  # (BLOCK_M, BLOCK_N) fp32, or (BLOCK_N, BLOCK_M) with SWAP_AB
     a,  # (BLOCK_M, BLOCK_K) float8_e4m3fn, one scale group
     b,  # (BLOCK_K, BLOCK_N) float8_e4m3fn
     a_scale,  # (BLOCK_M,) fp32 the rows' scales of this group
     b_scale_ptrs,  # (BLOCK_N,) the columns' weight scales of this group; TILE_B_SCALE: the tile's one
     col_valid,  # (BLOCK_N,)
     TILE_B_SCALE: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
-    """``acc + (a @ b) * a_scale[m] * b_scale[n]``: one K step of the block-scaled product. With
+    """``acc + (a @ b) * a_scale[m] * b_scale[n]``: one K step of the block-scaled product (with SWAP_AB
+    its transpose, ``acc + (b^T @ a^T) * b_scale[n] * a_scale[m]``: see ``_gemm_k_loop``). With
     TILE_B_SCALE the tile has one weight scale, folded into the rows' scales (one multiply-add per
     element instead of two)."""
-    if TILE_B_SCALE:
+    if SWAP_AB:
+        if TILE_B_SCALE:
+            scaled = tl.dot(tl.trans(b), tl.trans(a)) * (a_scale * tl.load(b_scale_ptrs))[None, :]
+        else:
+            b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
+            scaled = tl.dot(tl.trans(b), tl.trans(a)) * (b_scale[:, None] * a_scale[None, :])
+    elif TILE_B_SCALE:
         scaled = tl.dot(a, b) * (a_scale * tl.load(b_scale_ptrs))[:, None]
     else:
         b_scale = tl.load(b_scale_ptrs, mask=col_valid, other=0.0)
@@ -218,13 +226,17 @@ def _gemm_k_loop(
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MXFP4: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     """The K-loop: ``acc += a @ b`` (and ``acc_up += a @ b_up`` when gated); with INLINE_SHRINK (LORA_FUSED)
     the block's main slot's LoRA shrink rides on the same a tile: ``shrink_gate/up += a @ A_gate/up``.
     With BLOCK_SCALED (FP8 a and b, ``triton_ops.fp8``; BLOCK_K is the scale group) each K step's dot is
     multiplied by its rows' and columns' scales as it is added. With MXFP4 (``triton_ops.mxfp4``) b's
     pointers are (BLOCK_K / 2, BLOCK_N) packed bytes and its scale pointers (BLOCK_K / 32, BLOCK_N) E8M0
-    scales (``up_scale_ptrs`` the up rows'), each step's product taken by ``_mxfp4_dot``."""
+    scales (``up_scale_ptrs`` the up rows'), each step's product taken by ``_mxfp4_dot``. With SWAP_AB
+    (bf16/fp16/FP8 b) the loop accumulates the transposed products ``b^T @ a^T``, the weights the MMA's M
+    and the block's rows its N, and transposes once after the loop: on sm_90 a 16-row block then runs
+    warpgroup MMAs (FP8 natively) where ``a @ b`` takes 16x8 MMAs (FP8 through a conversion)."""
     if MXFP4:
         # The scales are a load of a few bytes a thread that Triton's pipeline does not stage: each step
         # loads the next step's, so their latency hides behind this step's dots instead of stalling it.
@@ -232,6 +244,9 @@ def _gemm_k_loop(
         up_scales = scales
         if GATED:
             up_scales = _load_mxfp4_scales(up_scale_ptrs, col_valid, K, BLOCK_K=BLOCK_K)
+    if SWAP_AB:  # the transposed accumulators, (BLOCK_N, BLOCK_M)
+        acc_t = tl.zeros((acc.shape[1], acc.shape[0]), dtype=tl.float32)
+        acc_up_t = acc_t
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
         if EVEN_K:
@@ -258,7 +273,13 @@ def _gemm_k_loop(
                 b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             if BLOCK_SCALED:
                 a_scale = tl.load(a_scale_ptrs, mask=row_valid, other=0.0)
-                acc = _add_block_scaled_dot(acc, a, b, a_scale, b_scale_ptrs, col_valid, TILE_B_SCALE)
+                if SWAP_AB:
+                    acc_t = _add_block_scaled_dot(acc_t, a, b, a_scale, b_scale_ptrs, col_valid, TILE_B_SCALE,
+                                                  SWAP_AB=True)
+                else:
+                    acc = _add_block_scaled_dot(acc, a, b, a_scale, b_scale_ptrs, col_valid, TILE_B_SCALE)
+            elif SWAP_AB:
+                acc_t = _dot(tl.trans(b), tl.trans(a), acc_t, FP32_IEEE)
             else:
                 acc = _dot(a, b, acc, FP32_IEEE)
             if GATED:
@@ -267,9 +288,15 @@ def _gemm_k_loop(
                 else:
                     b_up = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
                 if BLOCK_SCALED:
-                    acc_up = _add_block_scaled_dot(acc_up, a, b_up, a_scale, up_scale_ptrs, col_valid,
-                                                   TILE_B_SCALE)
+                    if SWAP_AB:
+                        acc_up_t = _add_block_scaled_dot(acc_up_t, a, b_up, a_scale, up_scale_ptrs, col_valid,
+                                                         TILE_B_SCALE, SWAP_AB=True)
+                    else:
+                        acc_up = _add_block_scaled_dot(acc_up, a, b_up, a_scale, up_scale_ptrs, col_valid,
+                                                       TILE_B_SCALE)
                     up_scale_ptrs += stride_bsk
+                elif SWAP_AB:
+                    acc_up_t = _dot(tl.trans(b_up), tl.trans(a), acc_up_t, FP32_IEEE)
                 else:
                     acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
                 up_ptrs += BLOCK_K * stride_bk
@@ -288,4 +315,8 @@ def _gemm_k_loop(
             la_ptrs += BLOCK_K * stride_la_k
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += (BLOCK_K // 2 if MXFP4 else BLOCK_K) * stride_bk
+    if SWAP_AB:
+        acc += tl.trans(acc_t)
+        if GATED:
+            acc_up += tl.trans(acc_up_t)
     return acc, acc_up, shrink_gate, shrink_up

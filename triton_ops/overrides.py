@@ -49,6 +49,7 @@ CHOICES: dict[str, tuple[str, ...] | None] = {
     "shrink_overlap": _SWITCH,
     "slot_program_shrink": _SWITCH,
     "sparse_align": _SWITCH,
+    "swap_ab": _SWITCH,
 }
 
 LAUNCH_OVERRIDES: dict[str, str] = {}

@@ -209,6 +209,16 @@ def lora_by_adapter(num_adapters: int) -> bool:
     return num_adapters >= 2 and overrides.switch("lora_by_adapter", default=False)
 
 
+def swap_ab(config: GemmConfig) -> bool:
+    """Whether a GEMM's K-loop accumulates ``b^T @ a^T`` (the weights the MMA's M, the block's rows its N)
+    and transposes once after the loop (``gemm_tiles._gemm_k_loop``): on sm_90 a block of 16 rows then
+    takes warpgroup MMAs, FP8 ones natively where ``a @ b`` takes 16x8 MMAs on converted FP8 operands
+    (docs/performance.md, 'FP8 base experts').
+    Only for 16-row blocks with 64 columns or more (the MMA's M). Off unless forced (``swap_ab=1``): not
+    yet timed (``ab_env.py --env swap_ab=1``; FP8 with ``--experts fp8`` in ab_rules)."""
+    return config.block_m == 16 and config.block_n >= 64 and overrides.switch("swap_ab", default=False)
+
+
 def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: int,
                     elem_bytes: int = 2, block_scaled: bool = False) -> bool:
     """Whether a prefill GEMM of the split path takes its shrink packed (``pack_shrink_partials``: the
