@@ -326,15 +326,15 @@ def fused_experts(
         # The LoRA launches' alignment: the GEMMs' expert blocks, or one adapter's rows a block (so its
         # shrinks stack no slots side by side: one adapter a block).
         lora_align, lora_block_m = align, cfg.block_m
+        shrink_adapters = lora.num_adapters if lora is not None else 0
         if plan.by_adapter:
-            lora_block_m = ADAPTER_BLOCK_M
+            lora_block_m, shrink_adapters = ADAPTER_BLOCK_M, 1
             lora_align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), align_by_adapter(
                 chunk_ids, chunk_slots, lora_block_m, num_experts, lora.slot_ranks.numel()), strict=True))
         if (split or staged) and not plan.decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **lora_align,
-                       num_adapters=1 if plan.by_adapter else lora.num_adapters, block_m=lora_block_m,
-                       top_k=top_k,
-                       x_row_div=top_k, rank_block=rank_block, gated=True, slot_programs=plan.slot_programs,
+                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=top_k, x_row_div=top_k,
+                       rank_block=rank_block, gated=True, slot_programs=plan.slot_programs,
                        out=shrunk_gate_up, release_next=plan.gate_up_overlap)
         if split:
             gemm1_lora = _with_epilogue_shrink(gemm1_lora, shrunk_gate_up, pack=plan.pack_gate_up,
@@ -378,9 +378,8 @@ def fused_experts(
             gemm2_lora.shrunk = shrunk_down
         elif split and not plan.down_in_gemm1:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **lora_align,
-                       num_adapters=1 if plan.by_adapter else lora.num_adapters, block_m=lora_block_m,
-                       top_k=top_k,
-                       x_row_div=1, rank_block=rank_block, gated=False, slot_programs=plan.slot_programs,
+                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=top_k, x_row_div=1,
+                       rank_block=rank_block, gated=False, slot_programs=plan.slot_programs,
                        out=shrunk_down, release_next=plan.down_overlap)
             gemm2_lora = _with_epilogue_shrink(gemm2_lora, shrunk_down, pack=plan.pack_down,
                                                reduce=plan.reduce_down, release_next=plan.down_overlap,
@@ -409,9 +408,8 @@ def fused_experts(
         )
         if staged:
             moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **lora_align,
-                       num_adapters=1 if plan.by_adapter else lora.num_adapters, block_m=lora_block_m,
-                       top_k=top_k,
-                       x_row_div=1, rank_block=rank_block, gated=False,
+                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=top_k, x_row_div=1,
+                       rank_block=rank_block, gated=False,
                        out=shrunk_down)
         if staged and plan.by_adapter:  # each pair's delta into GEMM2's rows, before the top-k sum
             moe_lora_down_b(target, shrunk_down, lora.down_b, chunk_slots, lora.slot_ranks,

@@ -186,9 +186,8 @@ def _mxfp4_dot(
     """``acc + a @ b`` for one K step of an MXFP4 weight tile (``triton_ops.mxfp4``); rows past K (a
     multiple of 32) are zero. With fp16/bf16 activations Triton's scaled dot decodes the tile (a byte
     permute per value pair, the scale as the exponent) and, on sm_90, multiplies it as the register
-    operand of a warpgroup MMA with the tokens as the MMA's N: about half the instructions of decoding
-    it by hand before a dot (docs/performance.md, 'MXFP4 base experts'). fp32 activations (the
-    interpreter's tests) take the tile decoded in fp32."""
+    operand of a warpgroup MMA with the tokens as the MMA's N (docs/performance.md, 'MXFP4 base
+    experts'). fp32 activations (the interpreter's tests) take the tile decoded in fp32."""
     if EVEN_K:
         packed = tl.load(b_ptrs, mask=col_valid[None, :], other=0)
     else:

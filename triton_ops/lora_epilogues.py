@@ -217,7 +217,8 @@ def prefetch_prologue(
     they are written: not with LATE_WAIT). LORA_DEFERRED (DEFER, never with LATE_WAIT): nothing loaded
     here is used before the loop either, so no load waits on another's value but the slots: the partials
     come raw (one chunk of splits) and are summed and scaled after it, the B and down A tiles load under
-    the slots' presence and take their rank masks after it (``deferred_masks``); same values, same bits.
+    the slots' presence and take their rank masks after it (``prefetched_expand``, and the kernel for
+    the down A tile); same values, same bits.
     Returns (partials gate and up: scaled, or raw with DEFER; the first slot, its group's row map, the
     slot after the group, the group's B tiles gate and up, the first slot's down A tile (zeros unless
     DOWN_PREFETCH: the epilogue's last dependent load), and with DEFER the group's column ranks and the
