@@ -275,3 +275,21 @@ def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, devic
         pairs = sorted_ids[block * bs:(block + 1) * bs].cpu()
         pairs = pairs[pairs < M * k].long()
         assert len(set(virtual[pairs].tolist())) == 1
+
+
+def test_align_by_adapter_refuses_operands_that_do_not_fit():
+    """token_slots must hold one slot per token of topk_ids; num_slots is a count: clear ValueErrors."""
+    from triton_ops.moe_align import align_by_adapter
+
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"token_slots must be \(num_tokens,\) for topk_ids \(4, 2\)"):
+        align_by_adapter(ids, torch.zeros(3, dtype=torch.int32), 16, 5, 2)
+    # Two slots divide the 8 pairs but are not one a token.
+    with pytest.raises(ValueError, match=r"for topk_ids \(4, 2\), got \(2,\)"):
+        align_by_adapter(ids, torch.zeros(2, dtype=torch.int32), 16, 5, 2)
+    with pytest.raises(ValueError, match=r"token_slots must be \(num_tokens,\)"):
+        align_by_adapter(ids, torch.zeros(4, 1, dtype=torch.int32), 16, 5, 2)
+    with pytest.raises(ValueError, match="num_slots must be >= 0, got -1"):
+        align_by_adapter(ids, torch.zeros(4, dtype=torch.int32), 16, 5, -1)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        align_by_adapter(ids, torch.zeros(4, dtype=torch.int32), 12, 5, 2)

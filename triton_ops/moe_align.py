@@ -480,7 +480,7 @@ def align_by_adapter(
     """
     not_replayable()  # torch operations, which a launch trace would skip
     flat = _check_align_args(topk_ids, block_size, num_experts).to(torch.int64)
-    if token_slots.dim() != 1 or flat.numel() % max(1, token_slots.numel()):
+    if token_slots.dim() != 1 or token_slots.numel() != topk_ids.shape[0]:
         raise ValueError(f"token_slots must be (num_tokens,) for topk_ids {tuple(topk_ids.shape)}, got "
                          f"{tuple(token_slots.shape)}")
     if num_slots < 0:
