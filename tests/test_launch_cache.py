@@ -112,3 +112,42 @@ def test_cached_layer_matches_uncached_gpu(path, m):
     shifted.copy_(x)
     for _ in range(2):
         assert torch.equal(layer(shifted, weights, ids, batch), ref)
+
+
+@pytest.mark.interpreter
+def test_interpreter_kernels_on_several_threads_each_run_whole():
+    """The interpreter swaps ``triton.language`` for its own during a call: kernels called from several
+    threads at once (a layer's forwards beside two threads of another kernel) run one at a time, each with
+    the result it has alone."""
+    import threading
+
+    from triton_ops import silu_and_mul
+
+    layer, batch, x, weights, ids = _layer_and_batch(F16, "cpu", 5)
+    ref = layer(x, weights, ids, batch)
+    act_in = torch.randn(9, 2 * 37)
+    act_ref = silu_and_mul(act_in)
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def run(work):
+        try:
+            start.wait()
+            for _ in range(12):
+                work()
+        except BaseException as err:  # noqa: BLE001 - reported by the test below
+            errors.append(err)
+
+    def layer_step():
+        assert torch.equal(layer(x, weights, ids, batch), ref)
+
+    def activation_step():
+        assert torch.equal(silu_and_mul(act_in), act_ref)
+
+    threads = [threading.Thread(target=run, args=(work,)) for work in (layer_step, activation_step,
+                                                                         activation_step)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors

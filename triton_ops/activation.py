@@ -17,6 +17,7 @@ import triton.language as tl
 
 from triton_ops.gemm_tiles import _gated_activation, activation_args
 from triton_ops.hostmath import cdiv, next_power_of_2
+from triton_ops.launch import launch
 
 
 @triton.jit
@@ -61,7 +62,9 @@ def act_and_mul(x: torch.Tensor, activation: Any = "silu", out: torch.Tensor | N
     if tokens == 0:
         return out
     block_n = min(1024, next_power_of_2(n))
-    _act_and_mul_kernel[(tokens, cdiv(n, block_n))](
+    launch(
+        _act_and_mul_kernel,
+        (tokens, cdiv(n, block_n)),
         x_ptr=x,
         out_ptr=out,
         N=n,

@@ -9,8 +9,11 @@ binary's launcher. Of ``JITFunction.run`` it skips what does not depend on the c
 cache key, the knob lookups and the check that the kernel's module constants did not change (here they are
 ``tl.constexpr`` constants). A miss (a specialization's first call) goes through ``kernel[grid]``, which
 compiles or finds the binary, and records it. The Triton interpreter's kernels (no ``device_caches``)
-always take ``kernel[grid]``. The internals used (``device_caches[device]`` ending in the binder, the
-binary's ``run`` and ``launch_metadata``) are those of Triton 3.6-3.9; the GPU tests run through them.
+always take ``kernel[grid]``, one at a time in the process: the interpreter swaps ``triton.language``'s
+functions for its own for the length of a call and back after it, so a call on another thread (a second
+engine's step, a loader) would end inside the first one's and leave it with the compiled-only functions.
+The internals used (``device_caches[device]`` ending in the binder, the binary's ``run`` and
+``launch_metadata``) are those of Triton 3.6-3.9; the GPU tests run through them.
 
 The cache also holds launch plans (``plans``): decisions that depend only on host-known sizes, computed
 once per key by their owner (``fused_experts``' ``ChunkPlan``).
@@ -28,6 +31,7 @@ fused MoE, contiguous 16-byte-aligned inputs).
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -104,7 +108,7 @@ class LaunchCache:
         if not hasattr(kernel, "device_caches"):  # the interpreter's kernels, or a Triton without them
             if recorder is not None:
                 recorder.add(kernel, grid, list(kwargs.values()), names=list(kwargs))
-            kernel[grid](**kwargs)
+            _interpreted(kernel, grid, kwargs)
             return
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
@@ -131,7 +135,10 @@ def launch(kernel: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
     """``kernel[grid](**kwargs)``, through the active :class:`LaunchCache` if there is one."""
     cache = _ACTIVE.get()
     if cache is None:
-        kernel[grid](**kwargs)
+        if hasattr(kernel, "device_caches"):
+            kernel[grid](**kwargs)
+        else:
+            _interpreted(kernel, grid, kwargs)
     else:
         cache.launch(kernel, grid, kwargs)
 
@@ -155,6 +162,16 @@ def planned(key: Hashable, make: Callable[[], Any]) -> Any:
     decisions that read only host-known values (device properties, environment switches)."""
     cache = _ACTIVE.get()
     return make() if cache is None else cache.plan(key, make)
+
+
+# Serializes the interpreter's kernel calls (module docstring); re-entrant for a call made inside another.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def _interpreted(kernel: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> None:
+    """``kernel[grid](**kwargs)`` for an interpreter kernel, holding the process's interpreter lock."""
+    with _INTERPRETER_LOCK:
+        kernel[grid](**kwargs)
 
 
 @dataclass(frozen=True)
@@ -262,7 +279,7 @@ class LaunchTrace:
                 start = base.data_ptr() - storage.data_ptr() + source_offsets[source] + offset
                 set_argument(args, position,
                              torch.as_strided(storage.view(dtype), size, stride, start // dtype.itemsize))
-            traced.binary[traced.grid](**dict(zip(traced.names, args, strict=True)))
+            _interpreted(traced.binary, traced.grid, dict(zip(traced.names, args, strict=True)))
 
 
 class _Recorder:
