@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -85,15 +86,16 @@ def _pack(experts: nn.Module, proj: str, blocks: torch.Tensor, scales: torch.Ten
             SimpleNamespace(weight_scale=_HubTensor(scales.transpose(-2, -1))))
 
 
-def _models(device: str):
-    """(reference gpt-oss model with the decoded experts, the same model with MXFP4-packed experts)."""
+def _reference():
+    """A gpt-oss model whose experts hold decoded random MXFP4 values, and per layer the packed tensors
+    (gate_up blocks, gate_up scales, down blocks, down scales) that encode them."""
     cfg = _config()
     torch.manual_seed(0)
     ref = transformers.GptOssForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(5)
-    packed = copy.deepcopy(ref)
     e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-    for layer_ref, layer_packed in zip(ref.model.layers, packed.model.layers, strict=True):
+    packed_tensors = []
+    for layer_ref in ref.model.layers:
         experts = layer_ref.mlp.experts
         gu_blocks, gu_scales, gu = _random_mxfp4(2 * i, h, e, gen)  # (E, 2I, H): interleaved gate/up rows
         d_blocks, d_scales, down = _random_mxfp4(h, i, e, gen)  # (E, H, I)
@@ -103,6 +105,62 @@ def _models(device: str):
             experts.down_proj.copy_(down.transpose(1, 2))
             experts.gate_up_proj_bias.copy_(torch.randn(e, 2 * i, generator=gen) * 0.2)
             experts.down_proj_bias.copy_(torch.randn(e, h, generator=gen) * 0.2)
+        packed_tensors.append((gu_blocks, gu_scales, d_blocks, d_scales))
+    ref.generation_config.pad_token_id = 0
+    ref.generation_config.eos_token_id = None
+    return ref, packed_tensors
+
+
+def _write_checkpoint(directory: Path, *, drop: str | None = None, shards: int = 2) -> Path:
+    """The reference model saved as gpt-oss checkpoints are: its experts as MXFP4 ``*_blocks`` and
+    ``*_scales`` (no dense expert weights), ``quantization_config`` mxfp4, in ``shards`` safetensors files
+    with an index. ``drop``: a key left out."""
+    import json
+
+    from safetensors.torch import save_file
+
+    ref, packed_tensors = _reference()
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()
+             if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    for n, tensors in enumerate(packed_tensors):
+        names = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+        for name, t in zip(names, tensors, strict=True):
+            state[f"model.layers.{n}.mlp.experts.{name}"] = t.contiguous()
+    state.pop(drop, None)
+    directory.mkdir(parents=True, exist_ok=True)
+    ref.config.save_pretrained(directory)
+    ref.generation_config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    keys = sorted(state)
+    weight_map = {}
+    for shard in range(shards):
+        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in keys[shard::shards]}
+        save_file(part, str(directory / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+def _models(device: str, tmp_path: Path | None = None):
+    """(reference gpt-oss model with the decoded experts, the same model with MXFP4-packed experts): the
+    hub module's stand-ins, or with ``tmp_path`` the checkpoint written there loaded by
+    ``load_packed_gpt_oss``."""
+    ref, packed_tensors = _reference()
+    if tmp_path is not None:
+        from moelora.integrations.gpt_oss import load_packed_gpt_oss
+
+        packed = load_packed_gpt_oss(_write_checkpoint(tmp_path / "checkpoint"), device, torch.float32)
+        return ref.to(device), packed
+    cfg = ref.config
+    packed = copy.deepcopy(ref)
+    for layer_ref, layer_packed, tensors in zip(ref.model.layers, packed.model.layers, packed_tensors,
+                                                strict=True):
+        experts = layer_ref.mlp.experts
+        gu_blocks, gu_scales, d_blocks, d_scales = tensors
         hub = mxfp4.Mxfp4GptOssExperts(cfg)
         _pack(hub, "gate_up_proj", gu_blocks, gu_scales)
         _pack(hub, "down_proj", d_blocks, d_scales)
@@ -111,9 +169,6 @@ def _models(device: str):
             hub.down_proj_bias.copy_(experts.down_proj_bias)
         router = copy.deepcopy(layer_ref.mlp.router)
         layer_packed.mlp = mxfp4.Mxfp4GptOssMLP(router, hub)
-    for model in (ref, packed):
-        model.generation_config.pad_token_id = 0
-        model.generation_config.eos_token_id = None
     return ref.to(device), _move_packed(packed, device)
 
 
@@ -129,8 +184,9 @@ def _move_packed(model: nn.Module, device: str) -> nn.Module:
     return model
 
 
-def _check_served(device: str, tmp_path: Path, *, dequantize: bool = False, path: str | None = None) -> None:
-    ref, packed = _models(device)
+def _check_served(device: str, tmp_path: Path, *, dequantize: bool = False, path: str | None = None,
+                  checkpoint: bool = False) -> None:
+    ref, packed = _models(device, tmp_path if checkpoint else None)
     ids, mask = (t.to(device) for t in left_padded(ROW_LENS, 96))
     tol = REL_TOL[device]
     oracles = {None: ref}
@@ -177,22 +233,96 @@ def _check_served(device: str, tmp_path: Path, *, dequantize: bool = False, path
     assert list(packed.state_dict()) == keys_before
 
 
+SOURCES = pytest.mark.parametrize("checkpoint", [False, True], ids=["hub", "checkpoint"])
+
+
+@SOURCES
 @pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
-def test_mxfp4_experts_match_peft(tmp_path, dequantize):
-    _check_served("cpu", tmp_path, dequantize=dequantize)
+def test_mxfp4_experts_match_peft(tmp_path, dequantize, checkpoint):
+    _check_served("cpu", tmp_path, dequantize=dequantize, checkpoint=checkpoint)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="runs Triton kernels on the CPU: set TRITON_INTERPRET=1")
-def test_mxfp4_experts_packed_on_the_kernels_match_peft(tmp_path):
+@SOURCES
+def test_mxfp4_experts_packed_on_the_kernels_match_peft(tmp_path, checkpoint):
     """The packed experts through the Triton paths (the interpreter): the GEMMs decode the blocks."""
-    _check_served("cpu", tmp_path, path="auto")
+    _check_served("cpu", tmp_path, path="auto", checkpoint=checkpoint)
 
 
 @pytest.mark.gpu
+@SOURCES
 @pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
-def test_mxfp4_experts_on_cuda_match_peft(tmp_path, dequantize):
-    _check_served("cuda", tmp_path, dequantize=dequantize)
+def test_mxfp4_experts_on_cuda_match_peft(tmp_path, dequantize, checkpoint):
+    _check_served("cuda", tmp_path, dequantize=dequantize, checkpoint=checkpoint)
+
+
+def test_packed_checkpoint_loads_the_experts_as_stored(tmp_path):
+    """``load_packed_gpt_oss``: the experts' parameters are the checkpoint's uint8 blocks and scales, bit
+    for bit (no dense expert weight anywhere in the model), the rest is the checkpoint's, and the model
+    unattached (its experts decoded per call in PyTorch) computes the reference model's logits."""
+    from safetensors import safe_open
+
+    from moelora.integrations.gpt_oss import PackedGptOssExperts, load_packed_gpt_oss
+    from moelora.serve.server import load_model
+
+    directory = _write_checkpoint(tmp_path / "checkpoint")
+    model = load_packed_gpt_oss(directory, "cpu", torch.float32)
+    ref, _ = _reference()
+    stored = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    state = model.state_dict()
+    assert sorted(state) == sorted(stored)
+    for key, tensor in stored.items():
+        assert state[key].dtype == (torch.uint8 if key.endswith(("_blocks", "_scales")) else torch.float32)
+        assert torch.equal(state[key], tensor), key
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert all(isinstance(e, PackedGptOssExperts) for e in experts)
+    assert not any(p.dtype.is_floating_point and p.dim() == 3 for e in experts for p in e.parameters())
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    ids, mask = left_padded(ROW_LENS, 96)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = ref(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(got, want) < REL_TOL["cpu"]
+    # ``moelora serve DIR`` reads such a checkpoint the same way (here without a tokenizer: refused after)
+    with pytest.raises(ValueError, match="finds no tokenizer"):
+        load_model(directory, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("case", ["no scales", "bad shape", "stray key", "not mxfp4", "missing shard"])
+def test_packed_checkpoint_refusals_name_the_file_and_key(tmp_path, case):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moelora.integrations.gpt_oss import load_packed_gpt_oss
+
+    key = "model.layers.1.mlp.experts.down_proj_scales"
+    directory = _write_checkpoint(tmp_path / "checkpoint", drop=key if case == "no scales" else None)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    if case in ("bad shape", "stray key"):
+        file = directory / index["weight_map"]["model.norm.weight"]
+        part = load_file(str(file))
+        if case == "bad shape":
+            part["model.norm.weight"] = torch.zeros(3)
+        else:
+            part["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(2, 2)
+        save_file(part, str(file))
+    if case == "not mxfp4":
+        config = json.loads((directory / "config.json").read_text())
+        del config["quantization_config"]
+        (directory / "config.json").write_text(json.dumps(config))
+    if case == "missing shard":
+        next(directory.glob("model-00002-*.safetensors")).unlink()
+    words = {"no scales": f"no {key!r}", "bad shape": "'model.norm.weight' has shape (3,), expected (64,)",
+             "stray key": "'model.layers.0.mlp.experts.gate_up_proj' is not a parameter",
+             "not mxfp4": "not a gpt-oss checkpoint with MXFP4 experts",
+             "missing shard": "model-00002-of-00002.safetensors: checkpoint file missing"}[case]
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_packed_gpt_oss(directory, "cpu", torch.float32)
 
 
 def test_mxfp4_experts_without_their_scales_are_refused():

@@ -16,6 +16,7 @@ model (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3, ...) for :class:`MoELo
 Importing this package does not import transformers.
 """
 
+from moelora.integrations.gpt_oss import load_packed_gpt_oss
 from moelora.integrations.transformers import (
     KNOWN_EXPERTS_CLASSES,
     MoELoRAExperts,
@@ -32,4 +33,5 @@ __all__ = [
     "UnsupportedModelError",
     "attach",
     "find_experts_modules",
+    "load_packed_gpt_oss",
 ]

@@ -222,14 +222,23 @@ def _is_routed_block(module: nn.Module) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _is_mxfp4_packed(module: nn.Module) -> bool:
+def _is_mxfp4_hub(module: nn.Module) -> bool:
     """gpt-oss' experts as transformers loads them for its MXFP4 hub kernels (``Mxfp4GptOssExperts``)."""
     return type(module).__name__ == "Mxfp4GptOssExperts"
 
 
+def _is_mxfp4_packed(module: nn.Module) -> bool:
+    """gpt-oss' MXFP4 experts: transformers' hub module, or the checkpoint's tensors as
+    ``moelora.integrations.gpt_oss.load_packed_gpt_oss`` loads them (``PackedGptOssExperts``)."""
+    return _is_mxfp4_hub(module) or type(module).__name__ == "PackedGptOssExperts"
+
+
 def _mxfp4_packed_tensors(name: str, packed: nn.Module, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``packed``'s ``proj`` blocks ``(E, rows, K / 32, 16)`` and scales ``(E, rows, K / 32)`` (uint8),
-    unswizzled from the hub tensors by transformers' own reverse conversion."""
+    """``packed``'s ``proj`` blocks ``(E, rows, K / 32, 16)`` and scales ``(E, rows, K / 32)`` (uint8): the
+    checkpoint's own (``PackedGptOssExperts``), or unswizzled from the hub tensors by transformers' own
+    reverse conversion (a copy)."""
+    if not _is_mxfp4_hub(packed):
+        return getattr(packed, f"{proj}_blocks"), getattr(packed, f"{proj}_scales")
     try:
         from transformers.integrations.mxfp4 import Mxfp4ReverseDeserialize
 

@@ -103,7 +103,7 @@ from moelora.integrations.families import (
     _expert_shape,
     _experts_view,
     _is_experts_module,
-    _is_mxfp4_packed,
+    _is_mxfp4_hub,
     _storage_of,
     _token_type_block,
     _TokenTypes,
@@ -527,7 +527,7 @@ def attach(
     for name, lid, block in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if _is_mxfp4_packed(block) and type(parent).__name__ != "Mxfp4GptOssMLP":  # before dequantizing
+        if _is_mxfp4_hub(block) and type(parent).__name__ != "Mxfp4GptOssMLP":  # before dequantizing
             raise UnsupportedModelError(
                 f"experts module {name!r}: MXFP4 experts under a {type(parent).__name__}, not transformers' "
                 "Mxfp4GptOssMLP (which sends its routes through the experts' forward once they are swapped): "

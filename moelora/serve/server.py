@@ -54,8 +54,9 @@ class Server:
 
 
 def load_model(model_dir: Path | None, device: str, dtype: torch.dtype | None):
-    """The model and its tokenizer: ``model_dir`` (a transformers checkpoint with its tokenizer), or the
-    embedded tiny Qwen3-MoE with the ASCII tokenizer when None. ValueError, naming the directory or the
+    """The model and its tokenizer: ``model_dir`` (a transformers checkpoint with its tokenizer; a gpt-oss
+    one with MXFP4 experts through ``load_packed_gpt_oss``, its experts packed), or the embedded tiny
+    Qwen3-MoE with the ASCII tokenizer when None. ValueError, naming the directory or the
     device, for a CUDA device torch does not see or a checkpoint transformers cannot load."""
     from transformers import AutoModelForCausalLM
 
@@ -69,9 +70,14 @@ def load_model(model_dir: Path | None, device: str, dtype: torch.dtype | None):
     else:
         from transformers import AutoTokenizer
 
+        from moelora.integrations.gpt_oss import is_packed_gpt_oss_checkpoint, load_packed_gpt_oss
+
         # transformers says OSError for missing files and ValueError for an unknown model type
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
+            if is_packed_gpt_oss_checkpoint(model_dir):  # its MXFP4 experts kept packed, read onto the device
+                model = load_packed_gpt_oss(model_dir, device, dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto")
         except (OSError, ValueError) as err:
             raise ValueError(f"model directory {model_dir}: transformers cannot load it as a causal LM "
                              f"({err})") from err
