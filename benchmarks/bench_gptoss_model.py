@@ -4,14 +4,11 @@
 
 Builds ``GptOssForCausalLM`` at gpt-oss-120b's sizes (hidden 2880, 128 experts of 2880, top-4, 64 query / 8
 KV heads of 64, vocab 201088, sliding and full attention alternating; ``--layers`` layers, 36 in the real
-model) with random weights, its experts packed as the hub kernels leave them (transformers'
-``Mxfp4GptOssExperts`` holding E2M1 blocks and E8M0 scales): no bf16 copy of the experts exists at any
-point, as 229 GB of them would not fit. ``attach`` serves the experts packed (the GEMMs decode the blocks);
-``--adapters`` random adapters of rank ``--rank`` on every expert's gate/up/down of every layer are placed
-in the pool (``pool.add_adapter_weights``) and rows take them round-robin. The hub tensors here have the
-layout that unswizzles to itself, so ``attach`` serves their bytes in place; a checkpoint loaded for the hub
-kernels on a GPU has them swizzled, and ``attach`` then holds the unswizzled bytes once more
-(docs/models.md): 61 GB more at 36 layers.
+model) with random weights, its experts packed as ``load_packed_gpt_oss`` loads a gpt-oss checkpoint
+(``PackedGptOssExperts``: E2M1 blocks and E8M0 scales as stored): no bf16 copy of the experts exists at
+any point, as 229 GB of them would not fit. ``attach`` serves the experts packed (the GEMMs decode the
+blocks in place); ``--adapters`` random adapters of rank ``--rank`` on every expert's gate/up/down of every
+layer are placed in the pool (``pool.add_adapter_weights``) and rows take them round-robin.
 
 Reported: the packed experts' bytes, the pool's adapter bytes, the device's peak memory
 (``torch.cuda.max_memory_allocated``) and, per batch size, ``generate`` tokens/s (greedy, exactly
@@ -29,7 +26,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -40,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import device_of, random_adapter, time_generate  # noqa: E402
 
+from moelora.integrations.gpt_oss import PackedGptOssExperts  # noqa: E402
 from moelora.integrations.transformers import attach  # noqa: E402
 
 GPT_OSS_120B = dict(vocab_size=201088, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8,
@@ -48,14 +45,6 @@ GPT_OSS_120B = dict(vocab_size=201088, hidden_size=2880, num_attention_heads=64,
 TINY = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4)
 SCALE_EXPONENTS = (118, 122)  # E8M0 scales 2^-9 .. 2^-6: weights of a few hundredths, as trained ones
-
-
-class _HubTensor:
-    """A packed tensor as transformers' MXFP4 conversion leaves it for the hub kernels (``storage.data`` with
-    a layout that unswizzles to itself), which its reverse conversion, and so ``attach``, reads back."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.storage = SimpleNamespace(data=data, layout=SimpleNamespace(unswizzle_data=lambda d: d))
 
 
 class _NoExperts(nn.Module):
@@ -68,33 +57,23 @@ class _NoExperts(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(0), requires_grad=False))
 
 
-def packed_experts(config, device: torch.device, gen: torch.Generator) -> nn.Module:
-    """An ``Mxfp4GptOssExperts`` of random codes and scales drawn on ``device`` by ``gen`` (its declared
-    uint8 parameters made on the meta device and replaced, as transformers' conversion replaces them, by
-    the hub tensors)."""
-    from transformers.integrations import mxfp4
-
-    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
-    with torch.device("meta"):
-        experts = mxfp4.Mxfp4GptOssExperts(config)
-    for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-        blocks = torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=gen, device=device)
-        scales = torch.randint(*SCALE_EXPONENTS, (e, rows, cols // 32), dtype=torch.uint8, generator=gen,
-                               device=device)
-        del experts._parameters[proj]
-        setattr(experts, proj, _HubTensor(blocks.transpose(-2, -1)))
-        setattr(experts, f"{proj}_precision_config", SimpleNamespace(weight_scale=_HubTensor(
-            scales.transpose(-2, -1))))
-    experts.gate_up_proj_bias = nn.Parameter(torch.randn(e, 2 * i, generator=gen, device=device) * 0.05,
-                                             requires_grad=False)
-    experts.down_proj_bias = nn.Parameter(torch.randn(e, h, generator=gen, device=device) * 0.05,
-                                          requires_grad=False)
+def packed_experts(config, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> nn.Module:
+    """A ``PackedGptOssExperts`` (what ``load_packed_gpt_oss`` makes of a checkpoint) of random E2M1 codes
+    and E8M0 scales drawn on ``device`` by ``gen``."""
+    experts = PackedGptOssExperts(config, dtype, device=device)
+    with torch.no_grad():
+        for proj in ("gate_up_proj", "down_proj"):
+            blocks, scales = getattr(experts, f"{proj}_blocks"), getattr(experts, f"{proj}_scales")
+            blocks.copy_(torch.randint(0, 256, blocks.shape, dtype=torch.uint8, generator=gen, device=device))
+            scales.copy_(torch.randint(*SCALE_EXPONENTS, scales.shape, dtype=torch.uint8, generator=gen,
+                                       device=device))
+            bias = getattr(experts, f"{proj}_bias")
+            bias.copy_(torch.randn(bias.shape, generator=gen, device=device) * 0.05)
     return experts
 
 
 def build_model(layers: int, dry_run: bool, device: torch.device, dtype: torch.dtype) -> nn.Module:
     import transformers
-    from transformers.integrations import mxfp4
     from transformers.models.gpt_oss import modeling_gpt_oss
 
     size = TINY if dry_run else GPT_OSS_120B
@@ -108,7 +87,7 @@ def build_model(layers: int, dry_run: bool, device: torch.device, dtype: torch.d
         model = transformers.GptOssForCausalLM(config).to(dtype).eval()
     gen = torch.Generator(device).manual_seed(1)  # drawn where they live: 61 GB at 36 layers
     for layer in model.model.layers:
-        layer.mlp = mxfp4.Mxfp4GptOssMLP(layer.mlp.router, packed_experts(config, device, gen))
+        layer.mlp.experts = packed_experts(config, device, dtype, gen)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
@@ -116,15 +95,8 @@ def build_model(layers: int, dry_run: bool, device: torch.device, dtype: torch.d
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of the packed experts' blocks and scales."""
-    from transformers.integrations import mxfp4
-
-    total = 0
-    for module in model.modules():
-        if isinstance(module, mxfp4.Mxfp4GptOssExperts):
-            for proj in ("gate_up_proj", "down_proj"):
-                for hub in (getattr(module, proj), getattr(module, f"{proj}_precision_config").weight_scale):
-                    total += hub.storage.data.numel()
-    return total
+    return sum(p.numel() for m in model.modules() if isinstance(m, PackedGptOssExperts)
+               for name, p in m.named_parameters() if name.endswith(("_blocks", "_scales")))
 
 
 def main(argv: list[str] | None = None) -> int:

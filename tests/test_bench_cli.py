@@ -461,12 +461,12 @@ def test_gptoss_model_bench_dry_run_serves_packed_experts(tmp_path, capsys):
     """benchmarks/bench_gptoss_model.py's dry run (tiny gpt-oss, the CPU): the experts are built packed (no
     bf16 expert weights ever allocated), attach serves the packed bytes in place, adapters are placed and
     both modes generate; the JSON holds the memory figures and a row per batch."""
-    pytest.importorskip("transformers.integrations.mxfp4", exc_type=ImportError)
-    from transformers.integrations import mxfp4
-    if not hasattr(mxfp4, "Mxfp4GptOssMLP"):
-        pytest.skip("this transformers has no Mxfp4GptOssMLP")
+    pytest.importorskip("transformers.models.gpt_oss", exc_type=ImportError)
+    from moelora.integrations.gpt_oss import PackedGptOssExperts
+
     bench = _script("bench_gptoss_model")
     model = bench.build_model(2, True, torch.device("cpu"), torch.float32)
+    assert all(isinstance(layer.mlp.experts, PackedGptOssExperts) for layer in model.model.layers)
     assert all(layer.mlp.experts.gate_up_proj_bias.numel() > 0 for layer in model.model.layers)
     assert not any(p.dtype == torch.float32 and p.dim() == 3 for p in model.parameters())  # no dense experts
     # E x 3 x H x I values, 17 bytes per 32 (16 of codes, 1 scale), two layers
