@@ -63,7 +63,7 @@ def make_lora(shape, rank: int, n_adapters: int, m: int, dtype: torch.dtype) -> 
     return MoELoRAInputs(
         token_slots=token_slots.cuda(), **buf.weights, slot_ranks=ranks.cuda(),
         slot_scalings=torch.full((slots,), 2.0, device="cuda"), max_rank=rank,
-        num_adapters=int(torch.unique(token_slots).numel()),
+        num_adapters=int(torch.unique(token_slots).numel()), slots_checked=True,  # as the layer's
     )
 
 

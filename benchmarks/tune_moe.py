@@ -219,7 +219,7 @@ def lora_inputs(m: int, w13: torch.Tensor, rank: int, adapters: int, gen: torch.
         token_slots=torch.randint(0, adapters, (m,), device=device, generator=gen, dtype=torch.int32),
         **arena_weights(dense),  # the pool's layout, as served
         slot_ranks=ranks, slot_scalings=torch.full((slots,), 2.0, device=device), max_rank=rank,
-        num_adapters=adapters,
+        num_adapters=adapters, slots_checked=True,  # as the layer passes a pool's batch
     )
 
 

@@ -304,7 +304,7 @@ def lora_inputs(buf: LoRABuffers, token_slots: torch.Tensor, n_slots: int, n_ada
     return MoELoRAInputs(
         token_slots=token_slots.to(device), **buf.weights, slot_ranks=slot_ranks.to(device),
         slot_scalings=torch.full((n_slots,), 2.0, device=device), max_rank=rank,
-        num_adapters=int(torch.unique(token_slots).numel()),
+        num_adapters=int(torch.unique(token_slots).numel()), slots_checked=True,
     )
 
 

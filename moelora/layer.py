@@ -427,6 +427,7 @@ class FusedMoEWithLoRA(nn.Module):
                 slot_scalings=batch.slot_scalings,
                 max_rank=max_rank,
                 num_adapters=num_adapters,
+                slots_checked=True,  # the pool's batch: slots in [-1, L), ranks its own
             )
 
         def run() -> torch.Tensor:

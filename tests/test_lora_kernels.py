@@ -439,3 +439,33 @@ def test_rank_chunk_rule(monkeypatch):
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_chunk_r", "48")
     with pytest.raises(ValueError, match="lora_chunk_r"):
         lora_rank_chunk(GemmConfig(128, 64, 64, 8, 8, 3), 64)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", [1, 9])  # one token: direct pairs (decode shrinks); 9: the alignment
+def test_slots_and_ranks_outside_the_tables_mean_no_adapter(path, m):
+    """A caller's ``MoELoRAInputs`` (not a pool's batch) with slot ids past the slot tables (negative or
+    >= L) and a rank past the buffers': the kernels index nothing with them. Those tokens get the base
+    output, the slot's rank is read as the buffers' rank, and every other token is exact."""
+    gen = torch.Generator().manual_seed(23)
+    (x, w13, w2), weights, ids, lora, ref, base = make_case(
+        m=m, hidden=48, inter=40, num_experts=5, top_k=2, ranks=(8, 3), max_rank=8, num_slots=3,
+        dtype=torch.float32, gen=gen,
+    )
+    good = torch.tensor([0, 1, -1, 0, 1, 0, 1, 0, 1], dtype=torch.int32)[:m]
+    bad = torch.tensor([0, 1_000_000, -7, 3, 1, 0, -2**31, 0, 2**31 - 1], dtype=torch.int32)[:m]
+    valid = (bad >= 0) & (bad < 3)
+    out = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, token_slots=bad), lora_path=path)
+    want = fused_experts(x, w13, w2, weights, ids, lora_path=path,
+                         lora=replace(lora, token_slots=torch.where(valid, bad, -1)))
+    assert torch.equal(out, want)
+    if m > 1:  # tokens with a real slot still get their adapter
+        with_good = fused_experts(x, w13, w2, weights, ids, lora=replace(lora, token_slots=good),
+                                  lora_path=path)
+        assert torch.equal(out[valid], with_good[valid])
+    # A slot rank past the buffers' rank (8) is read as 8: slot 0 holds rank 8.
+    huge = replace(lora, token_slots=good, slot_ranks=torch.tensor([1 << 30, 3, 0], dtype=torch.int32))
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids, lora=huge, lora_path=path),
+                       fused_experts(x, w13, w2, weights, ids, lora=replace(lora, token_slots=good),
+                                     lora_path=path))

@@ -44,7 +44,7 @@ from triton_ops.fused_moe import (
     invoke_fused_moe_kernel,
 )
 from triton_ops.hostmath import cdiv
-from triton_ops.launch import active_cache
+from triton_ops.launch import active_cache, not_replayable
 from triton_ops.lora_weights import LoRAWeights, lora_weights
 from triton_ops.moe_align import (
     SINGLE_PROGRAM_MAX_PAIRS,
@@ -126,6 +126,11 @@ class MoELoRAInputs:
     # Distinct adapters in the batch (host-known; 0 = unknown). Only a launch hint: how many slots the
     # kernels set side by side per pass (one adapter: one, so no stacked tile is wasted).
     num_adapters: int = 0
+    # Whether every token slot is known to lie in [-1, L) and every slot rank in [0, the buffers' rank]
+    # (a pool's batch): the kernels then index the slot tables with them as they are. Otherwise
+    # ``fused_experts`` first maps slots outside [0, L) to -1 (no adapter) and clamps the ranks, in two
+    # device operations (no host sync), so no id or rank a caller passes makes a kernel read out of bounds.
+    slots_checked: bool = False
 
 def _chunk_tokens() -> int:
     forced = overrides.count("moe_chunk_tokens")
@@ -713,6 +718,12 @@ def _check_lora_inputs(lora: MoELoRAInputs, x: torch.Tensor, w13: torch.Tensor, 
         raise ValueError(f"slot_ranks and slot_scalings must be ({slots},)")
     if not 0 <= lora.max_rank <= max_rank:
         raise ValueError(f"max_rank {lora.max_rank} is outside the buffers' rank range [0, {max_rank}]")
-    if all(getattr(lora, name) is w for name, w in weights.items()):
+    checked = {}
+    if not lora.slots_checked:
+        not_replayable()  # torch operations, which a launch trace would skip
+        slots_in = (lora.token_slots >= 0) & (lora.token_slots < slots)
+        checked = dict(token_slots=torch.where(slots_in, lora.token_slots, -1),
+                       slot_ranks=lora.slot_ranks.clamp(0, max_rank), slots_checked=True)
+    if not checked and all(getattr(lora, name) is w for name, w in weights.items()):
         return lora
-    return replace(lora, **weights)
+    return replace(lora, **weights, **checked)
