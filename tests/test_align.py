@@ -248,18 +248,29 @@ def test_align_puts_out_of_range_ids_in_the_null_run(bs, E, M, k, dtype):
 
 # Grouping by (expert, adapter slot): the same contract on virtual experts e * (L + 1) + s, a token without
 # an adapter (or with a slot outside [0, L)) in group L of its expert, ids outside [0, E) in the null run;
-# expert_ids holds the real expert. Torch operations: the same on the CPU and the GPU.
-@pytest.mark.parametrize("bs, E, L, M, k", [(16, 5, 3, 1, 2), (16, 9, 12, 45, 4), (16, 128, 33, 300, 8),
-                                            (32, 7, 0, 40, 3), (16, 3, 70, 97, 2)])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, device):
+# expert_ids holds the real expert. Built on an expert alignment of any block size (the GEMMs'): its own
+# (16), one of 64 rows, and past the one-program alignment (300 x 8 pairs; 97 x 2 with a hot expert whose
+# run spans several chunks); int64 ids; an alignment with no pair in any expert but the null run.
+@pytest.mark.parametrize("bs, E, L, M, k, expert_bs", [
+    (16, 5, 3, 1, 2, None), (16, 9, 12, 45, 4, 64), (16, 128, 33, 300, 8, None), (32, 7, 0, 40, 3, 16),
+    (16, 3, 70, 97, 2, 128), (64, 4, 5, 200, 1, 64)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreter),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, expert_bs, device):
     from triton_ops.moe_align import align_by_adapter
 
     gen = torch.Generator().manual_seed(M + L)
-    ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
+    ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32 if M % 2 else torch.int64)
     ids.view(-1)[::7] = E + 3  # the null run
+    ids.view(-1)[1::5] = 0  # a hot expert
     slots = torch.randint(-1, L + 2, (M,), generator=gen, dtype=torch.int32)  # L, L + 1: out of range
-    sorted_ids, expert_ids, num_post_padded = align_by_adapter(ids.to(device), slots.to(device), bs, E, L)
+    ids, slots = ids.to(device), slots.to(device)
+    expert_alignment = None
+    if expert_bs is not None:
+        expert_alignment = moe_align_block_size(ids, expert_bs, E, with_starts=True)
+    sorted_ids, expert_ids, num_post_padded = align_by_adapter(ids, slots, bs, E, L,
+                                                               expert_alignment=expert_alignment)
+    ids, slots = ids.cpu(), slots.cpu()
     groups = L + 1
     slot_col = torch.where((slots >= 0) & (slots < L), slots, L).repeat_interleave(k).long()
     flat = ids.reshape(-1).long()
@@ -275,6 +286,12 @@ def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, devic
         pairs = sorted_ids[block * bs:(block + 1) * bs].cpu()
         pairs = pairs[pairs < M * k].long()
         assert len(set(virtual[pairs].tolist())) == 1
+    every_null = torch.full_like(ids, E)
+    sorted_ids, expert_ids, num_post_padded = align_by_adapter(every_null.to(device), slots.to(device), bs,
+                                                               E, L)
+    want_sorted, want_experts, want_padded = reference_align(torch.full_like(ids, E * groups), bs, E * groups)
+    assert torch.equal(sorted_ids.cpu(), want_sorted) and int(num_post_padded) == int(want_padded)
+    assert (expert_ids == -1).all()
 
 
 def test_align_by_adapter_refuses_operands_that_do_not_fit():

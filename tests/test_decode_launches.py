@@ -1224,7 +1224,7 @@ def test_lora_by_adapter_matches_the_oracle(monkeypatch, m, top_k, on_input, dty
                                             slots_per_token=slots)
     taken = []
     original = fe.align_by_adapter
-    monkeypatch.setattr(fe, "align_by_adapter", lambda *a: taken.append(a[2]) or original(*a))
+    monkeypatch.setattr(fe, "align_by_adapter", lambda *a, **kw: taken.append(a[2]) or original(*a, **kw))
     kwargs = dict(routed_scaling_factor=1.5, apply_router_weight_on_input=on_input)
     outs = {}
     for by_adapter in ("0", "1"):

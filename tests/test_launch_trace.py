@@ -284,13 +284,27 @@ def test_replay_inside_cuda_graph_capture_gpu(native, monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_calls_with_torch_work_between_launches_are_not_replayed_interpreter(monkeypatch):
-    """The staged path grouped by adapter aligns its pairs with torch operations (a sort, scatters), which a
-    trace could not replay: every call runs through ``fused_experts`` (nothing is kept to replay) and
-    equals the eager forward."""
+@pytest.mark.parametrize("path", ["staged", "split"])
+def test_pairs_grouped_by_adapter_replay_interpreter(path, monkeypatch):
+    """The LoRA launches on pairs grouped by (expert, adapter) (``lora_by_adapter``): that alignment is
+    launches only, so the call replays from its trace like any other, bit for bit."""
     from triton_ops.overrides import LAUNCH_OVERRIDES
 
     monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_by_adapter", "1")
+    layer, pool, top_k = _setup(F16, "cpu", path=path)
+    _check_replays(layer, pool, top_k, F16, "cpu", 67, monkeypatch, names_of=lambda step: _mix(step, 67))
+
+
+@pytest.mark.interpreter
+def test_calls_with_torch_work_between_launches_are_not_replayed_interpreter(monkeypatch):
+    """A call whose device work includes torch operations between its launches (``not_replayable()``, here
+    from inside the alignment) cannot be replayed from a trace: every call runs through ``fused_experts``
+    (nothing is kept to replay) and equals the eager forward."""
+    from triton_ops.launch import not_replayable
+
+    fused = importlib.import_module("triton_ops.fused_experts")
+    align = fused.moe_align_block_size
+    monkeypatch.setattr(fused, "moe_align_block_size", lambda *a, **kw: not_replayable() or align(*a, **kw))
     layer, pool, top_k = _setup(F16, "cpu", path="staged")
     calls = _count_eager_calls(monkeypatch)
     for step in range(3):

@@ -293,11 +293,12 @@ def fused_experts(
                 lora.slot_ranks, rank_block=rank_block, out=shrunk_gate_up, align=not plan.direct,
                 release_next=plan.decode_overlap, dependent=plan.fp8_chain)
         elif not plan.direct:
-            alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts)
+            # with the run starts where the LoRA launches split each expert's run by adapter
+            alignment = moe_align_block_size(chunk_ids, cfg.block_m, num_experts, with_starts=plan.by_adapter)
         if plan.direct:
             align = dict(direct_ids=chunk_ids.reshape(-1))
         else:
-            align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), alignment, strict=True))
+            align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), alignment[:3], strict=True))
         topk_sum = None
         if plan.fused_sum:
             topk_sum = TopkSumOperands(
@@ -335,7 +336,8 @@ def fused_experts(
         if plan.by_adapter:
             lora_block_m, shrink_adapters = ADAPTER_BLOCK_M, 1
             lora_align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), align_by_adapter(
-                chunk_ids, chunk_slots, lora_block_m, num_experts, lora.slot_ranks.numel()), strict=True))
+                chunk_ids, chunk_slots, lora_block_m, num_experts, lora.slot_ranks.numel(),
+                expert_alignment=alignment), strict=True))
         if (split or staged) and not plan.decode_shrink:
             moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **lora_align,
                        num_adapters=shrink_adapters, block_m=lora_block_m, top_k=top_k, x_row_div=top_k,

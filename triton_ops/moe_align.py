@@ -370,8 +370,8 @@ def single_program_align_args(
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, *, with_starts: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Group routed pairs by expert, padded per expert to ``block_size`` (see the module docstring).
 
     Args:
@@ -380,9 +380,12 @@ def moe_align_block_size(
         block_size: the GEMM's BLOCK_SIZE_M, a power of two.
         num_experts: E.
 
+        with_starts: also return expert_start (E + 1,) int32, each expert's first position in sorted_ids
+            and then the null run's (``align_by_adapter`` splits those runs).
+
     Returns:
         sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),) int32 and
-        num_post_padded (1,) int32, all on topk_ids' device;
+        num_post_padded (1,) int32 (and expert_start), all on topk_ids' device;
         max_padded = numel + min(E, numel) * (block_size - 1).
     """
     flat_ids = _check_align_args(topk_ids, block_size, num_experts)
@@ -390,7 +393,7 @@ def moe_align_block_size(
     if numel <= SINGLE_PROGRAM_MAX_PAIRS:
         outputs, kwargs, num_warps = single_program_align_args(topk_ids, block_size, num_experts)
         launch(_align_single_kernel, (1,), **kwargs, num_warps=num_warps)
-        return outputs
+        return (*outputs, kwargs["expert_start_ptr"]) if with_starts else outputs
 
     device = topk_ids.device
     max_padded = max_padded_size(numel, num_experts, block_size)
@@ -450,6 +453,8 @@ def moe_align_block_size(
         CHUNK=_CHUNK,
         num_warps=4,
     )
+    if with_starts:
+        return sorted_ids, expert_ids, num_post_padded, expert_start
     return sorted_ids, expert_ids, num_post_padded
 
 
@@ -459,8 +464,152 @@ def adapter_max_padded(numel: int, num_experts: int, num_slots: int, block_size:
     return numel + min(num_experts * (num_slots + 1) + 1, numel) * (block_size - 1)
 
 
+@triton.jit
+def _run_bounds(expert_start_ptr, num_post_padded_ptr, run, num_experts):
+    """[start, end) of expert ``run``'s padded run in the expert alignment (run E: the null run)."""
+    start = tl.load(expert_start_ptr + run)
+    is_expert = run < num_experts
+    next_start = tl.load(expert_start_ptr + run + 1, mask=is_expert, other=0)
+    return start, tl.where(is_expert, next_start, tl.load(num_post_padded_ptr))
+
+
+@triton.jit
+def _group_of_pairs(expert_sorted_ptr, token_slots_ptr, pos, run_end, run, numel, top_k, num_experts,
+                    num_slots):
+    """The pairs at positions ``pos`` of the expert alignment and their group in their expert's run: the
+    token's slot, ``num_slots`` for a token without one (or with a slot outside [0, L)), 0 in the null
+    run (one group), -1 for a padding sentinel or a position past the run."""
+    pair = tl.load(expert_sorted_ptr + pos, mask=pos < run_end, other=numel)
+    is_pair = pair < numel
+    slot = tl.load(token_slots_ptr + pair // top_k, mask=is_pair, other=-1)
+    group = tl.where((slot >= 0) & (slot < num_slots), slot, num_slots)
+    group = tl.where(run < num_experts, group, 0)
+    return pair, is_pair, tl.where(is_pair, group, -1)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _adapter_count_kernel(
+    # Pointers
+    expert_sorted_ptr,  # (expert max_padded,) int32, the expert alignment's sorted_ids
+    expert_start_ptr,  # (E + 1,) int32, each expert's padded run start, then the null run's
+    expert_padded_ptr,  # (1,) int32, the expert alignment's num_post_padded
+    token_slots_ptr,  # (num_tokens,) int32
+    group_counts_ptr,  # (E + 1, L + 1) int32, out: pairs of each (expert, slot) group
+    # Sizes
+    numel,
+    top_k,
+    num_experts,
+    num_slots,
+    # Meta-parameters
+    CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    run = tl.program_id(0)
+    start, end = _run_bounds(expert_start_ptr, expert_padded_ptr, run, num_experts)
+    groups = tl.arange(0, BLOCK_S)
+    counts = tl.zeros((BLOCK_S,), dtype=tl.int32)
+    for p0 in range(start, end, CHUNK):
+        _, _, group = _group_of_pairs(expert_sorted_ptr, token_slots_ptr, p0 + tl.arange(0, CHUNK), end, run,
+                                      numel, top_k, num_experts, num_slots)
+        counts += tl.sum((group[:, None] == groups[None, :]).to(tl.int32), axis=0)
+    tl.store(group_counts_ptr + run * (num_slots + 1) + groups, counts, mask=groups <= num_slots)
+
+
+@triton.jit
+def _adapter_offsets_kernel(
+    # Pointers
+    group_counts_ptr,  # (E + 1, L + 1) int32
+    group_start_ptr,  # (E + 1, L + 1) int32, out: first position of each group
+    num_post_padded_ptr,  # (1,) int32, out
+    # Sizes
+    num_groups,
+    # Meta-parameters
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    total = tl.full([], 0, dtype=tl.int32)
+    for g0 in range(0, num_groups, BLOCK_G):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        counts = tl.load(group_counts_ptr + groups, mask=groups < num_groups, other=0)
+        padded = tl.cdiv(counts, BLOCK_SIZE) * BLOCK_SIZE
+        tl.store(group_start_ptr + groups, total + tl.cumsum(padded, axis=0) - padded,
+                 mask=groups < num_groups)
+        total += tl.sum(padded, axis=0)
+    tl.store(num_post_padded_ptr, total)
+
+
+@triton.jit(do_not_specialize=["numel", "max_padded", "fill_stripe"])
+def _adapter_scatter_kernel(
+    # Pointers
+    expert_sorted_ptr,  # (expert max_padded,) int32
+    expert_start_ptr,  # (E + 1,) int32
+    expert_padded_ptr,  # (1,) int32
+    token_slots_ptr,  # (num_tokens,) int32
+    group_start_ptr,  # (E + 1, L + 1) int32
+    sorted_ids_ptr,  # (max_padded,) int32, out
+    expert_ids_ptr,  # (cdiv(max_padded, BLOCK_SIZE),) int32, out
+    num_post_padded_ptr,  # (1,) int32
+    # Sizes
+    numel,
+    top_k,
+    num_experts,
+    num_slots,
+    max_padded,
+    fill_stripe,  # positions past the padded end each program fills (a multiple of BLOCK_SIZE)
+    # Meta-parameters
+    BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    run = tl.program_id(0)
+    start, end = _run_bounds(expert_start_ptr, expert_padded_ptr, run, num_experts)
+    groups = tl.arange(0, BLOCK_S)
+    in_table = groups <= num_slots
+    group_start = tl.load(group_start_ptr + run * (num_slots + 1) + groups, mask=in_table, other=0)
+    placed = tl.zeros((BLOCK_S,), dtype=tl.int32)  # pairs of each group written so far
+    lane = tl.arange(0, CHUNK)
+    # The run's pairs in order, each after the earlier ones of its group: ascending pair order per group.
+    for p0 in range(start, end, CHUNK):
+        pair, is_pair, group = _group_of_pairs(expert_sorted_ptr, token_slots_ptr, p0 + lane, end, run, numel,
+                                               top_k, num_experts, num_slots)
+        rank = tl.sum(((group[:, None] == group[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32),
+                      axis=1)
+        hits = group[:, None] == groups[None, :]
+        first = tl.sum(tl.where(hits, (group_start + placed)[None, :], 0), axis=1)
+        tl.store(sorted_ids_ptr + first + rank, pair, mask=is_pair)
+        placed += tl.sum(hits.to(tl.int32), axis=0)
+    # Each group's padding tail, then the run's blocks: its expert (-1 for the null run).
+    padded = tl.cdiv(placed, BLOCK_SIZE) * BLOCK_SIZE
+    tail = tl.arange(0, BLOCK_SIZE)
+    tl.store(sorted_ids_ptr + (group_start + placed)[:, None] + tail[None, :],
+             tl.zeros((BLOCK_S, BLOCK_SIZE), dtype=tl.int32) + numel,
+             mask=in_table[:, None] & (tail[None, :] < (padded - placed)[:, None]))
+    first_block = tl.load(group_start_ptr + run * (num_slots + 1)) // BLOCK_SIZE
+    end_block = first_block + tl.sum(tl.where(in_table, padded, 0), axis=0) // BLOCK_SIZE
+    owner = tl.where(run < num_experts, run, -1)
+    for b0 in range(first_block, end_block, CHUNK):
+        blocks = b0 + lane
+        tl.store(expert_ids_ptr + blocks, tl.zeros((CHUNK,), dtype=tl.int32) + owner, mask=blocks < end_block)
+    # Past the padded end: sentinels and -1 blocks, each program over its own stripe.
+    padded_end = tl.load(num_post_padded_ptr)
+    stripe_start = run * fill_stripe
+    stripe_end = tl.minimum(stripe_start + fill_stripe, max_padded)
+    for q0 in range(stripe_start, stripe_end, CHUNK):
+        pos = q0 + lane
+        past = (pos >= padded_end) & (pos < stripe_end)
+        tl.store(sorted_ids_ptr + pos, tl.zeros((CHUNK,), dtype=tl.int32) + numel, mask=past)
+        tl.store(expert_ids_ptr + pos // BLOCK_SIZE, tl.zeros((CHUNK,), dtype=tl.int32) - 1,
+                 mask=past & (pos % BLOCK_SIZE == 0))
+
+
 def align_by_adapter(
-    topk_ids: torch.Tensor, token_slots: torch.Tensor, block_size: int, num_experts: int, num_slots: int
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    num_slots: int,
+    *,
+    expert_alignment: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routed pairs grouped by (expert, adapter slot), each group padded to ``block_size``: the LoRA
     launches' alignment when a batch holds many adapters, so that every block has one adapter's rows (its
@@ -473,39 +622,58 @@ def align_by_adapter(
     [0, E)); ``expert_ids`` holds each block's real expert (-1 for the null run and past the end), so the
     LoRA kernels take it unchanged. Pairs keep their ascending order inside a group (deterministic).
 
-    Torch operations sized on the host (a sort, a histogram, prefix sums, scatters): no sync, capturable
-    in a CUDA graph, but not in a launch trace (a call that runs it is never replayed from one).
+    Built on the expert alignment (``expert_alignment``: ``moe_align_block_size(..., with_starts=True)``
+    of these ids at any block size, the GEMMs' one; aligned here when None), whose runs already hold each
+    expert's pairs in ascending order: each run is split by slot in place of a sort.
+    Grid:   count   (E + 1,)  each run's pairs per slot group
+            offsets (1,)      padded group starts (a scan over (E + 1) x (L + 1) groups), num_post_padded
+            scatter (E + 1,)  each run's pairs to their group's next positions, the padding sentinels, the
+                              run's block experts, and past the end a stripe of sentinels and -1 blocks
+    Sized on the host, no sync: capturable in a CUDA graph and replayable from a launch trace.
     Returns sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),) int32,
-    num_post_padded (1,) int32; max_padded = numel + min(groups, numel) * (block_size - 1).
+    num_post_padded (1,) int32; max_padded = ``adapter_max_padded``.
     """
-    not_replayable()  # torch operations, which a launch trace would skip
-    flat = _check_align_args(topk_ids, block_size, num_experts).to(torch.int64)
+    flat = _check_align_args(topk_ids, block_size, num_experts)
     if token_slots.dim() != 1 or token_slots.numel() != topk_ids.shape[0]:
         raise ValueError(f"token_slots must be (num_tokens,) for topk_ids {tuple(topk_ids.shape)}, got "
                          f"{tuple(token_slots.shape)}")
+    if token_slots.dtype != torch.int32:
+        raise TypeError(f"token_slots must be int32, got {token_slots.dtype}")
     if num_slots < 0:
         raise ValueError(f"num_slots must be >= 0, got {num_slots}")
     device = topk_ids.device
     numel, top_k = flat.numel(), topk_ids.shape[1]
-    groups = num_slots + 1
-    null_group = num_experts * groups
-    slots = token_slots.to(torch.int64).repeat_interleave(top_k)
-    slot_col = torch.where((slots >= 0) & (slots < num_slots), slots, num_slots)
-    virtual = torch.where((flat >= 0) & (flat < num_experts), flat * groups + slot_col, null_group)
     max_padded = adapter_max_padded(numel, num_experts, num_slots, block_size)
-    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
-    expert_ids = torch.full((cdiv(max_padded, block_size),), -1, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
+    expert_ids = torch.empty((cdiv(max_padded, block_size),), dtype=torch.int32, device=device)
+    num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
     if numel == 0:
-        return sorted_ids, expert_ids, torch.zeros((1,), dtype=torch.int32, device=device)
-    order = torch.sort(virtual, stable=True).indices
-    counts = torch.zeros((null_group + 1,), dtype=torch.int64, device=device)
-    counts.scatter_add_(0, virtual, torch.ones_like(virtual))
-    padded = (counts + block_size - 1) // block_size * block_size
-    padded_start = torch.cumsum(padded, 0) - padded
-    first = torch.cumsum(counts, 0) - counts
-    in_order = virtual[order]
-    dest = padded_start[in_order] + torch.arange(numel, device=device) - first[in_order]
-    sorted_ids[dest] = order.to(torch.int32)
-    block_expert = torch.where(in_order < null_group, in_order // groups, -1).to(torch.int32)
-    expert_ids[dest // block_size] = block_expert  # every pair of a block writes its block's expert
-    return sorted_ids, expert_ids, padded.sum().to(torch.int32).reshape(1)
+        not_replayable()  # torch fills, which a launch trace would skip
+        return sorted_ids, expert_ids, num_post_padded.fill_(0)
+    if expert_alignment is None:
+        expert_alignment = moe_align_block_size(topk_ids, 16, num_experts, with_starts=True)
+    if len(expert_alignment) != 4:
+        raise ValueError("expert_alignment must be the 4 tensors of moe_align_block_size(..., "
+                         "with_starts=True)")
+    expert_sorted, _, expert_padded, expert_start = expert_alignment
+    if expert_start.shape != (num_experts + 1,):
+        raise ValueError(f"expert_alignment must be moe_align_block_size(..., with_starts=True) of these ids "
+                         f"(run starts ({num_experts + 1},)), got starts {tuple(expert_start.shape)}")
+    runs, groups = num_experts + 1, num_slots + 1
+    block_s = max(2, next_power_of_2(groups))
+    group_counts = torch.empty((runs, groups), dtype=torch.int32, device=device)
+    group_start = torch.empty((runs, groups), dtype=torch.int32, device=device)
+    sizes = dict(numel=numel, top_k=top_k, num_experts=num_experts, num_slots=num_slots)
+    runs_args = dict(expert_sorted_ptr=expert_sorted, expert_start_ptr=expert_start,
+                     expert_padded_ptr=expert_padded, token_slots_ptr=token_slots)
+    launch(_adapter_count_kernel, (runs,), **runs_args, group_counts_ptr=group_counts, **sizes,
+           CHUNK=_CHUNK, BLOCK_S=block_s, num_warps=4)
+    launch(_adapter_offsets_kernel, (1,), group_counts_ptr=group_counts, group_start_ptr=group_start,
+           num_post_padded_ptr=num_post_padded, num_groups=runs * groups, BLOCK_SIZE=block_size,
+           BLOCK_G=1024, num_warps=4)
+    launch(_adapter_scatter_kernel, (runs,), **runs_args, group_start_ptr=group_start,
+           sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_post_padded_ptr=num_post_padded,
+           **sizes, max_padded=max_padded,
+           fill_stripe=cdiv(cdiv(max_padded, runs), block_size) * block_size, BLOCK_SIZE=block_size,
+           CHUNK=_CHUNK, BLOCK_S=block_s, num_warps=4)
+    return sorted_ids, expert_ids, num_post_padded
