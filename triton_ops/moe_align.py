@@ -32,6 +32,9 @@ from triton_ops.launch import launch, not_replayable
 # Pairs handled by one program of the count/scatter kernels; the in-chunk rank uses a
 # CHUNK x CHUNK comparison, so this also bounds registers.
 _CHUNK = 128
+# align_by_adapter's scatter ranks a run's pairs by group 64 at a time: its (CHUNK, CHUNK) comparison
+# beside the gathers and scatters fits 4 warps' registers without spilling.
+_SCATTER_CHUNK = 64
 
 
 @triton.jit
@@ -545,7 +548,8 @@ def _adapter_scatter_kernel(
     expert_start_ptr,  # (E + 1,) int32
     expert_padded_ptr,  # (1,) int32
     token_slots_ptr,  # (num_tokens,) int32
-    group_start_ptr,  # (E + 1, L + 1) int32
+    group_counts_ptr,  # (E + 1, L + 1) int32
+    group_next_ptr,  # (E + 1, L + 1) int32, in: each group's first position; out: one past its last pair
     sorted_ids_ptr,  # (max_padded,) int32, out
     expert_ids_ptr,  # (cdiv(max_padded, BLOCK_SIZE),) int32, out
     num_post_padded_ptr,  # (1,) int32
@@ -563,29 +567,34 @@ def _adapter_scatter_kernel(
 ):
     run = tl.program_id(0)
     start, end = _run_bounds(expert_start_ptr, expert_padded_ptr, run, num_experts)
-    groups = tl.arange(0, BLOCK_S)
-    in_table = groups <= num_slots
-    group_start = tl.load(group_start_ptr + run * (num_slots + 1) + groups, mask=in_table, other=0)
-    placed = tl.zeros((BLOCK_S,), dtype=tl.int32)  # pairs of each group written so far
+    table = group_next_ptr + run * (num_slots + 1)
     lane = tl.arange(0, CHUNK)
-    # The run's pairs in order, each after the earlier ones of its group: ascending pair order per group.
+    # The run's pairs in order, each after the earlier ones of its group (ascending pair order per group):
+    # a chunk's pairs go to their group's next positions, and its last pair of each group moves them on.
     for p0 in range(start, end, CHUNK):
         pair, is_pair, group = _group_of_pairs(expert_sorted_ptr, token_slots_ptr, p0 + lane, end, run, numel,
                                                top_k, num_experts, num_slots)
-        rank = tl.sum(((group[:, None] == group[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32),
-                      axis=1)
-        hits = group[:, None] == groups[None, :]
-        first = tl.sum(tl.where(hits, (group_start + placed)[None, :], 0), axis=1)
-        tl.store(sorted_ids_ptr + first + rank, pair, mask=is_pair)
-        placed += tl.sum(hits.to(tl.int32), axis=0)
+        same = group[:, None] == group[None, :]
+        rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+        in_chunk = tl.sum(same.to(tl.int32), axis=1)
+        # through L2 (.cg): the positions were moved on by this program's own stores
+        next_pos = tl.load(table + group, mask=is_pair, other=0, cache_modifier=".cg")
+        tl.store(sorted_ids_ptr + next_pos + rank, pair, mask=is_pair)
+        tl.debug_barrier()  # every lane has read the positions before one moves them on
+        tl.store(table + group, next_pos + in_chunk, mask=is_pair & (rank == in_chunk - 1))
+        tl.debug_barrier()  # and the next chunk reads them moved
     # Each group's padding tail, then the run's blocks: its expert (-1 for the null run).
-    padded = tl.cdiv(placed, BLOCK_SIZE) * BLOCK_SIZE
+    groups = tl.arange(0, BLOCK_S)
+    in_table = groups <= num_slots
+    group_end = tl.load(table + groups, mask=in_table, other=0, cache_modifier=".cg")
+    count = tl.load(group_counts_ptr + run * (num_slots + 1) + groups, mask=in_table, other=0)
+    padded = tl.cdiv(count, BLOCK_SIZE) * BLOCK_SIZE
     tail = tl.arange(0, BLOCK_SIZE)
-    tl.store(sorted_ids_ptr + (group_start + placed)[:, None] + tail[None, :],
+    tl.store(sorted_ids_ptr + group_end[:, None] + tail[None, :],
              tl.zeros((BLOCK_S, BLOCK_SIZE), dtype=tl.int32) + numel,
-             mask=in_table[:, None] & (tail[None, :] < (padded - placed)[:, None]))
-    first_block = tl.load(group_start_ptr + run * (num_slots + 1)) // BLOCK_SIZE
-    end_block = first_block + tl.sum(tl.where(in_table, padded, 0), axis=0) // BLOCK_SIZE
+             mask=in_table[:, None] & (tail[None, :] < (padded - count)[:, None]))
+    first_block = tl.sum(tl.where(groups == 0, group_end - count, 0), axis=0) // BLOCK_SIZE
+    end_block = first_block + tl.sum(padded, axis=0) // BLOCK_SIZE
     owner = tl.where(run < num_experts, run, -1)
     for b0 in range(first_block, end_block, CHUNK):
         blocks = b0 + lane
@@ -671,9 +680,9 @@ def align_by_adapter(
     launch(_adapter_offsets_kernel, (1,), group_counts_ptr=group_counts, group_start_ptr=group_start,
            num_post_padded_ptr=num_post_padded, num_groups=runs * groups, BLOCK_SIZE=block_size,
            BLOCK_G=1024, num_warps=4)
-    launch(_adapter_scatter_kernel, (runs,), **runs_args, group_start_ptr=group_start,
-           sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_post_padded_ptr=num_post_padded,
-           **sizes, max_padded=max_padded,
+    launch(_adapter_scatter_kernel, (runs,), **runs_args, group_counts_ptr=group_counts,
+           group_next_ptr=group_start, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
+           num_post_padded_ptr=num_post_padded, **sizes, max_padded=max_padded,
            fill_stripe=cdiv(cdiv(max_padded, runs), block_size) * block_size, BLOCK_SIZE=block_size,
-           CHUNK=_CHUNK, BLOCK_S=block_s, num_warps=4)
+           CHUNK=_SCATTER_CHUNK, BLOCK_S=block_s, num_warps=4)
     return sorted_ids, expert_ids, num_post_padded
