@@ -257,17 +257,21 @@ def test_mxfp4_experts_on_cuda_match_peft(tmp_path, dequantize, checkpoint):
     _check_served("cuda", tmp_path, dequantize=dequantize, checkpoint=checkpoint)
 
 
-def test_packed_checkpoint_loads_the_experts_as_stored(tmp_path):
+def test_packed_checkpoint_loads_the_experts_as_stored(tmp_path, caplog):
     """``load_packed_gpt_oss``: the experts' parameters are the checkpoint's uint8 blocks and scales, bit
     for bit (no dense expert weight anywhere in the model), the rest is the checkpoint's, and the model
-    unattached (its experts decoded per call in PyTorch) computes the reference model's logits."""
+    unattached (its experts decoded per call in PyTorch) computes the reference model's logits. Each file
+    read is logged."""
     from safetensors import safe_open
 
     from moelora.integrations.gpt_oss import PackedGptOssExperts, load_packed_gpt_oss
     from moelora.serve.server import load_model
 
     directory = _write_checkpoint(tmp_path / "checkpoint")
-    model = load_packed_gpt_oss(directory, "cpu", torch.float32)
+    with caplog.at_level("INFO", logger="moelora.integrations.gpt_oss"):
+        model = load_packed_gpt_oss(directory, "cpu", torch.float32)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "checkpoint: file 1/2 read onto cpu", "checkpoint: file 2/2 read onto cpu"]
     ref, _ = _reference()
     stored = {}
     for file in directory.glob("*.safetensors"):

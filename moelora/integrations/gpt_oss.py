@@ -19,12 +19,16 @@ The checkpoint layout (``openai/gpt-oss-20b`` / ``-120b``): per layer ``mlp.expe
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 __all__ = ["PackedGptOssExperts", "is_packed_gpt_oss_checkpoint", "load_packed_gpt_oss"]
+
+log = logging.getLogger(__name__)
 
 _PACKED = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
@@ -135,8 +139,9 @@ def load_packed_gpt_oss(model_dir: str | Path, device: str | torch.device = "cpu
     """transformers' ``GptOssForCausalLM`` from ``model_dir`` with each layer's experts a
     :class:`PackedGptOssExperts` holding the checkpoint's MXFP4 blocks and scales as stored (module
     docstring). ``dtype``: every floating-point tensor's (default: the config's, else bfloat16); the
-    weights are read straight onto ``device``. ValueError naming the file and key for a checkpoint that
-    is not one (missing or unexpected keys, a shape that does not match the config)."""
+    weights are read straight onto ``device``, a file at a time (logged at INFO). ValueError naming the
+    file and key for a checkpoint that is not one (missing or unexpected keys, a shape that does not
+    match the config)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -156,7 +161,8 @@ def load_packed_gpt_oss(model_dir: str | Path, device: str | torch.device = "cpu
     expected = {name: t for name, t in model.state_dict(keep_vars=True).items()}
     tied = {name for name in expected if name == "lm_head.weight"} if config.tie_word_embeddings else set()
     state: dict[str, torch.Tensor] = {}
-    for file in _checkpoint_files(model_dir):
+    files, started, read_bytes = _checkpoint_files(model_dir), time.monotonic(), 0
+    for number, file in enumerate(files, 1):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if key not in expected:
@@ -174,6 +180,9 @@ def load_packed_gpt_oss(model_dir: str | Path, device: str | torch.device = "cpu
                 elif tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 state[key] = tensor
+                read_bytes += tensor.numel() * tensor.element_size()
+        log.info("%s: file %d/%d read onto %s (%.2f GB, %.0f s)", model_dir.name, number, len(files), device,
+                 read_bytes / 1e9, time.monotonic() - started)
     missing = sorted(set(expected) - set(state) - tied)
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint has no {missing[0]!r} ({len(missing)} keys missing); "
