@@ -352,3 +352,51 @@ def test_mxfp4_experts_outside_their_mlp_are_refused():
     with pytest.raises(UnsupportedModelError, match="not transformers' Mxfp4GptOssMLP"):
         attach(packed, path="torch")
     assert not any(isinstance(m, MoELoRAExperts) for m in packed.modules())
+
+
+def _save_char_tokenizer(directory: Path) -> None:
+    """A tokenizer of one token per character (ids 32-95: space to underscore), saved as transformers saves
+    one, so ``AutoTokenizer.from_pretrained(directory)`` loads it as it would a real checkpoint's."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {chr(i): i for i in range(32, 96)} | {"<unk>": 0}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(directory)
+
+
+def test_moelora_serve_of_a_packed_checkpoint_answers_as_peft(tmp_path):
+    """``moelora serve DIR`` on a gpt-oss MXFP4 checkpoint (its tokenizer beside it): ``load_model`` reads
+    the experts packed, the server attaches and loads an adapter, and completions over HTTP (the adapter
+    and the base) are PEFT's greedy tokens on the reference model."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from moelora.integrations.gpt_oss import PackedGptOssExperts
+    from moelora.serve.server import build_server, load_model
+
+    directory = _write_checkpoint(tmp_path / "checkpoint")
+    _save_char_tokenizer(directory)
+    ref, _ = _reference()
+    pm = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
+        target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"], **ADAPTERS["a"]))
+    fill_lora(pm, seed=100)
+    pm.eval().save_pretrained(str(tmp_path / "a"))
+    model, tokenizer = load_model(directory, "cpu", torch.float32)
+    assert all(isinstance(layer.mlp.experts, PackedGptOssExperts) for layer in model.model.layers)
+    srv = build_server(model, tokenizer, adapters={"a": tmp_path / "a"}, base_name="gpt-oss-tiny")
+    texts = {}
+    try:
+        for name, oracle in (("a", pm), ("gpt-oss-tiny", ref)):
+            prompt = "HELLO MOE"
+            reply = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": name, "prompt": prompt, "max_tokens": 5, "temperature": 0}).json()
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            with torch.no_grad():
+                want = oracle.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                                       do_sample=False)[0, ids.shape[1]:]
+            texts[name] = reply["choices"][0]["text"]
+            assert texts[name] == tokenizer.decode(want.tolist()), name
+    finally:
+        srv.stop(cancel=True)
+    assert texts["a"] != texts["gpt-oss-tiny"], texts  # the adapter changes the answer
