@@ -294,9 +294,16 @@ def test_packed_checkpoint_loads_the_experts_as_stored(tmp_path, caplog):
     # ``moelora serve DIR`` reads such a checkpoint the same way (here without a tokenizer: refused after)
     with pytest.raises(ValueError, match="finds no tokenizer"):
         load_model(directory, "cpu", torch.float32)
+    # In bfloat16 the norms stay float32, as transformers' own loading leaves gpt-oss.
+    half = load_packed_gpt_oss(directory, "cpu", torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in half.named_parameters()}
+    assert dtypes["model.norm.weight"] == dtypes["model.layers.0.input_layernorm.weight"] == torch.float32
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.mlp.experts.gate_up_proj_bias"] == torch.bfloat16
 
 
-@pytest.mark.parametrize("case", ["no scales", "bad shape", "stray key", "not mxfp4", "missing shard"])
+@pytest.mark.parametrize("case", ["no scales", "bad shape", "stray key", "not mxfp4", "missing shard",
+                                  "corrupt shard"])
 def test_packed_checkpoint_refusals_name_the_file_and_key(tmp_path, case):
     import json
 
@@ -321,10 +328,13 @@ def test_packed_checkpoint_refusals_name_the_file_and_key(tmp_path, case):
         (directory / "config.json").write_text(json.dumps(config))
     if case == "missing shard":
         next(directory.glob("model-00002-*.safetensors")).unlink()
+    if case == "corrupt shard":
+        next(directory.glob("model-00002-*.safetensors")).write_bytes(b"not safetensors")
     words = {"no scales": f"no {key!r}", "bad shape": "'model.norm.weight' has shape (3,), expected (64,)",
              "stray key": "'model.layers.0.mlp.experts.gate_up_proj' is not a parameter",
              "not mxfp4": "not a gpt-oss checkpoint with MXFP4 experts",
-             "missing shard": "model-00002-of-00002.safetensors: checkpoint file missing"}[case]
+             "missing shard": "model-00002-of-00002.safetensors: checkpoint file missing",
+             "corrupt shard": "model-00002-of-00002.safetensors: not a readable safetensors file"}[case]
     with pytest.raises(ValueError, match=re.escape(words)):
         load_packed_gpt_oss(directory, "cpu", torch.float32)
 

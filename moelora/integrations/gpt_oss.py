@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -138,11 +139,12 @@ def load_packed_gpt_oss(model_dir: str | Path, device: str | torch.device = "cpu
                         dtype: torch.dtype | None = None) -> nn.Module:
     """transformers' ``GptOssForCausalLM`` from ``model_dir`` with each layer's experts a
     :class:`PackedGptOssExperts` holding the checkpoint's MXFP4 blocks and scales as stored (module
-    docstring). ``dtype``: every floating-point tensor's (default: the config's, else bfloat16); the
-    weights are read straight onto ``device``, a file at a time (logged at INFO). ValueError naming the
-    file and key for a checkpoint that is not one (missing or unexpected keys, a shape that does not
-    match the config)."""
-    from safetensors import safe_open
+    docstring). ``dtype``: every floating-point tensor's (default: the config's, else bfloat16), but in
+    half precision the modules transformers keeps in float32 (the norms) stay so, as its own loading
+    leaves them; the weights are read straight onto ``device``, a file at a time (logged at INFO).
+    ValueError naming the file and key for a checkpoint that is not one (missing or unexpected keys, a
+    shape that does not match the config, a file safetensors cannot read)."""
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     model_dir, device = Path(model_dir), torch.device(device)
@@ -159,16 +161,28 @@ def load_packed_gpt_oss(model_dir: str | Path, device: str | torch.device = "cpu
     for layer in model.model.layers:
         layer.mlp.experts = PackedGptOssExperts(config, dtype, device="meta")
     expected = {name: t for name, t in model.state_dict(keep_vars=True).items()}
+    # As transformers loads a model in half precision: the modules it names stay in float32 (the norms).
+    keep_fp32 = getattr(model, "_keep_in_fp32_modules", None) or []
+    fp32_keys = None
+    if keep_fp32 and dtype in (torch.float16, torch.bfloat16):
+        fp32_keys = re.compile("|".join(re.escape(module) for module in keep_fp32))
     tied = {name for name in expected if name == "lm_head.weight"} if config.tie_word_embeddings else set()
     state: dict[str, torch.Tensor] = {}
     files, started, read_bytes = _checkpoint_files(model_dir), time.monotonic(), 0
     for number, file in enumerate(files, 1):
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        try:
+            f = safe_open(str(file), framework="pt", device=str(device))
+        except (OSError, SafetensorError) as err:
+            raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
+        with f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if key not in expected:
                     raise ValueError(f"{file}: key {key!r} is not a parameter of the gpt-oss model built "
                                      "from config.json")
-                tensor = f.get_tensor(key)
+                try:
+                    tensor = f.get_tensor(key)
+                except (OSError, SafetensorError) as err:
+                    raise ValueError(f"{file}: key {key!r} cannot be read ({err})") from None
                 want = expected[key]
                 if tuple(tensor.shape) != tuple(want.shape):
                     raise ValueError(f"{file}: key {key!r} has shape {tuple(tensor.shape)}, expected "
@@ -178,7 +192,7 @@ def load_packed_gpt_oss(model_dir: str | Path, device: str | torch.device = "cpu
                         raise ValueError(f"{file}: key {key!r} is {tensor.dtype}, expected uint8 MXFP4 "
                                          "blocks or scales")
                 elif tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
+                    tensor = tensor.to(torch.float32 if fp32_keys and fp32_keys.search(key) else dtype)
                 state[key] = tensor
                 read_bytes += tensor.numel() * tensor.element_size()
         log.info("%s: file %d/%d read onto %s (%.2f GB, %.0f s)", model_dir.name, number, len(files), device,
