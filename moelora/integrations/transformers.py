@@ -32,8 +32,10 @@ it on probe values, :class:`moelora.activations.GatedActivation`). Other layouts
 (docs/architecture.md, "Expert layouts"): transposed storage (Aria, gpt-oss, and Llama-4's unflagged one)
 read in place through strides; ungated squared-ReLU experts (Nemotron-H) as a ``(E, 2, I, H)`` halves view
 of their up projection; interleaved gate/up columns (gpt-oss) through one de-interleaved copy of gate/up
-(the in-place halves view reads 6-8x slower); MXFP4 experts packed for transformers' hub kernels (gpt-oss)
-dequantized once at attach, de-interleaved on the way; expert biases (gpt-oss) in the GEMM
+(the in-place halves view reads 6-8x slower); MXFP4 experts (gpt-oss: the checkpoint's, as
+:func:`moelora.integrations.gpt_oss.load_packed_gpt_oss` loads them, or packed for transformers' hub
+kernels) served packed, the GEMMs decoding them, or with ``dequantize_mxfp4`` dequantized once at attach,
+de-interleaved on the way; expert biases (gpt-oss) in the GEMM
 epilogues; identity experts (LongCat-Flash) added by the wrapper; a norm after each expert (MuSE-Spark) run
 on each routed pair's output; Llama-4's dense form (every expert's input-scaled rows) as top-1 pairs; and
 JetMoE's self-routing block, swapped whole; several expert sets per layer chosen by a token-type mask
@@ -486,8 +488,9 @@ def attach(
             ``"auto"`` (default): the kernels on CUDA, where they are faster than transformers' own experts
             loop, the model's module elsewhere. Outside any adapter context the model's own module runs.
         dequantize_mxfp4: MXFP4 experts (gpt-oss) are served packed by default, the GEMMs decoding them in
-            their K-loops (their bytes once more beside the model's hub tensors); ``True`` serves a bf16 copy
-            decoded at attach instead (about four times the MXFP4 bytes).
+            their K-loops (in place for ``load_packed_gpt_oss``'s experts; for transformers' hub module, its
+            bytes once more beside the hub's swizzled tensors); ``True`` serves a bf16 copy decoded at
+            attach instead (about four times the MXFP4 bytes).
 
     Raises:
         UnsupportedModelError: a MoE layer that cannot be served exactly (the message says why), or no fused
