@@ -303,7 +303,7 @@ def test_packed_checkpoint_loads_the_experts_as_stored(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("case", ["no scales", "bad shape", "stray key", "not mxfp4", "missing shard",
-                                  "corrupt shard"])
+                                  "corrupt shard", "bad index", "config a list"])
 def test_packed_checkpoint_refusals_name_the_file_and_key(tmp_path, case):
     import json
 
@@ -330,11 +330,17 @@ def test_packed_checkpoint_refusals_name_the_file_and_key(tmp_path, case):
         next(directory.glob("model-00002-*.safetensors")).unlink()
     if case == "corrupt shard":
         next(directory.glob("model-00002-*.safetensors")).write_bytes(b"not safetensors")
+    if case == "bad index":
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a", "b"]}))
+    if case == "config a list":
+        (directory / "config.json").write_text("[1, 2]")
     words = {"no scales": f"no {key!r}", "bad shape": "'model.norm.weight' has shape (3,), expected (64,)",
              "stray key": "'model.layers.0.mlp.experts.gate_up_proj' is not a parameter",
              "not mxfp4": "not a gpt-oss checkpoint with MXFP4 experts",
              "missing shard": "model-00002-of-00002.safetensors: checkpoint file missing",
-             "corrupt shard": "model-00002-of-00002.safetensors: not a readable safetensors file"}[case]
+             "corrupt shard": "model-00002-of-00002.safetensors: not a readable safetensors file",
+             "bad index": "model.safetensors.index.json: not a safetensors index with a weight_map",
+             "config a list": "not a gpt-oss checkpoint with MXFP4 experts"}[case]
     with pytest.raises(ValueError, match=re.escape(words)):
         load_packed_gpt_oss(directory, "cpu", torch.float32)
 

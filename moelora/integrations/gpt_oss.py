@@ -88,9 +88,10 @@ class PackedGptOssExperts(nn.Module):
 def _config_json(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return config if isinstance(config, dict) else {}
 
 
 def is_packed_gpt_oss_checkpoint(model_dir: str | Path) -> bool:
@@ -108,9 +109,10 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{index}: not a safetensors index with a weight_map ({err})") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map of file names "
+                             f"({type(err).__name__}: {err})") from None
     else:
         files = [model_dir / "model.safetensors"]
     for file in files:
