@@ -247,16 +247,18 @@ def test_align_puts_out_of_range_ids_in_the_null_run(bs, E, M, k, dtype):
 
 
 # Grouping by (expert, adapter slot): the same contract on virtual experts e * (L + 1) + s, a token without
-# an adapter (or with a slot outside [0, L)) in group L of its expert, ids outside [0, E) in the null run;
-# expert_ids holds the real expert. Built on an expert alignment of any block size (the GEMMs'): its own
-# (16), one of 64 rows, and past the one-program alignment (300 x 8 pairs; 97 x 2 with a hot expert whose
-# run spans several chunks); int64 ids; an alignment with no pair in any expert but the null run.
+# an adapter (or with a slot outside [0, L), or, with the block table, an expert its adapter does not train)
+# in group L of its expert, ids outside [0, E) in the null run; expert_ids holds the real expert, pair_slots
+# each pair's group slot. Built on an expert alignment of any block size (the GEMMs'): its own (16), one of
+# 64 rows, and past the one-program alignment (300 x 8 pairs; 97 x 2 with a hot expert whose run spans
+# several chunks); int64 ids; an alignment with no pair in any expert but the null run.
 @pytest.mark.parametrize("bs, E, L, M, k, expert_bs", [
     (16, 5, 3, 1, 2, None), (16, 9, 12, 45, 4, 64), (16, 128, 33, 300, 8, None), (32, 7, 0, 40, 3, 16),
     (16, 3, 70, 97, 2, 128), (64, 4, 5, 200, 1, 64)])
+@pytest.mark.parametrize("untrained", [False, True], ids=["all-trained", "untrained-experts"])
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreter),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, expert_bs, device):
+def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, expert_bs, untrained, device):
     from triton_ops.moe_align import align_by_adapter
 
     gen = torch.Generator().manual_seed(M + L)
@@ -264,17 +266,26 @@ def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, exper
     ids.view(-1)[::7] = E + 3  # the null run
     ids.view(-1)[1::5] = 0  # a hot expert
     slots = torch.randint(-1, L + 2, (M,), generator=gen, dtype=torch.int32)  # L, L + 1: out of range
+    # A pool's block table: unit 0 (the zero block) where the slot's adapter does not train the expert.
+    table = torch.randint(1, 1000, (L, E), generator=gen, dtype=torch.int32)
+    table[torch.rand(L, E, generator=gen) < 0.3] = 0
     ids, slots = ids.to(device), slots.to(device)
     expert_alignment = None
     if expert_bs is not None:
         expert_alignment = moe_align_block_size(ids, expert_bs, E, with_starts=True)
-    sorted_ids, expert_ids, num_post_padded = align_by_adapter(ids, slots, bs, E, L,
-                                                               expert_alignment=expert_alignment)
+    sorted_ids, expert_ids, num_post_padded, pair_slots = align_by_adapter(
+        ids, slots, bs, E, L, expert_alignment=expert_alignment,
+        untrained_table=table.to(device) if untrained else None)
     ids, slots = ids.cpu(), slots.cpu()
     groups = L + 1
-    slot_col = torch.where((slots >= 0) & (slots < L), slots, L).repeat_interleave(k).long()
     flat = ids.reshape(-1).long()
-    virtual = torch.where((flat >= 0) & (flat < E), flat * groups + slot_col, E * groups)
+    in_range = (flat >= 0) & (flat < E)
+    pair_slot = slots.repeat_interleave(k).long()
+    has_slot = (pair_slot >= 0) & (pair_slot < L) & in_range
+    if untrained:
+        has_slot &= table[pair_slot.clamp(0, max(L - 1, 0)), flat.clamp(0, E - 1)] != 0 if L else has_slot
+    slot_col = torch.where(has_slot, pair_slot, L)
+    virtual = torch.where(in_range, flat * groups + slot_col, E * groups)
     want_sorted, want_experts, want_padded = reference_align(virtual.view(M, k), bs, E * groups)
     # The reference's null run (virtual id E * groups) is the function's null run; its virtual experts
     # map to their real expert.
@@ -282,16 +293,17 @@ def test_align_by_adapter_groups_each_block_by_one_adapter(bs, E, L, M, k, exper
     assert sorted_ids.shape == want_sorted.shape and expert_ids.shape == want_experts.shape
     assert torch.equal(sorted_ids.cpu(), want_sorted) and torch.equal(expert_ids.cpu(), want_experts)
     assert int(num_post_padded) == int(want_padded)
+    assert torch.equal(pair_slots.cpu(), torch.where(has_slot, pair_slot, -1).to(torch.int32))
     for block in range(int(num_post_padded) // bs):  # one (expert, adapter) a block
         pairs = sorted_ids[block * bs:(block + 1) * bs].cpu()
         pairs = pairs[pairs < M * k].long()
         assert len(set(virtual[pairs].tolist())) == 1
     every_null = torch.full_like(ids, E)
-    sorted_ids, expert_ids, num_post_padded = align_by_adapter(every_null.to(device), slots.to(device), bs,
-                                                               E, L)
+    sorted_ids, expert_ids, num_post_padded, pair_slots = align_by_adapter(every_null.to(device),
+                                                                           slots.to(device), bs, E, L)
     want_sorted, want_experts, want_padded = reference_align(torch.full_like(ids, E * groups), bs, E * groups)
     assert torch.equal(sorted_ids.cpu(), want_sorted) and int(num_post_padded) == int(want_padded)
-    assert (expert_ids == -1).all()
+    assert (expert_ids == -1).all() and (pair_slots == -1).all()
 
 
 def test_align_by_adapter_refuses_operands_that_do_not_fit():
@@ -310,3 +322,6 @@ def test_align_by_adapter_refuses_operands_that_do_not_fit():
         align_by_adapter(ids, torch.zeros(4, dtype=torch.int32), 16, 5, -1)
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         align_by_adapter(ids, torch.zeros(4, dtype=torch.int32), 12, 5, 2)
+    with pytest.raises(ValueError, match=r"untrained_table must be the \(2, 5\) int32 block table"):
+        align_by_adapter(ids, torch.zeros(4, dtype=torch.int32), 16, 5, 2,
+                         untrained_table=torch.zeros(5, 2, dtype=torch.int32))

@@ -331,16 +331,22 @@ def fused_experts(
             gemm2_lora.shrunk = shrunk_down
         # The LoRA launches' alignment: the GEMMs' expert blocks, or one adapter's rows a block (so its
         # shrinks stack no slots side by side: one adapter a block).
+        # On pairs grouped by adapter the LoRA launches take each pair's group slot (``top_k`` 1): on the
+        # staged path, where they are all the LoRA launches, no slot for an expert its adapter does not
+        # train (a pool's arena), so those pairs cost them nothing.
         lora_align, lora_block_m = align, cfg.block_m
+        lora_slots, lora_top_k = (chunk_slots, top_k) if lora is not None else (None, top_k)
         shrink_adapters = lora.num_adapters if lora is not None else 0
         if plan.by_adapter:
-            lora_block_m, shrink_adapters = ADAPTER_BLOCK_M, 1
-            lora_align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), align_by_adapter(
-                chunk_ids, chunk_slots, lora_block_m, num_experts, lora.slot_ranks.numel(),
-                expert_alignment=alignment), strict=True))
+            lora_block_m, shrink_adapters, lora_top_k = ADAPTER_BLOCK_M, 1, 1
+            table = lora.gate_up_a.blocks if staged and lora.gate_up_a.zero_unit_empty else None
+            *grouped, lora_slots = align_by_adapter(chunk_ids, chunk_slots, lora_block_m, num_experts,
+                                                    lora.slot_ranks.numel(), expert_alignment=alignment,
+                                                    untrained_table=table)
+            lora_align = dict(zip(("sorted_ids", "expert_ids", "num_post_padded"), grouped, strict=True))
         if (split or staged) and not plan.decode_shrink:
-            moe_lora_a(x[start:end], lora.gate_up_a, chunk_slots, lora.slot_ranks, **lora_align,
-                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=top_k, x_row_div=top_k,
+            moe_lora_a(x[start:end], lora.gate_up_a, lora_slots, lora.slot_ranks, **lora_align,
+                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=lora_top_k, x_row_div=top_k,
                        rank_block=rank_block, gated=True, slot_programs=plan.slot_programs,
                        out=shrunk_gate_up, release_next=plan.gate_up_overlap)
         if split:
@@ -351,9 +357,9 @@ def fused_experts(
             invoke_fused_moe_kernel(gemm1_a, w13, gemm1_raw[:pairs], topk_weights=gemm1_weights,
                                     a_row_div=top_k, config=cfg.gemm1, activation="gated_raw", bias=w13_bias,
                                     **align, **gemm1_quant)
-            moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, chunk_slots,
+            moe_lora_gate_up_b(gemm1_raw[:pairs], shrunk_gate_up, lora.gate_up_b, lora_slots,
                                lora.slot_ranks, lora.slot_scalings, **lora_align, block_m=lora_block_m,
-                               top_k=top_k,
+                               top_k=lora_top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
                                out=chunk_activated)
         else:
@@ -384,8 +390,8 @@ def fused_experts(
                                   rank_block=rank_block, out=shrunk_down, release_next=plan.decode_overlap)
             gemm2_lora.shrunk = shrunk_down
         elif split and not plan.down_in_gemm1:
-            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **lora_align,
-                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=top_k, x_row_div=1,
+            moe_lora_a(chunk_activated, lora.down_a, lora_slots, lora.slot_ranks, **lora_align,
+                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=lora_top_k, x_row_div=1,
                        rank_block=rank_block, gated=False, slot_programs=plan.slot_programs,
                        out=shrunk_down, release_next=plan.down_overlap)
             gemm2_lora = _with_epilogue_shrink(gemm2_lora, shrunk_down, pack=plan.pack_down,
@@ -414,13 +420,13 @@ def fused_experts(
             **gemm2_quant,
         )
         if staged:
-            moe_lora_a(chunk_activated, lora.down_a, chunk_slots, lora.slot_ranks, **lora_align,
-                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=top_k, x_row_div=1,
+            moe_lora_a(chunk_activated, lora.down_a, lora_slots, lora.slot_ranks, **lora_align,
+                       num_adapters=shrink_adapters, block_m=lora_block_m, top_k=lora_top_k, x_row_div=1,
                        rank_block=rank_block, gated=False,
                        out=shrunk_down)
         if staged and plan.by_adapter:  # each pair's delta into GEMM2's rows, before the top-k sum
-            moe_lora_down_b(target, shrunk_down, lora.down_b, chunk_slots, lora.slot_ranks,
-                            lora.slot_scalings, **lora_align, block_m=lora_block_m, top_k=top_k,
+            moe_lora_down_b(target, shrunk_down, lora.down_b, lora_slots, lora.slot_ranks,
+                            lora.slot_scalings, **lora_align, block_m=lora_block_m, top_k=lora_top_k,
                             rank_block=rank_block,
                             topk_weights=None if apply_router_weight_on_input else chunk_weights,
                             routed_scaling_factor=routed_scaling_factor)

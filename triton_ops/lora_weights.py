@@ -36,6 +36,9 @@ class LoRAWeights(NamedTuple):
     up_offset: int  # gated A: elements from a gate rank row to its up rank row (0 otherwise)
     max_rank: int  # rank rows a (slot, expert) holds at most
     cols: int  # K for A; N, or 2N for gated B
+    # Unit 0 is the zero block, the entry of every (slot, expert) without rows (an expert the adapter does
+    # not train, an empty slot): a pool's arena. A dense buffer's unit 0 is slot 0's expert 0.
+    zero_unit_empty: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -100,7 +103,7 @@ def arena_lora_weights(gate_up_a: torch.Tensor, gate_up_b: torch.Tensor, down_a:
 
     def rows(data: torch.Tensor, width: int, up_offset: int = 0) -> LoRAWeights:
         return LoRAWeights(data, blocks, stride_unit=width, stride_rank=width, stride_col=1,
-                           up_offset=up_offset, max_rank=max_rank, cols=width)
+                           up_offset=up_offset, max_rank=max_rank, cols=width, zero_unit_empty=True)
 
     return {"gate_up_a": rows(gate_up_a, hidden, up_offset=gate_up_a.stride(0)),
             "gate_up_b": rows(gate_up_b, 2 * inter), "down_a": rows(down_a, inter),

@@ -477,16 +477,25 @@ def _run_bounds(expert_start_ptr, num_post_padded_ptr, run, num_experts):
 
 
 @triton.jit
-def _group_of_pairs(expert_sorted_ptr, token_slots_ptr, pos, run_end, run, numel, top_k, num_experts,
-                    num_slots):
+def _group_of_pairs(expert_sorted_ptr, token_slots_ptr, untrained_ptr, pos, run_end, run, numel, top_k,
+                    num_experts, num_slots):
     """The pairs at positions ``pos`` of the expert alignment and their group in their expert's run: the
-    token's slot, ``num_slots`` for a token without one (or with a slot outside [0, L)), 0 in the null
-    run (one group), -1 for a padding sentinel or a position past the run."""
+    token's slot, ``num_slots`` for a token without one (or with a slot outside [0, L), or, with
+    ``untrained_ptr``, a slot whose block table entry for the run's expert is the zero block), 0 in the
+    null run (one group), -1 for a padding sentinel or a position past the run. ``untrained_ptr``: (the
+    table (L, E) int32 or any pointer, its slot stride, whether to read it)."""
     pair = tl.load(expert_sorted_ptr + pos, mask=pos < run_end, other=numel)
     is_pair = pair < numel
     slot = tl.load(token_slots_ptr + pair // top_k, mask=is_pair, other=-1)
-    group = tl.where((slot >= 0) & (slot < num_slots), slot, num_slots)
-    group = tl.where(run < num_experts, group, 0)
+    # block masks from the scalars: the interpreter takes no scalar & block mask
+    is_expert = (tl.zeros_like(slot) + run) < num_experts
+    has_slot = (slot >= 0) & (slot < num_slots) & is_expert
+    table, stride_table, read_table = untrained_ptr
+    entry = tl.where(has_slot, slot, 0).to(tl.int64) * stride_table + tl.where(is_expert, run, 0)
+    read = (tl.zeros_like(slot) + read_table) != 0
+    unit = tl.load(table + entry, mask=is_pair & has_slot & read, other=1)
+    group = tl.where(has_slot & (unit != 0), slot, num_slots)
+    group = tl.where(is_expert, group, 0)
     return pair, is_pair, tl.where(is_pair, group, -1)
 
 
@@ -497,6 +506,7 @@ def _adapter_count_kernel(
     expert_start_ptr,  # (E + 1,) int32, each expert's padded run start, then the null run's
     expert_padded_ptr,  # (1,) int32, the expert alignment's num_post_padded
     token_slots_ptr,  # (num_tokens,) int32
+    untrained_ptr,  # ((L, E) int32 block table or any pointer, its slot stride, whether to read it)
     group_counts_ptr,  # (E + 1, L + 1) int32, out: pairs of each (expert, slot) group
     # Sizes
     numel,
@@ -512,7 +522,8 @@ def _adapter_count_kernel(
     groups = tl.arange(0, BLOCK_S)
     counts = tl.zeros((BLOCK_S,), dtype=tl.int32)
     for p0 in range(start, end, CHUNK):
-        _, _, group = _group_of_pairs(expert_sorted_ptr, token_slots_ptr, p0 + tl.arange(0, CHUNK), end, run,
+        offs = p0 + tl.arange(0, CHUNK)
+        _, _, group = _group_of_pairs(expert_sorted_ptr, token_slots_ptr, untrained_ptr, offs, end, run,
                                       numel, top_k, num_experts, num_slots)
         counts += tl.sum((group[:, None] == groups[None, :]).to(tl.int32), axis=0)
     tl.store(group_counts_ptr + run * (num_slots + 1) + groups, counts, mask=groups <= num_slots)
@@ -548,9 +559,11 @@ def _adapter_scatter_kernel(
     expert_start_ptr,  # (E + 1,) int32
     expert_padded_ptr,  # (1,) int32
     token_slots_ptr,  # (num_tokens,) int32
+    untrained_ptr,  # ((L, E) int32 block table or any pointer, its slot stride, whether to read it)
     group_counts_ptr,  # (E + 1, L + 1) int32
     group_next_ptr,  # (E + 1, L + 1) int32, in: each group's first position; out: one past its last pair
     sorted_ids_ptr,  # (max_padded,) int32, out
+    pair_slots_ptr,  # (numel,) int32, out: the slot of each pair's group (-1: no adapter, the null run)
     expert_ids_ptr,  # (cdiv(max_padded, BLOCK_SIZE),) int32, out
     num_post_padded_ptr,  # (1,) int32
     # Sizes
@@ -572,8 +585,10 @@ def _adapter_scatter_kernel(
     # The run's pairs in order, each after the earlier ones of its group (ascending pair order per group):
     # a chunk's pairs go to their group's next positions, and its last pair of each group moves them on.
     for p0 in range(start, end, CHUNK):
-        pair, is_pair, group = _group_of_pairs(expert_sorted_ptr, token_slots_ptr, p0 + lane, end, run, numel,
-                                               top_k, num_experts, num_slots)
+        pair, is_pair, group = _group_of_pairs(expert_sorted_ptr, token_slots_ptr, untrained_ptr, p0 + lane,
+                                               end, run, numel, top_k, num_experts, num_slots)
+        tl.store(pair_slots_ptr + pair, tl.where((run < num_experts) & (group < num_slots), group, -1),
+                 mask=is_pair)
         same = group[:, None] == group[None, :]
         rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
         in_chunk = tl.sum(same.to(tl.int32), axis=1)
@@ -619,7 +634,8 @@ def align_by_adapter(
     num_slots: int,
     *,
     expert_alignment: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    untrained_table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routed pairs grouped by (expert, adapter slot), each group padded to ``block_size``: the LoRA
     launches' alignment when a batch holds many adapters, so that every block has one adapter's rows (its
     A and B tiles read once a block, its dots on its own rows only) where the expert alignment's blocks
@@ -631,6 +647,10 @@ def align_by_adapter(
     [0, E)); ``expert_ids`` holds each block's real expert (-1 for the null run and past the end), so the
     LoRA kernels take it unchanged. Pairs keep their ascending order inside a group (deterministic).
 
+    ``untrained_table``: the LoRA block table (L, E) int32 of a pool's arena (unit 0 the zero block): a
+    pair whose (slot, expert) entry is the zero block (an expert its adapter does not train) goes to its
+    expert's no-adapter group too, so the LoRA launches that take ``pair_slots`` do no work for it.
+
     Built on the expert alignment (``expert_alignment``: ``moe_align_block_size(..., with_starts=True)``
     of these ids at any block size, the GEMMs' one; aligned here when None), whose runs already hold each
     expert's pairs in ascending order: each run is split by slot in place of a sort.
@@ -640,7 +660,9 @@ def align_by_adapter(
                               run's block experts, and past the end a stripe of sentinels and -1 blocks
     Sized on the host, no sync: capturable in a CUDA graph and replayable from a launch trace.
     Returns sorted_ids (max_padded,) int32, expert_ids (cdiv(max_padded, block_size),) int32,
-    num_post_padded (1,) int32; max_padded = ``adapter_max_padded``.
+    num_post_padded (1,) int32 (max_padded = ``adapter_max_padded``) and pair_slots (numel,) int32, the
+    slot of each pair's group (-1: no adapter, an untrained expert, the null run): the LoRA launches'
+    token slots, one a pair (``top_k`` 1).
     """
     flat = _check_align_args(topk_ids, block_size, num_experts)
     if token_slots.dim() != 1 or token_slots.numel() != topk_ids.shape[0]:
@@ -656,9 +678,16 @@ def align_by_adapter(
     sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
     expert_ids = torch.empty((cdiv(max_padded, block_size),), dtype=torch.int32, device=device)
     num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    pair_slots = torch.empty((numel,), dtype=torch.int32, device=device)
     if numel == 0:
         not_replayable()  # torch fills, which a launch trace would skip
-        return sorted_ids, expert_ids, num_post_padded.fill_(0)
+        return sorted_ids, expert_ids, num_post_padded.fill_(0), pair_slots
+    if untrained_table is not None and (untrained_table.shape != (num_slots, num_experts)
+                                        or untrained_table.dtype != torch.int32
+                                        or untrained_table.stride(1) != 1):
+        raise ValueError(f"untrained_table must be the ({num_slots}, {num_experts}) int32 block table with "
+                         f"unit stride along the experts, got {untrained_table.dtype} "
+                         f"{tuple(untrained_table.shape)}")
     if expert_alignment is None:
         expert_alignment = moe_align_block_size(topk_ids, 16, num_experts, with_starts=True)
     if len(expert_alignment) != 4:
@@ -673,16 +702,19 @@ def align_by_adapter(
     group_counts = torch.empty((runs, groups), dtype=torch.int32, device=device)
     group_start = torch.empty((runs, groups), dtype=torch.int32, device=device)
     sizes = dict(numel=numel, top_k=top_k, num_experts=num_experts, num_slots=num_slots)
+    untrained = ((untrained_table, untrained_table.stride(0), 1) if untrained_table is not None
+                 else (token_slots, 0, 0))  # not read
     runs_args = dict(expert_sorted_ptr=expert_sorted, expert_start_ptr=expert_start,
-                     expert_padded_ptr=expert_padded, token_slots_ptr=token_slots)
+                     expert_padded_ptr=expert_padded, token_slots_ptr=token_slots, untrained_ptr=untrained)
     launch(_adapter_count_kernel, (runs,), **runs_args, group_counts_ptr=group_counts, **sizes,
            CHUNK=_CHUNK, BLOCK_S=block_s, num_warps=4)
     launch(_adapter_offsets_kernel, (1,), group_counts_ptr=group_counts, group_start_ptr=group_start,
            num_post_padded_ptr=num_post_padded, num_groups=runs * groups, BLOCK_SIZE=block_size,
            BLOCK_G=1024, num_warps=4)
     launch(_adapter_scatter_kernel, (runs,), **runs_args, group_counts_ptr=group_counts,
-           group_next_ptr=group_start, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
+           group_next_ptr=group_start, sorted_ids_ptr=sorted_ids, pair_slots_ptr=pair_slots,
+           expert_ids_ptr=expert_ids,
            num_post_padded_ptr=num_post_padded, **sizes, max_padded=max_padded,
            fill_stripe=cdiv(cdiv(max_padded, runs), block_size) * block_size, BLOCK_SIZE=block_size,
            CHUNK=_SCATTER_CHUNK, BLOCK_S=block_s, num_warps=4)
-    return sorted_ids, expert_ids, num_post_padded
+    return sorted_ids, expert_ids, num_post_padded, pair_slots
