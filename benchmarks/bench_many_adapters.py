@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/bench_many_adapters.py --out benchmarks/results/bench_many_adapters_DEVICE
 
 For each model shape (one MoE layer, bf16), ``N`` adapters are loaded into a real ``MoELoRAMemoryPool``
-(``add_adapter_weights``; ranks cycle 8, 16, 32, 64, every expert trained) and a batch of ``M`` tokens
+(``add_adapter_weights``; ranks cycle 8, 16, 32, 64, every expert trained, or with ``--trained F`` a
+fixed random fraction F of them per adapter, the one-adapter reference too) and a batch of ``M`` tokens
 spread over them (uniform or zipf popularity, ``moelora.bench.token_slots_for``; or, with ``--mixed D+P``,
 a serving step of D decode tokens, each its own sequence, and one P-token prefill chunk of one adapter,
 both drawn by the popularity: ``step_slots``) runs through
@@ -56,12 +57,27 @@ RANKS = (8, 16, 32, 64)
 MOE_LAYERS = {"qwen3-30b-a3b": 48, "deepseek-v2-lite": 26}
 
 
-def adapter(shape, rank: int, pool_rng: torch.Tensor) -> dict[int, ReferenceLoRA]:
-    """One layer's adapter of ``rank`` on every expert, its tensors views of ``pool_rng`` (the values do
-    not matter to the timing; views keep 128 adapters' host generation cheap)."""
+ONE = -1  # trained_experts' index of the one-adapter reference
+
+
+def trained_experts(index: int, num_experts: int, fraction: float) -> list[int]:
+    """The experts adapter ``index`` (``ONE``: the one-adapter reference) trains: all of them, or a fixed
+    random ``fraction`` of them (at least one), as ESFT-style adapters train a few."""
+    if fraction >= 1:
+        return list(range(num_experts))
+    gen = torch.Generator().manual_seed(1000 + index)
+    count = max(1, round(fraction * num_experts))
+    return sorted(torch.randperm(num_experts, generator=gen)[:count].tolist())
+
+
+def adapter(shape, rank: int, pool_rng: torch.Tensor, experts: list[int] | None = None
+            ) -> dict[int, ReferenceLoRA]:
+    """One layer's adapter of ``rank`` on ``experts`` (default every expert), its tensors views of
+    ``pool_rng`` (the values do not matter to the timing; views keep 128 adapters' host generation
+    cheap)."""
     lora = ReferenceLoRA()
     h, i = shape.H, shape.I
-    for e in range(shape.E):
+    for e in range(shape.E) if experts is None else experts:
         for mod, (in_f, out_f) in (("gate", (h, i)), ("up", (h, i)), ("down", (i, h))):
             a = pool_rng[: rank * in_f].view(rank, in_f)
             b = pool_rng[rank * in_f : rank * in_f + out_f * rank].view(out_f, rank)
@@ -84,19 +100,23 @@ def step_slots(m: int, n: int, popularity: str, decode: int = 0) -> torch.Tensor
 
 
 def floor_bytes(shape, m: int, n: int, popularity: str, one_rank: int | None = None,
-                decode: int = 0) -> int:
+                decode: int = 0, trained: float = 1.0) -> int:
     """Bytes a call must move at least: the routed experts' base weights, each distinct (adapter, expert)
-    pair's LoRA rows once (``rank`` units), x and the output. ``one_rank``: every token on one adapter of
-    that rank instead of the N-adapter mix. Same routing and slots as the timed point."""
+    pair's LoRA rows once (``rank`` units) where the adapter trains the expert (``trained_experts``), x
+    and the output. ``one_rank``: every token on one adapter of that rank instead of the N-adapter mix.
+    Same routing and slots as the timed point."""
     _, ids = make_routing(m, shape, 100 + m, torch.device("cpu"))
     slots = step_slots(m, n, popularity, decode).long()
     elem, unit = 2, MoELoRAMemoryPool.unit_bytes_for(shape.H, shape.I, torch.bfloat16)
     experts = torch.unique(ids.long())
     base = experts.numel() * 3 * shape.H * shape.I * elem + 2 * m * shape.H * elem
     if one_rank is not None:
-        return base + experts.numel() * one_rank * unit
+        own = set(trained_experts(ONE, shape.E, trained))
+        return base + sum(e in own for e in experts.tolist()) * one_rank * unit
     pairs = torch.unique(slots[:, None] * shape.E + ids.long()).tolist()
-    return base + sum(RANKS[p // shape.E % len(RANKS)] for p in pairs) * unit
+    owns = {s: set(trained_experts(s, shape.E, trained)) for s in {p // shape.E for p in pairs}}
+    ranks = [RANKS[p // shape.E % len(RANKS)] for p in pairs if p % shape.E in owns[p // shape.E]]
+    return base + sum(ranks) * unit
 
 
 def add_roofline(records: list[dict], hbm_tbps: float) -> None:
@@ -104,9 +124,9 @@ def add_roofline(records: list[dict], hbm_tbps: float) -> None:
     throughput ratio the bytes allow, and the fraction of it reached."""
     for r in records:
         shape = MODELS[r["model"]]
-        decode = r.get("decode", 0)
-        many = floor_bytes(shape, r["M"], r["N"], r["popularity"], decode=decode)
-        one = floor_bytes(shape, r["M"], r["N"], r["popularity"], one_rank=64, decode=decode)
+        decode, trained = r.get("decode", 0), r.get("trained", 1.0)
+        many = floor_bytes(shape, r["M"], r["N"], r["popularity"], decode=decode, trained=trained)
+        one = floor_bytes(shape, r["M"], r["N"], r["popularity"], one_rank=64, decode=decode, trained=trained)
         r["floor_us"] = many / hbm_tbps / 1e6
         r["one_adapter_floor_us"] = one / hbm_tbps / 1e6
         r["floor_throughput_vs_one"] = one / many
@@ -126,24 +146,26 @@ def adapters_per_gb(shape, layers: int) -> dict[str, float]:
 
 def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str], rounds: int,
                 warmup_ms: float, rep_ms: float, mixed: list[tuple[int, int]] = (),
-                ab: dict[str, str] | None = None, ab_path: str = "auto") -> list[dict]:
+                ab: dict[str, str] | None = None, ab_path: str = "auto", trained: float = 1.0) -> list[dict]:
     """Every (M, N, popularity) point, then every mixed step (decode, prefill) of ``mixed`` at each N; with
     ``ab`` (launch overrides) the N-adapter batch also on a layer of path ``ab_path`` captured with them
-    set."""
+    set. ``trained``: the fraction of the experts each adapter trains (``trained_experts``)."""
     shape = MODELS[name]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     w13, w2 = make_weights(shape, dtype, dev, seed=0)
     max_n = max(ns)
     unit = MoELoRAMemoryPool.unit_bytes_for(shape.H, shape.I, dtype)
-    need_units = sum(shape.E * RANKS[k % len(RANKS)] for k in range(max_n)) + shape.E * max(RANKS)
+    owns = {k: trained_experts(k, shape.E, trained) for k in [*range(max_n), ONE]}
+    need_units = (sum(len(owns[k]) * RANKS[k % len(RANKS)] for k in range(max_n))
+                  + len(owns[ONE]) * max(RANKS) + shape.E * max(RANKS))
     pool = MoELoRAMemoryPool(num_experts=shape.E, hidden_size=shape.H, intermediate_size=shape.I,
                              layer_ids=[0], max_loras=max_n + 1, max_rank=max(RANKS), dtype=dtype,
                              device=dev, arena_bytes=need_units * unit)
     rng = torch.randn(max(RANKS) * (2 * shape.H + 2 * shape.I), dtype=dtype) * 0.02
     names = [f"a{k}" for k in range(max_n)]
     for k, n in enumerate(names):
-        pool.add_adapter_weights(n, adapter(shape, RANKS[k % len(RANKS)], rng))
-    pool.add_adapter_weights("one64", adapter(shape, 64, rng))
+        pool.add_adapter_weights(n, adapter(shape, RANKS[k % len(RANKS)], rng, owns[k]))
+    pool.add_adapter_weights("one64", adapter(shape, 64, rng, owns[ONE]))
     layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path="auto", cuda_graphs=False)
     # Its own launch cache: the overrides are read when it first plans a token count, inside ``applied``.
     layer_b = (FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=0, path=ab_path, cuda_graphs=False) if ab
@@ -177,7 +199,7 @@ def bench_model(name: str, ms: list[int], ns: list[int], popularities: list[str]
                 base, single, many = times[:3]
                 mid = sorted(range(rounds), key=lambda r: many[r] / single[r])[rounds // 2]
                 rec = {"model": name, "M": m, "decode": decode, "N": n, "popularity": pop,
-                       "ranks": list(RANKS),
+                       "ranks": list(RANKS), "trained": trained,
                        "base_us": base[mid], "one_adapter_us": single[mid], "n_adapters_us": many[mid],
                        "throughput_vs_one": single[mid] / many[mid],
                        "ranks_in_batch": sorted({RANKS[s % len(RANKS)] for s in slots})}
@@ -273,8 +295,13 @@ def main() -> None:
                         help="launch overrides: also time each N-adapter batch with them set")
     parser.add_argument("--ab-path", choices=("auto", "split", "staged"), default="auto",
                         help="the --ab layer's LoRA path (default auto)")
+    parser.add_argument("--trained", type=float, default=1.0, metavar="FRACTION",
+                        help="the fraction of the experts each adapter trains (ESFT-style: 0.125; "
+                             "default: all)")
     parser.add_argument("--out", required=True, help="output path without extension")
     args = parser.parse_args()
+    if not 0 < args.trained <= 1:
+        parser.error(f"--trained takes a fraction in (0, 1], got {args.trained}")
     if args.ab_path != "auto" and not args.ab:
         parser.error("--ab-path needs --ab NAME=VALUE (the overrides its layer runs with)")
     try:
@@ -296,7 +323,7 @@ def main() -> None:
         records = []
         for name in args.models:
             records += bench_model(name, args.M, args.N, args.popularity, args.rounds, args.warmup, args.rep,
-                                   mixed=mixed, ab=ab, ab_path=args.ab_path)
+                                   mixed=mixed, ab=ab, ab_path=args.ab_path, trained=args.trained)
         result = {"device": torch.cuda.get_device_name(), "records": records, "memory": memory}
     add_roofline(result["records"], device_peaks(result["device"])["hbm_tbps"])
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

@@ -431,6 +431,31 @@ def test_many_adapters_mixed_step_layout_and_floor():
     assert bench.step_label({"M": 1024}) == "M=1024"
 
 
+def test_many_adapters_trained_fraction_counts_only_trained_experts(monkeypatch, capsys):
+    """``--trained F``: each adapter (and the one-adapter reference) trains a fixed F of the experts, and
+    the byte floor counts only the (adapter, expert) pairs it trains; F outside (0, 1] is refused."""
+    from moelora.bench import MODELS
+
+    bench = _script("bench_many_adapters")
+    shape = MODELS["qwen3-30b-a3b"]
+    eighth = bench.trained_experts(3, shape.E, 0.125)
+    assert len(eighth) == shape.E // 8 and eighth == bench.trained_experts(3, shape.E, 0.125)
+    assert eighth != bench.trained_experts(4, shape.E, 0.125)  # each adapter its own experts
+    assert bench.trained_experts(3, shape.E, 1.0) == list(range(shape.E))
+    assert bench.trained_experts(bench.ONE, 5, 0.01) != []  # at least one
+    full = bench.floor_bytes(shape, 1024, 32, "uniform")
+    part = bench.floor_bytes(shape, 1024, 32, "uniform", trained=0.125)
+    base = bench.floor_bytes(shape, 1024, 32, "uniform", trained=1e-9)  # one expert an adapter
+    assert base < part < full
+    assert bench.floor_bytes(shape, 1024, 32, "uniform", one_rank=64, trained=0.125) < bench.floor_bytes(
+        shape, 1024, 32, "uniform", one_rank=64)
+    for bad in ("0", "1.5"):
+        monkeypatch.setattr(sys, "argv", ["bench_many_adapters.py", "--trained", bad, "--out", "unused"])
+        with pytest.raises(SystemExit) as exc:
+            bench.main()
+        assert exc.value.code == 2 and "--trained takes a fraction in (0, 1]" in capsys.readouterr().err
+
+
 def test_many_adapters_ab_overrides_are_checked_before_anything_runs(monkeypatch, capsys):
     """``--ab NAME=VALUE`` takes launch overrides, checked by name and value before any GPU work."""
     bench = _script("bench_many_adapters")
