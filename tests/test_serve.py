@@ -545,24 +545,40 @@ def test_engine_forwards_run_without_cudnn_attention():
         engine.shutdown(cancel=True)
         hook.remove()
     assert seen and not any(seen), seen
-    assert torch.backends.cuda.cudnn_sdp_enabled()
+    # Back on once no engine's step runs (another test's engine may still be finishing one).
+    from moelora.serve.engine import _attention_without_cudnn
+
+    deadline = time.monotonic() + 30
+    while _attention_without_cudnn.users and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engines = [t.name for t in threading.enumerate() if t.name == "moelora-engine"]
+    assert torch.backends.cuda.cudnn_sdp_enabled(), (_attention_without_cudnn.users, engines)
 
 
 def test_overlapping_engine_steps_put_the_cudnn_flag_back():
     """Two engines' steps overlapping in one process (A starts, B starts, A ends, B ends): cuDNN attention
-    is off while either runs and on again after both, whatever the order they end in."""
-    from moelora.serve.engine import _attention_without_cudnn
+    is off while either runs and on again after both, whatever the order they end in. On a flag of the
+    test's own (the process's torch flag is shared with any engine another test left running); the
+    engines' counter drives torch's flag."""
+    from moelora.serve.engine import _attention_without_cudnn, _SharedFlagOff
 
-    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert _attention_without_cudnn._get is torch.backends.cuda.cudnn_sdp_enabled
+    assert _attention_without_cudnn._set is torch.backends.cuda.enable_cudnn_sdp
+    flag = [True]
+    off = _SharedFlagOff(lambda: flag[0], lambda value: flag.__setitem__(0, value))
     for first_out in ("a", "b"):
-        steps = {name: _attention_without_cudnn() for name in ("a", "b")}
+        steps = {name: off() for name in ("a", "b")}
         steps["a"].__enter__()
         steps["b"].__enter__()
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert flag == [False] and off.users == 2
         steps[first_out].__exit__(None, None, None)
-        assert not torch.backends.cuda.cudnn_sdp_enabled()  # the other engine's step still runs
+        assert flag == [False]  # the other engine's step still runs
         steps["b" if first_out == "a" else "a"].__exit__(None, None, None)
-        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert flag == [True] and off.users == 0
+    flag[0] = False  # a flag off before the first step stays off after the last
+    with off(), off():
+        pass
+    assert flag == [False]
 
 
 def test_warm_up_runs_every_mix_and_changes_nothing(oracle):

@@ -643,33 +643,40 @@ class Engine:
 
 
 # Engines of one process whose steps are running now, and the cuDNN SDPA flag from before the first.
-_CUDNN_OFF_LOCK = threading.Lock()
-_cudnn_off_steps = 0
-_cudnn_flag_before = True
+class _SharedFlagOff:
+    """A process-wide flag turned off while any of several overlapping users needs it off: the first to
+    start saves it and turns it off, the last to end puts it back as it was. (Each user saving and
+    restoring it, as ``torch.nn.attention.sdpa_kernel`` does, leaves it off for good when two users
+    overlap: the second saves the first's "off".) ``get`` / ``set`` read and write the flag."""
+
+    def __init__(self, get: Callable[[], bool], set: Callable[[bool], None]) -> None:  # noqa: A002
+        self._get, self._set = get, set
+        self._lock = threading.Lock()
+        self.users = 0
+        self._before = True
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self.users == 0:
+                self._before = self._get()
+                self._set(False)
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.users -= 1
+                if self.users == 0:
+                    self._set(self._before)
 
 
-@contextmanager
-def _attention_without_cudnn() -> Iterator[None]:
-    """SDPA without its cuDNN backend for the engine's forwards. cuDNN attention builds an execution plan
-    for every new query/key shape, and a serving batch's key length changes every step: each step then
-    waits on a plan build (tens to hundreds of milliseconds) where the other backends launch at once.
-    torch keeps the flag process-wide, so the steps of every engine in the process share one count: the
-    first to start turns cuDNN off, the last to end puts the flag back as it was. (Each step saving and
-    restoring it, as ``torch.nn.attention.sdpa_kernel`` does, leaves it off for good when two engines'
-    steps overlap: the second saves the first's "off".)"""
-    global _cudnn_off_steps, _cudnn_flag_before
-    with _CUDNN_OFF_LOCK:
-        if _cudnn_off_steps == 0:
-            _cudnn_flag_before = torch.backends.cuda.cudnn_sdp_enabled()
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        _cudnn_off_steps += 1
-    try:
-        yield
-    finally:
-        with _CUDNN_OFF_LOCK:
-            _cudnn_off_steps -= 1
-            if _cudnn_off_steps == 0:
-                torch.backends.cuda.enable_cudnn_sdp(_cudnn_flag_before)
+#: SDPA without its cuDNN backend for the engine's forwards. cuDNN attention builds an execution plan for
+#: every new query/key shape, and a serving batch's key length changes every step: each step then waits on
+#: a plan build (tens to hundreds of milliseconds) where the other backends launch at once. torch keeps
+#: the flag process-wide, so the steps of every engine in the process share one count.
+_attention_without_cudnn = _SharedFlagOff(torch.backends.cuda.cudnn_sdp_enabled,
+                                          torch.backends.cuda.enable_cudnn_sdp)
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
