@@ -490,6 +490,37 @@ def moe_lora_a(
     return out
 
 
+def _pair_expand_args(shrunk: torch.Tensor, lora_b: LoRAWeights, token_slots: torch.Tensor,
+                      slot_ranks: torch.Tensor, slot_scalings: torch.Tensor,
+                      topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                      num_post_padded: torch.Tensor, *, top_k: int, rank_block: int, block_m: int,
+                      block_n: int, fp32: bool) -> dict[str, Any]:
+    """The launch arguments ``moe_lora_gate_up_b`` and ``moe_lora_down_b`` share: a pair's split-K shrink
+    partials, its slot's B, rank and scaling, its routed weight (the partials as a placeholder pointer
+    when there is none) and the alignment's blocks."""
+    return dict(
+        shrunk_ptr=shrunk,
+        lora_b=lora_b.bundle(),
+        token_slots_ptr=token_slots,
+        slot_ranks_ptr=slot_ranks,
+        slot_scalings_ptr=slot_scalings,
+        topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
+        sorted_ids_ptr=sorted_ids,
+        expert_ids_ptr=expert_ids,
+        num_post_padded_ptr=num_post_padded,
+        numel=shrunk.shape[0],
+        top_k=top_k,
+        num_splits=shrunk.shape[1],
+        stride_ss=shrunk.stride(1),
+        stride_sm=shrunk.stride(0),
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        FP32_IEEE=fp32,
+        LORA_R=rank_block,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
+
+
 def moe_lora_gate_up_b(
     c1: torch.Tensor,
     shrunk: torch.Tensor,
@@ -527,31 +558,16 @@ def moe_lora_gate_up_b(
     grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, block_n),)
     launch(_moe_lora_gate_up_b_kernel, grid,
         c1_ptr=c1,
-        shrunk_ptr=shrunk,
-        lora_b=gate_up_b.bundle(),
-        token_slots_ptr=token_slots,
-        slot_ranks_ptr=slot_ranks,
-        slot_scalings_ptr=slot_scalings,
-        topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
-        sorted_ids_ptr=sorted_ids,
-        expert_ids_ptr=expert_ids,
-        num_post_padded_ptr=num_post_padded,
         h_ptr=out,
         N=n,
-        numel=numel,
         max_padded=sorted_ids.shape[0],
-        top_k=top_k,
-        num_splits=shrunk.shape[1],
         stride_c1m=c1.stride(0),
-        stride_ss=shrunk.stride(1),
-        stride_sm=shrunk.stride(0),
         stride_hm=out.stride(0),
         **activation_args(activation),
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
-        FP32_IEEE=c1.dtype == torch.float32,
-        LORA_R=rank_block,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        **_pair_expand_args(shrunk, gate_up_b, token_slots, slot_ranks, slot_scalings, topk_weights,
+                            sorted_ids, expert_ids, num_post_padded, top_k=top_k, rank_block=rank_block,
+                            block_m=block_m,
+                            block_n=block_n, fp32=c1.dtype == torch.float32),
     )
     return out
 
@@ -591,28 +607,13 @@ def moe_lora_down_b(
     block_n = 64
     launch(_moe_lora_down_b_kernel, (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, block_n),),
         y_ptr=y,
-        shrunk_ptr=shrunk,
-        lora_b=down_b.bundle(),
-        token_slots_ptr=token_slots,
-        slot_ranks_ptr=slot_ranks,
-        slot_scalings_ptr=slot_scalings,
-        topk_weights_ptr=topk_weights if topk_weights is not None else shrunk,
-        sorted_ids_ptr=sorted_ids,
-        expert_ids_ptr=expert_ids,
-        num_post_padded_ptr=num_post_padded,
         N=n,
-        numel=numel,
-        top_k=top_k,
-        num_splits=shrunk.shape[1],
         scale=float(routed_scaling_factor),
         stride_ym=y.stride(0),
-        stride_ss=shrunk.stride(1),
-        stride_sm=shrunk.stride(0),
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
-        FP32_IEEE=y.dtype == torch.float32,
-        LORA_R=rank_block,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        **_pair_expand_args(shrunk, down_b, token_slots, slot_ranks, slot_scalings, topk_weights,
+                            sorted_ids, expert_ids, num_post_padded, top_k=top_k, rank_block=rank_block,
+                            block_m=block_m,
+                            block_n=block_n, fp32=y.dtype == torch.float32),
     )
     return y
 
