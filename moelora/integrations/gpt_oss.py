@@ -57,11 +57,11 @@ class PackedGptOssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(e, h, dtype=dtype, device=device))
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gpt-oss' clamped SwiGLU on interleaved ``[g0, u0, g1, u1, ...]`` columns."""
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        """gpt-oss' own clamped SwiGLU (``GptOssExperts._apply_gate``, on ``self.limit`` and ``self.alpha``)
+        on interleaved ``[g0, u0, g1, u1, ...]`` columns."""
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        return GptOssExperts._apply_gate(self, gate_up)
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
@@ -162,13 +162,13 @@ def load_packed_gpt_oss(model_dir: str | Path, device: str | torch.device = "cpu
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for layer in model.model.layers:
         layer.mlp.experts = PackedGptOssExperts(config, dtype, device="meta")
-    expected = {name: t for name, t in model.state_dict(keep_vars=True).items()}
+    expected = dict(model.state_dict(keep_vars=True))
     # As transformers loads a model in half precision: the modules it names stay in float32 (the norms).
     keep_fp32 = getattr(model, "_keep_in_fp32_modules", None) or []
     fp32_keys = None
     if keep_fp32 and dtype in (torch.float16, torch.bfloat16):
         fp32_keys = re.compile("|".join(re.escape(module) for module in keep_fp32))
-    tied = {name for name in expected if name == "lm_head.weight"} if config.tie_word_embeddings else set()
+    tied = {"lm_head.weight"} & expected.keys() if config.tie_word_embeddings else set()
     state: dict[str, torch.Tensor] = {}
     files, started, read_bytes = _checkpoint_files(model_dir), time.monotonic(), 0
     for number, file in enumerate(files, 1):
