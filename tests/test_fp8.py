@@ -892,8 +892,12 @@ def test_fp8_swapped_k_loop_matches_torch_path_interpreter(m, top_k, path, monke
 @pytest.mark.parametrize("m", [16, 64])
 def test_swapped_k_loop_on_the_gpu(m, fp8_experts, monkeypatch):
     """Compiled kernels at Qwen3-30B-A3B's sizes, 16-row tiles of 64 columns: the layer with ``swap_ab=1``
-    (warpgroup MMAs over ``b^T a^T``) gives the unswapped layer's outputs to bf16 rounding, bf16 and
-    block-FP8 experts."""
+    (warpgroup MMAs over ``b^T a^T``) gives the unswapped layer's outputs to bf16 rounding with bf16
+    experts. With block-FP8 experts the intermediate is quantized to FP8 between the GEMMs: a last-bit
+    difference in the first GEMM's sum (warpgroup FP8 MMAs round their sums differently from converted
+    16x8 ones) moves a few percent of the intermediate's values by one FP8 step (2^-4 to 2^-3 of them), so
+    the two layers agree to 2^-6 there, half the quantization's own error (about 2^-5 rms); a
+    wrong scale or transposition misses both bounds by orders of magnitude."""
     from triton_ops.configs import GemmConfig, MoEConfig
 
     gen = torch.Generator().manual_seed(m)
@@ -914,4 +918,5 @@ def test_swapped_k_loop_on_the_gpu(m, fp8_experts, monkeypatch):
         monkeypatch.setitem(LAUNCH_OVERRIDES, "swap_ab", swap)
         outs[swap] = fused_experts(x, w13, w2, weights, ids, **kwargs).float()
     assert torch.isfinite(outs["1"]).all()
-    assert ((outs["1"] - outs["0"]).norm() / outs["0"].norm()).item() < 2.0**-8
+    bound = 2.0**-6 if fp8_experts else 2.0**-8
+    assert ((outs["1"] - outs["0"]).norm() / outs["0"].norm()).item() < bound
