@@ -345,6 +345,31 @@ def test_packed_checkpoint_refusals_name_the_file_and_key(tmp_path, case):
         load_packed_gpt_oss(directory, "cpu", torch.float32)
 
 
+def test_packed_experts_take_their_gate_constants_as_the_installed_gpt_oss_experts(monkeypatch):
+    """alpha and limit are read as transformers' own GptOssExperts reads them: from the config where it
+    does, and from its own constant where an older version fixes alpha (their configs have no
+    ``swiglu_alpha``)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from moelora.integrations.gpt_oss import PackedGptOssExperts
+
+    config = _config()
+    config.swiglu_alpha, config.swiglu_limit = 1.25, 3.0
+    with torch.device("meta"):
+        dense = modeling_gpt_oss.GptOssExperts(config)
+    packed = PackedGptOssExperts(config, torch.float32)
+    assert (packed.alpha, packed.limit) == (float(dense.alpha), float(dense.limit))
+
+    def older_init(self, config):
+        nn.Module.__init__(self)
+        self.alpha, self.limit = 1.702, config.swiglu_limit
+
+    monkeypatch.setattr(modeling_gpt_oss.GptOssExperts, "__init__", older_init)
+    del config.swiglu_alpha
+    packed = PackedGptOssExperts(config, torch.float32)
+    assert (packed.alpha, packed.limit) == (1.702, 3.0)
+
+
 def test_mxfp4_experts_without_their_scales_are_refused():
     """Packed experts whose hub tensors are missing (plain uint8 parameters, no scales: the hub kernels
     never loaded them) cannot be decoded: a refusal that says how to load the model, nothing swapped."""

@@ -47,7 +47,13 @@ class PackedGptOssExperts(nn.Module):
             raise ValueError(f"MXFP4 experts need hidden_size and intermediate_size multiples of 32, got "
                              f"{h} and {i}")
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
-        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        # As the installed transformers' GptOssExperts takes them: some versions read both from the config,
+        # older ones fix alpha at 1.702 (and their configs have no swiglu_alpha).
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        with torch.device("meta"):
+            dense = GptOssExperts(config)
+        self.alpha, self.limit = float(dense.alpha), float(dense.limit)
         shapes = {"gate_up_proj_blocks": (e, 2 * i, h // 32, 16), "gate_up_proj_scales": (e, 2 * i, h // 32),
                   "down_proj_blocks": (e, h, i // 32, 16), "down_proj_scales": (e, h, i // 32)}
         for name, shape in shapes.items():
