@@ -125,10 +125,10 @@ RULES: dict[str, RuleCells] = {
     # cells: performance.md lever "two-launch decode", its current A/B of the fused sum (--layer base, M=1)
     "fused_sum": RuleCells("0", "base", "plan.fused_topk_sum", (
         (QWEN, 1, 16, 1), (V2L, 1, 16, 1), (V3, 1, 16, 1), (MIXTRAL, 1, 16, 1))),
-    # cells: the many-adapter batches the grouping is for (staged path, 32 adapters); not yet timed, so the
-    # rule is off and "1" forces it on
-    "lora_by_adapter": RuleCells("1", "staged", "plan.lora_by_adapter", (
-        (QWEN, 256, 16, 32), (QWEN, 1024, 16, 32), (V2L, 1024, 16, 32), (QWEN, 1024, 16, 4))),
+    # cells: performance.md "Pairs grouped by adapter, timed" (split path, 16 and 32 adapters; the rule
+    # groups from nine on)
+    "lora_by_adapter": RuleCells("0", "lora", "plan.lora_by_adapter", (
+        (QWEN, 256, 16, 32), (QWEN, 1024, 16, 32), (V2L, 1024, 16, 32), (QWEN, 1024, 16, 16))),
     # cells: performance.md lever "32-column rank chunks at rank tile 64" (rank 64, 4 adapters)
     "lora_chunk_r": RuleCells("16", "lora", "plan.lora_rank_chunk", (
         (QWEN, 1024, 64, 4), (QWEN, 4096, 64, 4), (MIXTRAL, 1024, 64, 4), (V2L, 4096, 64, 4))),

@@ -253,8 +253,8 @@ def bench_point(shape: ModelShape, m: int, layer: FusedMoEWithLoRA, graphed: Fus
         dtype=str(dtype).removeprefix("torch."), n_adapters=n_adapters,
         rank=int(pool.slot_rank_host[pool.slot_of(adapter_name(0))]), max_rank=pool.max_rank,
         layout="decode" if seq_lens is None else "prefill", seq_lens=seq_lens,
-        lora_path=layer.resolve_path(x), calls=calls, warmup_calls=warmup_calls, order=order, busy_us=busy_us,
-        wait=wait,
+        lora_path=layer.resolve_path(x, batch), calls=calls, warmup_calls=warmup_calls, order=order,
+        busy_us=busy_us, wait=wait,
     )
     for name, times in host_times_us(fns, calls, warmup_calls, on_gpu, order, busy_us, wait).items():
         stats = summarize(times)

@@ -37,8 +37,8 @@ from moelora.bench import (  # noqa: E402
     token_slots_for,
     warm_up_on_side_stream,
 )
-from moelora.layer import AUTO_LORA_PATH  # noqa: E402
 from triton_ops.fused_experts import fused_experts  # noqa: E402
+from triton_ops.plan import auto_lora_path, launch_adapter_count  # noqa: E402
 
 _FLUSH_KERNEL_HINTS = ("reduce_kernel", "amax")
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", nargs="+", type=int, default=[16])
     parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--paths", nargs="+", default=["auto"], choices=["auto", "fused", "split", "staged"],
-                        help="LoRA paths to trace (auto: the one moelora.layer.AUTO_LORA_PATH names)")
+                        help="LoRA paths to trace (auto: the one triton_ops.plan.auto_lora_path picks)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write the traces as JSON")
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             points: list[tuple[str, Any, str]] = [("base", None, "fused")]
             for rank in args.ranks:
                 buf = make_lora_buffers(shape, rank, 8, dtype, device, args.seed + rank)
-                auto = AUTO_LORA_PATH
                 for n_adapters in args.adapters:
                     slots = token_slots_for(m, n_adapters, "uniform", args.seed + 13 * m + n_adapters)
                     lora = lora_inputs(buf, slots, 8, n_adapters, rank, device)
+                    auto = auto_lora_path(m, launch_adapter_count(n_adapters))
                     for path in dict.fromkeys(auto if p == "auto" else p for p in args.paths):
                         points.append((f"r{rank} x{n_adapters} {path}", lora, path))
             base_span = None

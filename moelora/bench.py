@@ -5,8 +5,8 @@ adapter popularity this times
 
 * ``base``: ``fused_experts`` without adapters (every record's ``base_us``),
 * ``fused`` / ``split`` / ``staged``: the same call with every token on one of ``n_adapters`` adapters
-  through that LoRA path, and ``auto``: the path ``moelora.layer.AUTO_LORA_PATH`` names (its time is
-  reused when that path was timed already),
+  through that LoRA path, and ``auto``: the path ``triton_ops.plan.auto_lora_path`` picks for the batch
+  (its time is reused when that path was timed already),
 * ``naive``: a PyTorch loop over the routed experts with the LoRA applied per (expert, adapter) token
   group; it syncs, so it runs eagerly, and it is skipped when one call is estimated too slow.
 
@@ -499,8 +499,8 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                   n_slots: int, adapters: list[int], popularities: list[str],
                   cfg: Settings, progress: Progress) -> list[dict[str, Any]]:
     """Every record of one (model, M): the base once, then each rank x adapters x popularity x path."""
-    from moelora.layer import AUTO_LORA_PATH
     from triton_ops.fused_experts import fused_experts
+    from triton_ops.plan import auto_lora_path, launch_adapter_count
 
     device, dtype = cfg.device, DTYPES[cfg.dtype_name]
     on_gpu = device.type == "cuda"
@@ -550,7 +550,7 @@ def _bench_tokens(shape: ModelShape, m: int, w13: torch.Tensor, w2: torch.Tensor
                 slots_host = token_slots_for(m, n_adapters, popularity, cfg.seed + 13 * m + n_adapters)
                 lora_pairs = int(torch.unique(slots_host.long()[:, None] * shape.E + ids_host).numel())
                 lora = lora_inputs(buf, slots_host, n_slots, n_adapters, rank, device)
-                auto = AUTO_LORA_PATH
+                auto = auto_lora_path(m, launch_adapter_count(n_adapters))
                 point = dict(rank=rank, n_adapters=n_adapters, popularity=popularity, lora_pairs=lora_pairs,
                              pool_rank=max(rank, cfg.pool_rank))
                 label = f"{shape.name} M={m} r={rank} n={n_adapters} {popularity}"

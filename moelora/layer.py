@@ -9,8 +9,8 @@ Paths (``path=``):
             the down shrink in GEMM1's epilogue: the base path's launches.
   "staged"  separate shrink, gate_up-expand+activation and down+combine kernels around the base GEMMs.
   "torch"   the vectorised PyTorch path (what CPU tensors use when Triton is not interpreting).
-  "auto"    torch for CPU tensors outside the Triton interpreter, else ``AUTO_LORA_PATH`` (split, the
-            fastest at every measured shape).
+  "auto"    torch for CPU tensors outside the Triton interpreter, else split, or staged for prefill
+            steps of many adapters (``triton_ops.plan.auto_lora_path``).
 A batch in which no token has an adapter (known on the host from ``prepare_batch``) runs the base path.
 Nothing in ``forward`` reads a device value on the host, so it can be captured in a CUDA graph for a
 fixed token count (replay with a new token->adapter mapping via ``pool.prepare_batch(..., out=batch)``).
@@ -38,11 +38,6 @@ if TYPE_CHECKING:
     from triton_ops.mxfp4 import Mxfp4Weights
 
 PATHS = ("auto", "fused", "split", "staged", "torch")
-
-
-# What path="auto" runs on the Triton side: "split" is the fastest at every measured shape
-# (docs/performance.md), so there is no per-shape rule to apply.
-AUTO_LORA_PATH = "split"
 
 
 def _triton_can_run(x: torch.Tensor) -> bool:
@@ -232,15 +227,19 @@ class FusedMoEWithLoRA(nn.Module):
             "expert tensors to wrap"
         )
 
-    def resolve_path(self, x: torch.Tensor) -> str:
-        """The LoRA path a forward on ``x`` runs (``self.path`` with "auto" resolved)."""
+    def resolve_path(self, x: torch.Tensor, batch: MoELoRABatchInfo | None = None) -> str:
+        """The LoRA path a forward on ``x`` with ``batch`` runs (``self.path`` with "auto" resolved; without
+        a batch, as for one adapter)."""
         if self.path == "torch" or not _triton_can_run(x):
             if self.path in ("fused", "split", "staged"):
                 raise ValueError(f"path={self.path!r} needs CUDA tensors or TRITON_INTERPRET=1")
             return "torch"
         if self.path != "auto":
             return self.path
-        return AUTO_LORA_PATH
+        from triton_ops.plan import auto_lora_path
+
+        num_adapters = self._lora_hints(batch)[1] if batch is not None and batch.has_lora else 1
+        return auto_lora_path(x.shape[0], num_adapters)
 
     def forward(
         self,
@@ -366,7 +365,7 @@ class FusedMoEWithLoRA(nn.Module):
                 "prepare_batch must see the same sequence lengths as the forward"
             )
         has_lora = batch is not None and batch.has_lora
-        path = self.resolve_path(x) if has_lora else None
+        path = self.resolve_path(x, batch) if has_lora else None
         if path == "torch" or (not has_lora and (self.path == "torch" or not _triton_can_run(x))):
             w13, w2 = self.w13, self.w2
             if self.mxfp4 is not None:

@@ -15,6 +15,7 @@ from triton_ops.configs import GemmConfig, MoEConfig  # noqa: E402
 # The modules, not the functions triton_ops exports under their names.
 fe = importlib.import_module("triton_ops.fused_experts")
 fm = importlib.import_module("triton_ops.fused_moe")
+plan = importlib.import_module("triton_ops.plan")
 RANK_BLOCKS = (16, 32, 64)
 COUNTS = range(0, 100)
 TILES = [GemmConfig(m, n, 64, num_warps=w, num_stages=s)
@@ -43,6 +44,9 @@ def _rules(n: int) -> list:
                                                        rank_block=rank_block))
     for longest_k, pairs, one_pass in itertools.product((768, 8192), (512, 4096), (False, True)):
         decisions.append(fe.slot_program_shrink(n, longest_k, pairs, one_pass))
+    decisions.append(plan.lora_by_adapter(n))
+    for rows in (1, 256, 1024, 4096):
+        decisions.append(plan.auto_lora_path(rows, n))
     return decisions
 
 
@@ -52,8 +56,8 @@ def test_rules_decide_the_same_for_the_planned_count(n):
     assert _rules(planned) == _rules(n), (n, planned)
     # The slot-program shrink runs min(count, rows) programs a block: with the planned count a few more,
     # which find no slot left and end (the last one takes whatever the others left: complete either way).
-    assert planned >= min(n, 32)
+    assert planned >= min(n, 64)
 
 
 def test_planned_counts_are_few():
-    assert sorted({fm.launch_adapter_count(n) for n in COUNTS}) == [0, 1, 2, 3, 4, 8, 16, 32]
+    assert sorted({fm.launch_adapter_count(n) for n in COUNTS}) == [0, 1, 2, 3, 4, 8, 16, 32, 64]

@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from moelora.layer import AUTO_LORA_PATH, FusedMoEWithLoRA
+from moelora.layer import FusedMoEWithLoRA
 from moelora.pool import MoELoRAMemoryPool
 from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
 from triton_ops import fused_experts
@@ -902,6 +902,37 @@ def test_from_base_shares_the_module_weights():
 
 
 def test_auto_path_rule():
-    # "auto" runs split everywhere on the Triton side, decode included (its gate/up shrink rides in the
-    # alignment's launch); the torch path only for CPU tensors outside the interpreter.
-    assert AUTO_LORA_PATH == "split"
+    # "auto" runs split on the Triton side, decode included (its gate/up shrink rides in the alignment's
+    # launch), except for prefill steps of dozens of adapters; the rules see launch_adapter_count's count.
+    from triton_ops.plan import auto_lora_path
+
+    few = ((1, 64), (1023, 64), (4096, 32), (4096, 1))
+    assert [auto_lora_path(rows, n) for rows, n in few] == ["split"] * 4
+    assert auto_lora_path(1024, 64) == auto_lora_path(8192, 64) == "staged"
+
+
+@interpreter
+def test_auto_path_takes_the_batch_into_account(monkeypatch):
+    """The layer resolves "auto" per batch (host facts: its tokens and adapters): with the staged rule's
+    bounds lowered to this batch, a batch of three adapters runs the staged path and gives what path="staged"
+    gives, bit for bit; a batch of one adapter stays split."""
+    from triton_ops import plan
+
+    monkeypatch.setattr(plan, "AUTO_STAGED_MIN_ROWS", 8)
+    monkeypatch.setattr(plan, "AUTO_STAGED_MIN_ADAPTERS", 3)
+    pool, _ = load_mixed(F32)
+    m = sum(MIXED_LENS)
+    x = torch.randn(m, H)
+    w13, w2 = make_base(E, H, INTER, F32)
+    topk_weights, topk_ids = make_routing(m, E, 2)
+    batch = pool.prepare_batch(MIXED_NAMES, MIXED_LENS)
+    one = pool.prepare_batch(["a"], [m])
+    outs = {}
+    for path in ("auto", "staged", "split"):
+        layer = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path=path)
+        outs[path] = layer(x, topk_weights, topk_ids, batch)
+        if path == "auto":
+            assert layer.resolve_path(x, batch) == "staged"
+            assert layer.resolve_path(x, one) == "split"
+    assert torch.equal(outs["auto"], outs["staged"])
+    assert not torch.equal(outs["auto"], outs["split"])  # another rounding order: the paths do differ

@@ -3,12 +3,11 @@ experts, tokens without an adapter, from one decode token to prefill batches of 
 
 Every forward runs through the layer the way a server runs it (a pool with its arena, ``prepare_batch``,
 ``FusedMoEWithLoRA``) and is checked against :func:`moelora.reference.reference_moe` fed each adapter's own
-tensors (fp32). A block of routed pairs then holds many adapters; the launch rules' expand (path "auto"),
-the slot-range expand forced on both GEMMs (one pipeline stage and two), the shrinks on pairs grouped by
-(expert, adapter) and the staged path with every LoRA launch on them (the variants the many-adapter A/B
-times) must all give the reference's
-values, with the experts an adapter does not train contributing nothing and the rank rows past each
-adapter's rank never counted.
+tensors (fp32). A block of routed pairs then holds many adapters; the launch rules' choice (path "auto"),
+the split path on the expert blocks, the slot-range expand forced on both GEMMs (one pipeline stage and
+two), the shrinks on pairs grouped by (expert, adapter) and the staged path with every LoRA launch on them
+(the variants the many-adapter A/B times) must all give the reference's values, with the experts an
+adapter does not train contributing nothing and the rank rows past each adapter's rank never counted.
 """
 
 from __future__ import annotations
@@ -24,14 +23,16 @@ from moelora.reference import LoRAProjection, ReferenceLoRA, reference_moe
 from triton_ops.overrides import LAUNCH_OVERRIDES
 
 LAYER = 0
-# (path, overrides): the launch rules' choice, the slot-range expand forced on both GEMMs in one and two
-# stages, the shrinks on pairs grouped by (expert, adapter), and the staged path with all its LoRA launches
-# on them.
-VARIANTS = {"rule": ("auto", {}), "ext": ("auto", {"lora_ext": "1"}),
-            "ext2": ("auto", {"lora_ext": "1", "lora_ext_stages": "2"}),
-            "split_by_adapter": ("auto", {"lora_by_adapter": "1"}),
+# (path, overrides): the launch rules' choice (path "auto": split, or staged for a prefill step of dozens of
+# adapters; the LoRA launches on pairs grouped by (expert, adapter) from nine adapters on), the split path on
+# the GEMMs' expert blocks, the slot-range expand forced on both GEMMs in one and two stages, the split
+# path's shrinks on pairs grouped by (expert, adapter), and the staged path with all its LoRA launches on
+# them.
+VARIANTS = {"rule": ("auto", {}), "expert_blocks": ("split", {"lora_by_adapter": "0"}),
+            "ext": ("split", {"lora_ext": "1", "lora_by_adapter": "0"}),
+            "ext2": ("split", {"lora_ext": "1", "lora_ext_stages": "2", "lora_by_adapter": "0"}),
+            "split_by_adapter": ("split", {"lora_by_adapter": "1"}),
             "by_adapter": ("staged", {"lora_by_adapter": "1"})}
-
 
 def _adapters(count: int, ranks: tuple[int, ...], experts: int, hidden: int, inter: int,
               seed: int) -> dict[str, dict[int, ReferenceLoRA]]:
@@ -90,7 +91,7 @@ def _check(m: int, *, experts: int, top_k: int, hidden: int, inter: int, count: 
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("variant", ["rule", "ext2", "split_by_adapter", "by_adapter"])
+@pytest.mark.parametrize("variant", ["rule", "expert_blocks", "ext2", "split_by_adapter", "by_adapter"])
 @pytest.mark.parametrize("m", [1, 97])
 def test_many_adapters_match_the_reference_interpreter(m, variant, monkeypatch):
     """12 adapters of ranks 1, 3, 8 and 16 in a rank-16 pool, 9 experts, top-4, fp32 (the interpreter)."""

@@ -117,7 +117,7 @@ BIG_TILE_SLOT_GROUP_LONG_K = 1
 LAUNCH_ADAPTER_COUNT_EXACT = 4
 
 
-LAUNCH_ADAPTER_COUNT_MAX = 32
+LAUNCH_ADAPTER_COUNT_MAX = 64
 
 
 def launch_adapter_count(num_adapters: int) -> int:
@@ -198,15 +198,40 @@ def defer_lora_prologue(*, late_wait: bool, splits: int, split_chunk: int, rank_
 ADAPTER_BLOCK_M = 16
 
 
+# Past this many adapters in a batch their LoRA launches run on (expert, adapter) blocks, and past
+# AUTO_STAGED_MIN_ADAPTERS with AUTO_STAGED_MIN_ROWS tokens and more "auto" runs the staged path
+# (docs/performance.md, 'Many adapters in a batch'). Powers of two: ``launch_adapter_count`` plans batches
+# of 9 to 16 adapters as 16, and so on, and the rules must decide the same for both.
+BY_ADAPTER_MIN_ADAPTERS = 9
+
+
+AUTO_STAGED_MIN_ADAPTERS = 33
+
+
+AUTO_STAGED_MIN_ROWS = 1024
+
+
 def lora_by_adapter(num_adapters: int) -> bool:
     """Whether the LoRA launches that run apart from the GEMMs run on pairs grouped by (expert, adapter)
     (``moe_align.align_by_adapter``), blocks of ``ADAPTER_BLOCK_M`` rows of one adapter, instead of on the
     GEMMs' expert blocks, where a block of a many-adapter batch holds dozens of adapters and each costs a
     dot over all of the block's rows and a dependent load: the prefill shrinks of the split path, every
     LoRA launch of the staged path (its shrinks, the gate/up expand with the activation, the down expand).
-    Off unless forced (``lora_by_adapter=1``, with two adapters or more): not yet timed against the
-    expert blocks (``bench_many_adapters.py --ab lora_by_adapter=1``, and with ``--ab-path staged``)."""
-    return num_adapters >= 2 and overrides.switch("lora_by_adapter", default=False)
+    From ``BY_ADAPTER_MIN_ADAPTERS`` adapters on (at 8 it was even). ``lora_by_adapter=0`` / ``=1`` forces
+    it off / on (on: with two adapters or more) to compare."""
+    return num_adapters >= 2 and overrides.switch("lora_by_adapter",
+                                                  default=num_adapters >= BY_ADAPTER_MIN_ADAPTERS)
+
+
+def auto_lora_path(rows: int, num_adapters: int) -> str:
+    """The LoRA path ``"auto"`` runs on the Triton side for ``rows`` tokens of ``num_adapters`` adapters
+    (``launch_adapter_count``'s): split, except for prefill steps of many adapters (``AUTO_STAGED_MIN_ROWS``
+    tokens and ``AUTO_STAGED_MIN_ADAPTERS`` adapters on), where the staged path's expands on (expert,
+    adapter) blocks read each pair's B once where the split path's GEMM epilogues walk every adapter of a
+    block."""
+    if rows >= AUTO_STAGED_MIN_ROWS and num_adapters >= AUTO_STAGED_MIN_ADAPTERS:
+        return "staged"
+    return "split"
 
 
 def swap_ab(config: GemmConfig) -> bool:
