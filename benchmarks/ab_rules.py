@@ -179,9 +179,8 @@ RULES: dict[str, RuleCells] = {
     # cells: performance.md lever "a shrink program per slot" (M=64 over split K; M=256 over the one pass)
     "slot_program_shrink": RuleCells("0", "lora", "plan.slot_program_shrink", (
         (V2L, 64, 16, 8), (QWEN, 64, 16, 8), (V2L, 64, 64, 4), (V2L, 256, 16, 5))),
-    # cells: the 16-row decode-batch blocks the swap is for, FP8 where vLLM's kernel leads (M=16/64) and
-    # bf16; not yet timed, so the rule is off and "1" forces it on
-    "swap_ab": RuleCells("1", "base", "plan.swap_ab", (
+    # cells: performance.md "FP8 base experts", the swapped K-loop (16-row decode-batch blocks, FP8 base)
+    "swap_ab": RuleCells("0", "base", "plan.swap_ab", (
         (V2L, 16, 16, 1), (QWEN, 64, 16, 1), (MIXTRAL, 16, 16, 1)), experts="fp8"),
     # cells: performance.md lever "expert-parallel decode aligns" (DeepSeek-V3); V2, Mixtral: rule's scope
     "sparse_align": RuleCells("0", "base", "plan.sparse_routing_aligns", (

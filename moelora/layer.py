@@ -236,10 +236,21 @@ class FusedMoEWithLoRA(nn.Module):
             return "torch"
         if self.path != "auto":
             return self.path
-        from triton_ops.plan import auto_lora_path
+        return self._auto_path(x.shape[0], batch)
 
-        num_adapters = self._lora_hints(batch)[1] if batch is not None and batch.has_lora else 1
-        return auto_lora_path(x.shape[0], num_adapters)
+    def _auto_path(self, rows: int, batch: MoELoRABatchInfo | None) -> str:
+        """``triton_ops.plan.auto_lora_path`` for ``rows`` tokens of ``batch`` (host facts only; the trained
+        experts are counted only where the rule can turn on them)."""
+        from triton_ops.plan import auto_lora_path, auto_path_needs_trained_share
+
+        if batch is None or not batch.has_lora:
+            return auto_lora_path(rows, 1)
+        num_adapters = self._lora_hints(batch)[1]
+        share = 1.0
+        if auto_path_needs_trained_share(rows, num_adapters):
+            share = self.pool.trained_experts(batch, self.layer_id) / (
+                len(batch.slots_used) * self.pool.num_experts)
+        return auto_lora_path(rows, num_adapters, share)
 
     def forward(
         self,
@@ -314,8 +325,16 @@ class FusedMoEWithLoRA(nn.Module):
         has_lora = batch is not None and batch.has_lora
         if has_lora and self.resolve_path(x) == "torch":
             return None
-        lora = self._lora_hints(batch) if has_lora else None
         rows = min(next_power_of_2(x.shape[0]), self.graph_max_tokens)
+        # Batches of the same hints may still take different paths at ``rows`` tokens (the experts their
+        # adapters train): then the path the capture takes is part of the key.
+        lora = None
+        if has_lora:
+            from triton_ops.plan import auto_path_needs_trained_share
+
+            lora = self._lora_hints(batch)
+            if self.path == "auto" and auto_path_needs_trained_share(rows, lora[1]):
+                lora = (*lora, self._auto_path(rows, batch))
         return (rows, x.shape[1:], x.dtype, x.device, topk_ids.shape[1:], topk_ids.dtype, topk_weights.dtype,
                 topk_weights.shape[1:], lora)
 

@@ -41,6 +41,13 @@ class _PoolBatches:
         return batch.pool is self and all(
             gens[s] == g for s, g in zip(batch.slots_used, batch.slot_generations, strict=True))
 
+    def trained_experts(self, batch: MoELoRABatchInfo, layer_id: int) -> int:
+        """The experts of MoE layer ``layer_id`` that ``batch``'s adapters train, summed over its adapters
+        (host facts: the arena blocks each slot holds in that layer)."""
+        self.layer(layer_id)  # a ValueError naming the valid ids for any other
+        layer = self.layer_ids.index(layer_id)
+        return sum(len(units[layer]) for units in (self._slot_units[s] for s in batch.slots_used) if units)
+
     def check_batch(self, batch: MoELoRABatchInfo) -> None:
         """Refuses a batch that would run with weights other than its own: one built by another pool
         (ValueError), or one whose adapter was unloaded, evicted or replaced in its slot since it was built

@@ -865,16 +865,15 @@ def test_bench_fp8_table_and_refusal(capsys):
 @pytest.mark.parametrize("m,top_k", [(5, 2), (67, 2)])
 @pytest.mark.parametrize("path", [None, "split"])
 def test_fp8_swapped_k_loop_matches_torch_path_interpreter(m, top_k, path, monkeypatch):
-    """``swap_ab=1``: 16-row blocks accumulate the transposed block-scaled products (``plan.swap_ab``); the
-    layer still matches the PyTorch path, and the GEMMs took the swap (64-column tiles forced)."""
+    """16-row blocks of FP8 GEMMs accumulate the transposed block-scaled products (``plan.swap_ab``, the
+    rule); the layer still matches the PyTorch path, and the GEMMs took the swap (64-column tiles forced)."""
     from triton_ops import fused_moe
     from triton_ops.configs import GemmConfig, MoEConfig
-    from triton_ops.overrides import LAUNCH_OVERRIDES
 
-    monkeypatch.setitem(LAUNCH_OVERRIDES, "swap_ab", "1")
     swapped = []
     real = fused_moe.swap_ab
-    monkeypatch.setattr(fused_moe, "swap_ab", lambda config: swapped.append(real(config)) or swapped[-1])
+    monkeypatch.setattr(fused_moe, "swap_ab",
+                        lambda config, **kw: swapped.append(real(config, **kw)) or swapped[-1])
     x, w13, w2, fp8, weights, ids = _case(m, top_k)
     pool, batch = _pool_and_batch(x.shape[0])
     lora = None if path is None else _lora_inputs(pool, batch)
@@ -888,16 +887,14 @@ def test_fp8_swapped_k_loop_matches_torch_path_interpreter(m, top_k, path, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_experts", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("m", [16, 64])
-def test_swapped_k_loop_on_the_gpu(m, fp8_experts, monkeypatch):
-    """Compiled kernels at Qwen3-30B-A3B's sizes, 16-row tiles of 64 columns: the layer with ``swap_ab=1``
-    (warpgroup MMAs over ``b^T a^T``) gives the unswapped layer's outputs to bf16 rounding with bf16
-    experts. With block-FP8 experts the intermediate is quantized to FP8 between the GEMMs: a last-bit
-    difference in the first GEMM's sum (warpgroup FP8 MMAs round their sums differently from converted
-    16x8 ones) moves a few percent of the intermediate's values by one FP8 step (2^-4 to 2^-3 of them), so
-    the two layers agree to 2^-6 there, half the quantization's own error (about 2^-5 rms); a
-    wrong scale or transposition misses both bounds by orders of magnitude."""
+def test_swapped_k_loop_on_the_gpu(m, monkeypatch):
+    """Compiled kernels at Qwen3-30B-A3B's sizes, block-FP8 experts, 16-row tiles of 64 columns: the layer
+    with the swap (FP8 warpgroup MMAs over ``b^T a^T``, the rule) against ``swap_ab=0``. The intermediate is
+    quantized to FP8 between the GEMMs: a last-bit difference in the first GEMM's sum (warpgroup FP8 MMAs
+    round their sums differently from converted 16x8 ones) moves a few percent of the intermediate's
+    values by one FP8 step (2^-4 to 2^-3 of them), so the two layers agree to 2^-6, half the quantization's
+    own error (about 2^-5 rms); a wrong scale or transposition misses that by orders of magnitude."""
     from triton_ops.configs import GemmConfig, MoEConfig
 
     gen = torch.Generator().manual_seed(m)
@@ -907,16 +904,12 @@ def test_swapped_k_loop_on_the_gpu(m, fp8_experts, monkeypatch):
     x = torch.randn(m, hidden, generator=gen).cuda().to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(top_k, -1)
     weights, ids = weights.cuda(), ids.to(torch.int32).cuda()
-    kwargs = dict(config=MoEConfig(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4)))
-    if fp8_experts:
-        (w13, s13), (w2, s2) = quantize_fp8_blocks(w13.cuda()), quantize_fp8_blocks(w2.cuda())
-        kwargs["fp8"] = BlockFp8Weights(s13, s2, (128, 128))
-    else:
-        w13, w2 = w13.cuda().to(torch.bfloat16), w2.cuda().to(torch.bfloat16)
+    (w13, s13), (w2, s2) = quantize_fp8_blocks(w13.cuda()), quantize_fp8_blocks(w2.cuda())
+    kwargs = dict(config=MoEConfig(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4)),
+                  fp8=BlockFp8Weights(s13, s2, (128, 128)))
     outs = {}
     for swap in ("0", "1"):
         monkeypatch.setitem(LAUNCH_OVERRIDES, "swap_ab", swap)
         outs[swap] = fused_experts(x, w13, w2, weights, ids, **kwargs).float()
     assert torch.isfinite(outs["1"]).all()
-    bound = 2.0**-6 if fp8_experts else 2.0**-8
-    assert ((outs["1"] - outs["0"]).norm() / outs["0"].norm()).item() < bound
+    assert ((outs["1"] - outs["0"]).norm() / outs["0"].norm()).item() < 2.0**-6

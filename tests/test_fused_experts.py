@@ -441,37 +441,19 @@ def test_programmatic_launch_only_for_dependent_launches():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("m", [1, 9, 70])
-def test_swapped_k_loop_gives_the_products(m, dtype, monkeypatch):
-    """``swap_ab=1`` (16-row blocks, 64 columns or more): GEMM1 (gated) and GEMM2 accumulate ``b^T a^T``
-    and transpose it after the loop; the layer (with adapters on the split path, tokens without one)
-    gives what it gives without the swap, to the dtype's rounding (another summation order)."""
-    from test_decode_launches import lora_inputs
-
-    from triton_ops.configs import GemmConfig, MoEConfig
-    from triton_ops.fused_experts import fused_experts
+def test_unscaled_gemms_do_not_swap(monkeypatch):
+    """bf16/fp16/fp32 GEMMs never take the swapped K-loop, forced or not (it is for block-FP8 tiles:
+    ``plan.swap_ab``)."""
+    from triton_ops.configs import GemmConfig
     from triton_ops.overrides import LAUNCH_OVERRIDES
+    from triton_ops.plan import swap_ab
 
-    gen = torch.Generator().manual_seed(m)
-    experts, top_k, hidden, inter = 7, 3, 96, 80  # inter: a 64-wide tile half past N
-    x = torch.randn(m, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(top_k, -1)
-    ids = ids.to(torch.int32)
-    lora, _, _ = lora_inputs(m, experts, hidden, inter, dtype, seed=m, ranks=(8, 16))
     tiles = GemmConfig(16, 64, 32, 1, 4, 2)
-    from triton_ops import fused_moe
-
-    swapped = []
-    real = fused_moe.swap_ab
-    monkeypatch.setattr(fused_moe, "swap_ab", lambda config: swapped.append(real(config)) or swapped[-1])
-    outs = {}
-    for swap in ("0", "1"):
-        monkeypatch.setitem(LAUNCH_OVERRIDES, "swap_ab", swap)
-        outs[swap] = fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="split",
-                                   config=MoEConfig(tiles, tiles))
-    assert swapped.count(True) == 2 and swapped.count(False) == 2, swapped  # both GEMMs, then unswapped
-    diff = (outs["1"].float() - outs["0"].float()).norm() / outs["0"].float().norm()
-    assert diff.item() <= (1e-6 if dtype == torch.float32 else 2.0**-10), diff
+    for forced in ("0", "1"):
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "swap_ab", forced)
+        assert not swap_ab(tiles, block_scaled=False)
+        assert swap_ab(tiles, block_scaled=True) == (forced == "1")
+    monkeypatch.delitem(LAUNCH_OVERRIDES, "swap_ab")
+    assert swap_ab(tiles, block_scaled=True)
+    assert not swap_ab(GemmConfig(32, 64, 32, 1, 4, 2), block_scaled=True)
+    assert not swap_ab(GemmConfig(16, 32, 32, 1, 4, 2), block_scaled=True)

@@ -46,7 +46,9 @@ def _rules(n: int) -> list:
         decisions.append(fe.slot_program_shrink(n, longest_k, pairs, one_pass))
     decisions.append(plan.lora_by_adapter(n))
     for rows in (1, 256, 1024, 4096):
-        decisions.append(plan.auto_lora_path(rows, n))
+        decisions.append(plan.auto_path_needs_trained_share(rows, n))
+        for share in (0.05, 0.125, 0.5, 1.0):
+            decisions.append(plan.auto_lora_path(rows, n, share))
     return decisions
 
 

@@ -107,3 +107,50 @@ def test_many_adapters_match_the_reference_gpu(m, variant, monkeypatch):
     decode token to 4096 (a 64-row block of M=4096 holds dozens of adapters)."""
     _check(m, experts=64, top_k=6, hidden=512, inter=384, count=40, ranks=(1, 3, 8, 16, 33, 64),
            dtype=torch.bfloat16, device="cuda", variant=variant, tol=2e-2, monkeypatch=monkeypatch)
+
+
+@pytest.mark.interpreter
+def test_auto_path_counts_the_experts_the_batch_trains(monkeypatch):
+    """``pool.trained_experts`` sums the experts each adapter of a batch trains in a layer (host facts), and
+    the layer's "auto" takes the staged path for a batch whose adapters train at most
+    ``AUTO_STAGED_FEW_EXPERTS_SHARE`` of the experts (the rule's bounds lowered to this small batch), with
+    the staged path's values bit for bit; above that share it stays split."""
+    from triton_ops import plan
+
+    experts, hidden, inter, count, m = 9, 32, 24, 6, 20
+    weights_of = _adapters(count, (2, 4), experts, hidden, inter, seed=5)
+    pool = MoELoRAMemoryPool(num_experts=experts, hidden_size=hidden, intermediate_size=inter,
+                             layer_ids=[LAYER], max_loras=count, max_rank=4, dtype=torch.float32,
+                             device="cpu")
+    for name, weights in weights_of.items():
+        pool.add_adapter_weights(name, weights)
+    names = [f"a{i % count}" for i in range(m)]
+    batch = pool.prepare_batch(names)
+    trained = sum(len(weights_of[n][LAYER].gate) for n in sorted(set(names)))
+    assert pool.trained_experts(batch, LAYER) == trained
+    with pytest.raises(ValueError, match="valid layer ids"):
+        pool.trained_experts(batch, LAYER + 1)
+    share = trained / (count * experts)
+    assert 0 < share < 1  # every third adapter trains all experts, the others half
+
+    monkeypatch.setattr(plan, "AUTO_STAGED_MIN_ADAPTERS", 10**6)
+    monkeypatch.setattr(plan, "AUTO_STAGED_FEW_EXPERTS_MIN_ROWS", 8)
+    monkeypatch.setattr(plan, "AUTO_STAGED_FEW_EXPERTS_MIN_ADAPTERS", 2)
+    gen = torch.Generator().manual_seed(3)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    x = torch.randn(m, hidden, generator=gen)
+    weights, ids = torch.softmax(torch.randn(m, experts, generator=gen), -1).topk(2, -1)
+    ids = ids.to(torch.int32)
+    outs = {}
+    for bound, path in ((share + 0.01, "staged"), (share - 0.01, "split")):
+        monkeypatch.setattr(plan, "AUTO_STAGED_FEW_EXPERTS_SHARE", bound)
+        auto = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path="auto")
+        assert auto.resolve_path(x, batch) == path
+        assert auto.resolve_path(x[:7], pool.prepare_batch(names[:7])) == "split"  # fewer rows than the bound
+        forced = FusedMoEWithLoRA(w13, w2, pool=pool, layer_id=LAYER, path=path)
+        outs[path] = auto(x, weights, ids, batch)
+        assert torch.equal(outs[path], forced(x, weights, ids, batch))
+    assert not torch.equal(outs["staged"], outs["split"])
+    batch.release()
+    pool.close()

@@ -595,7 +595,7 @@ def invoke_fused_moe_kernel(
         FP32_IEEE=a.dtype == torch.float32,
         DIRECT_PAIRS=direct,
         **({"MXFP4": True} if mxfp4 else {}),
-        **({"SWAP_AB": True} if not mxfp4 and swap_ab(config) else {}),
+        **({"SWAP_AB": True} if swap_ab(config, block_scaled=block_scaled) else {}),
         **({"LATE_WAIT": True, "launch_pdl": True} if late_wait
            else programmatic_launch(a.device, dependent)),
         num_warps=config.num_warps,

@@ -233,7 +233,7 @@ def _gemm_k_loop(
     multiplied by its rows' and columns' scales as it is added. With MXFP4 (``triton_ops.mxfp4``) b's
     pointers are (BLOCK_K / 2, BLOCK_N) packed bytes and its scale pointers (BLOCK_K / 32, BLOCK_N) E8M0
     scales (``up_scale_ptrs`` the up rows'), each step's product taken by ``_mxfp4_dot``. With SWAP_AB
-    (bf16/fp16/FP8 b) the loop accumulates the transposed products ``b^T @ a^T``, the weights the MMA's M
+    (BLOCK_SCALED only) the loop accumulates the transposed products ``b^T @ a^T``, the weights the MMA's M
     and the block's rows its N, and transposes once after the loop: on sm_90 a 16-row block then runs
     warpgroup MMAs (FP8 natively) where ``a @ b`` takes 16x8 MMAs (FP8 through a conversion)."""
     if MXFP4:
@@ -277,8 +277,6 @@ def _gemm_k_loop(
                                                   SWAP_AB=True)
                 else:
                     acc = _add_block_scaled_dot(acc, a, b, a_scale, b_scale_ptrs, col_valid, TILE_B_SCALE)
-            elif SWAP_AB:
-                acc_t = _dot(tl.trans(b), tl.trans(a), acc_t, FP32_IEEE)
             else:
                 acc = _dot(a, b, acc, FP32_IEEE)
             if GATED:
@@ -294,8 +292,6 @@ def _gemm_k_loop(
                         acc_up = _add_block_scaled_dot(acc_up, a, b_up, a_scale, up_scale_ptrs, col_valid,
                                                        TILE_B_SCALE)
                     up_scale_ptrs += stride_bsk
-                elif SWAP_AB:
-                    acc_up_t = _dot(tl.trans(b_up), tl.trans(a), acc_up_t, FP32_IEEE)
                 else:
                     acc_up = _dot(a, b_up, acc_up, FP32_IEEE)
                 up_ptrs += BLOCK_K * stride_bk

@@ -211,6 +211,19 @@ AUTO_STAGED_MIN_ADAPTERS = 33
 AUTO_STAGED_MIN_ROWS = 1024
 
 
+# ... and from AUTO_STAGED_FEW_EXPERTS_MIN_ADAPTERS adapters and AUTO_STAGED_FEW_EXPERTS_MIN_ROWS tokens on,
+# where the batch's adapters train at most AUTO_STAGED_FEW_EXPERTS_SHARE of the layer's experts (ESFT-style
+# adapters): the staged path's LoRA launches skip the pairs of untrained experts, the split path's GEMM
+# epilogues do not.
+AUTO_STAGED_FEW_EXPERTS_MIN_ADAPTERS = 17
+
+
+AUTO_STAGED_FEW_EXPERTS_MIN_ROWS = 256
+
+
+AUTO_STAGED_FEW_EXPERTS_SHARE = 0.125
+
+
 def lora_by_adapter(num_adapters: int) -> bool:
     """Whether the LoRA launches that run apart from the GEMMs run on pairs grouped by (expert, adapter)
     (``moe_align.align_by_adapter``), blocks of ``ADAPTER_BLOCK_M`` rows of one adapter, instead of on the
@@ -223,25 +236,38 @@ def lora_by_adapter(num_adapters: int) -> bool:
                                                   default=num_adapters >= BY_ADAPTER_MIN_ADAPTERS)
 
 
-def auto_lora_path(rows: int, num_adapters: int) -> str:
+def auto_lora_path(rows: int, num_adapters: int, trained_share: float = 1.0) -> str:
     """The LoRA path ``"auto"`` runs on the Triton side for ``rows`` tokens of ``num_adapters`` adapters
-    (``launch_adapter_count``'s): split, except for prefill steps of many adapters (``AUTO_STAGED_MIN_ROWS``
-    tokens and ``AUTO_STAGED_MIN_ADAPTERS`` adapters on), where the staged path's expands on (expert,
-    adapter) blocks read each pair's B once where the split path's GEMM epilogues walk every adapter of a
-    block."""
+    (``launch_adapter_count``'s) that train ``trained_share`` of the layer's experts on average: split,
+    except for prefill steps of many adapters (``AUTO_STAGED_MIN_ROWS`` tokens and
+    ``AUTO_STAGED_MIN_ADAPTERS`` adapters on), where the staged path's expands on (expert, adapter) blocks
+    read each pair's B once where the split path's GEMM epilogues walk every adapter of a block, and for
+    prefill steps of adapters that train few experts (``AUTO_STAGED_FEW_EXPERTS_*``), whose untrained pairs
+    the staged path skips."""
     if rows >= AUTO_STAGED_MIN_ROWS and num_adapters >= AUTO_STAGED_MIN_ADAPTERS:
+        return "staged"
+    if (rows >= AUTO_STAGED_FEW_EXPERTS_MIN_ROWS and num_adapters >= AUTO_STAGED_FEW_EXPERTS_MIN_ADAPTERS
+            and trained_share <= AUTO_STAGED_FEW_EXPERTS_SHARE):
         return "staged"
     return "split"
 
 
-def swap_ab(config: GemmConfig) -> bool:
-    """Whether a GEMM's K-loop accumulates ``b^T @ a^T`` (the weights the MMA's M, the block's rows its N)
-    and transposes once after the loop (``gemm_tiles._gemm_k_loop``): on sm_90 a block of 16 rows then
-    takes warpgroup MMAs, FP8 ones natively where ``a @ b`` takes 16x8 MMAs on converted FP8 operands
-    (docs/performance.md, 'FP8 base experts').
-    Only for 16-row blocks with 64 columns or more (the MMA's M). Off unless forced (``swap_ab=1``): not
-    yet timed (``ab_env.py --env swap_ab=1``; FP8 with ``--experts fp8`` in ab_rules)."""
-    return config.block_m == 16 and config.block_n >= 64 and overrides.switch("swap_ab", default=False)
+def auto_path_needs_trained_share(rows: int, num_adapters: int) -> bool:
+    """Whether ``auto_lora_path`` can decide otherwise for another ``trained_share`` (so a caller counts the
+    trained experts only then)."""
+    return (rows >= AUTO_STAGED_FEW_EXPERTS_MIN_ROWS and num_adapters >= AUTO_STAGED_FEW_EXPERTS_MIN_ADAPTERS
+            and not (rows >= AUTO_STAGED_MIN_ROWS and num_adapters >= AUTO_STAGED_MIN_ADAPTERS))
+
+
+def swap_ab(config: GemmConfig, *, block_scaled: bool) -> bool:
+    """Whether a block-FP8 GEMM's K-loop accumulates ``b^T @ a^T`` (the weights the MMA's M, the block's rows
+    its N) and transposes once after the loop (``gemm_tiles._gemm_k_loop``): on sm_90 a block of 16 rows then
+    takes FP8 warpgroup MMAs natively where ``a @ b`` takes 16x8 MMAs on operands converted from FP8
+    (docs/performance.md, 'FP8 base experts'; bf16 tiles gained nothing, so they do not swap).
+    Only for 16-row blocks with 64 columns or more (the MMA's M). ``swap_ab=0`` turns it off (to
+    compare)."""
+    return (block_scaled and config.block_m == 16 and config.block_n >= 64
+            and overrides.switch("swap_ab", default=True))
 
 
 def lora_ext_expand(config: GemmConfig, *, gated: bool, num_adapters: int, K: int,
