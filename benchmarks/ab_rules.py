@@ -113,6 +113,10 @@ RULES: dict[str, RuleCells] = {
     # cells: performance.md lever "unmasked K-loop where BLOCK_K divides K" (H200, base layer, M=1024)
     "even_k": RuleCells("0", "base", "fused_moe.invoke_fused_moe_kernel (EVEN_K)", (
         (MIXTRAL, 1024, 16, 1), (QWEN, 1024, 16, 1))),
+    # cells: performance.md "Where the time goes" (staged path, (expert, adapter) blocks); not yet timed, so
+    # the rule is off and "1" forces it on
+    "expand_whole_rows": RuleCells("1", "staged", "plan.expand_whole_rows", (
+        (QWEN, 256, 16, 32), (QWEN, 1024, 16, 32), (V2L, 1024, 16, 32))),
     # cells: performance.md lever "FP8 decode: dependent-launch chain" (FP8 base, M=1)
     "fp8_dependent_decode": RuleCells("0", "base", "pdl.dependent_fp8_decode", (
         (QWEN, 1, 16, 1), (V3, 1, 16, 1)), experts="fp8"),

@@ -1238,3 +1238,46 @@ def test_lora_by_adapter_matches_the_oracle(monkeypatch, m, top_k, on_input, dty
         assert rel_err(out.float(), ref) <= TOL[dtype]
     if dtype == F32:
         torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-6)
+
+
+# The staged path on (expert, adapter) blocks with each expand program walking all of a block's columns
+# (``expand_whole_rows``) against one 64-column tile a program: the same tiles, partial sums and dots in
+# the same order, so the same bits. N spans whole and partial tiles (gate/up 80, down 130); 12 adapters, a
+# fifth of the tokens without one, the routing weight on the input for one case.
+@pytest.mark.parametrize("m, top_k, on_input, dtype, device", [
+    pytest.param(45, 4, False, F32, "cpu", marks=interpreter, id="fp32"),
+    pytest.param(97, 2, True, F16, "cpu", marks=interpreter, id="fp16-on_input"),
+    pytest.param(45, 4, False, BF16, "cuda", marks=pytest.mark.gpu, id="bf16-cuda"),
+    pytest.param(97, 2, True, BF16, "cuda", marks=pytest.mark.gpu, id="bf16-cuda-on_input")])
+def test_expands_walking_whole_rows_give_the_same_bits(monkeypatch, m, top_k, on_input, dtype, device):
+    from triton_ops import moe_lora
+
+    num_experts, hidden, inter = 9, 130, 80
+    x, w13, w2, weights, ids = make_inputs(m, num_experts, top_k, hidden, inter, dtype, device=device, seed=m)
+    ranks = (16, 8, 1, 3, 16, 8, 5, 16, 2, 12, 16, 7)
+    rng = torch.Generator().manual_seed(m)
+    choice = torch.randint(-3, len(ranks), (m,), generator=rng).tolist()
+    adapter_slots = (0, *range(2, len(ranks) + 1))
+    slots = [adapter_slots[c] if c >= 0 else -1 for c in choice]
+    lora, _, _ = lora_inputs(m, num_experts, hidden, inter, dtype, seed=m, ranks=ranks, slots_per_token=slots,
+                             device=device)
+    cols = []
+    real_launch = moe_lora.launch
+
+    def spy(kernel, grid, **kwargs):
+        if "cols_per_program" in kwargs:
+            cols.append((kwargs["cols_per_program"], grid[0]))
+        return real_launch(kernel, grid, **kwargs)
+
+    monkeypatch.setattr(moe_lora, "launch", spy)
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "lora_by_adapter", "1")
+    outs = {}
+    for whole in ("0", "1"):
+        monkeypatch.setitem(LAUNCH_OVERRIDES, "expand_whole_rows", whole)
+        outs[whole] = fe.fused_experts(x, w13, w2, weights, ids, lora=lora, lora_path="staged",
+                                       apply_router_weight_on_input=on_input)
+    # gate/up then down, one tile a program, then whole rows (a third of the programs for down's 3 tiles)
+    assert [c for c, _ in cols] == [64, 64, 128, 192]
+    assert cols[0][1] == 2 * cols[2][1] and cols[1][1] == 3 * cols[3][1]
+    assert torch.isfinite(outs["1"]).all()
+    assert torch.equal(outs["1"], outs["0"])

@@ -27,12 +27,13 @@ LAYER = 0
 # adapters; the LoRA launches on pairs grouped by (expert, adapter) from nine adapters on), the split path on
 # the GEMMs' expert blocks, the slot-range expand forced on both GEMMs in one and two stages, the split
 # path's shrinks on pairs grouped by (expert, adapter), and the staged path with all its LoRA launches on
-# them.
+# them (and its expands walking whole rows).
 VARIANTS = {"rule": ("auto", {}), "expert_blocks": ("split", {"lora_by_adapter": "0"}),
             "ext": ("split", {"lora_ext": "1", "lora_by_adapter": "0"}),
             "ext2": ("split", {"lora_ext": "1", "lora_ext_stages": "2", "lora_by_adapter": "0"}),
             "split_by_adapter": ("split", {"lora_by_adapter": "1"}),
-            "by_adapter": ("staged", {"lora_by_adapter": "1"})}
+            "by_adapter": ("staged", {"lora_by_adapter": "1"}),
+            "whole_rows": ("staged", {"lora_by_adapter": "1", "expand_whole_rows": "1"})}
 
 def _adapters(count: int, ranks: tuple[int, ...], experts: int, hidden: int, inter: int,
               seed: int) -> dict[str, dict[int, ReferenceLoRA]]:

@@ -88,6 +88,7 @@ from triton_ops.plan import (  # noqa: F401  (the launch rules, importable from 
     SPARSE_ALIGN_MIN_EXPERT_BYTES,
     decode_direct_pairs,
     decode_down_partials_limit,
+    expand_whole_rows,
     fp8_lora_takes_bf16_tiles,
     fused_topk_sum,
     lora_by_adapter,
@@ -361,7 +362,7 @@ def fused_experts(
                                lora.slot_ranks, lora.slot_scalings, **lora_align, block_m=lora_block_m,
                                top_k=lora_top_k,
                                rank_block=rank_block, activation=activation, topk_weights=gemm1_weights,
-                               out=chunk_activated)
+                               out=chunk_activated, whole_rows=expand_whole_rows(plan.by_adapter))
         else:
             invoke_fused_moe_kernel(
                 gemm1_a,
@@ -429,7 +430,8 @@ def fused_experts(
                             lora.slot_scalings, **lora_align, block_m=lora_block_m, top_k=lora_top_k,
                             rank_block=rank_block,
                             topk_weights=None if apply_router_weight_on_input else chunk_weights,
-                            routed_scaling_factor=routed_scaling_factor)
+                            routed_scaling_factor=routed_scaling_factor,
+                            whole_rows=expand_whole_rows(plan.by_adapter))
         if pair_out is not None and topk_sum is None:
             moe_sum_reduce(target.view(rows, top_k, hidden), 1.0, out=out[start:end])
         if staged and not plan.by_adapter:

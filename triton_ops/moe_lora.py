@@ -138,6 +138,40 @@ def _moe_lora_shrink_kernel(
             tl.store(out_rows[:, None] + LORA_R + offs_r[None, :], own_up, mask=in_group[:, None])
 
 
+@triton.jit
+def _expand_block_rows(
+    shrunk_ptr,  # (numel, splits, LORA_R or 2 * LORA_R) fp32 split-K shrink partials: [gate | up] when GATED
+    token_slots_ptr,  # (M,) int32
+    sorted_ids_ptr,  # (max_padded,) int32
+    pid_m,
+    numel,
+    top_k,
+    num_splits,
+    stride_ss,
+    stride_sm,
+    GATED: tl.constexpr,
+    LORA_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The prologue of the pair expands: block ``pid_m``'s pairs, which are real, their slots, which have
+    one, and the pairs' shrinks summed over the splits (gate and up when GATED; rows without a slot zero)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = pair < numel
+    row_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_valid, other=-1)
+    has_slot = row_valid & (row_slot >= 0)
+    offs_r = tl.arange(0, LORA_R)
+    s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    shrunk = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    shrunk_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    for _split in range(0, num_splits):
+        shrunk += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
+        if GATED:
+            shrunk_up += tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
+        s_ptrs += stride_ss
+    return pair, row_valid, row_slot, has_slot, shrunk, shrunk_up
+
+
 @triton.jit(do_not_specialize=["numel", "max_padded"])
 def _moe_lora_gate_up_b_kernel(
     # Pointers
@@ -154,6 +188,7 @@ def _moe_lora_gate_up_b_kernel(
     h_ptr,  # (numel, N) out: act(g) * u
     # Sizes
     N,
+    cols_per_program,  # a multiple of BLOCK_N
     numel,
     max_padded,
     top_k,
@@ -175,7 +210,7 @@ def _moe_lora_gate_up_b_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, cols_per_program)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -183,39 +218,35 @@ def _moe_lora_gate_up_b_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert < 0:  # a null block: GEMM2 writes its rows as zeros without reading them
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_valid = pair < numel
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = offs_n < N
-    mask = row_valid[:, None] & col_valid[None, :]
-    c1_ptrs = c1_ptr + pair.to(tl.int64)[:, None] * stride_c1m + offs_n[None, :]
-    gate = tl.load(c1_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(c1_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-
-    row_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_valid, other=-1)
-    offs_r = tl.arange(0, LORA_R)
-    s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
-    has_slot = row_valid & (row_slot >= 0)
-    shrunk_gate = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-    shrunk_up = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-    for _split in range(0, num_splits):
-        shrunk_gate += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
-        shrunk_up += tl.load(s_ptrs + LORA_R, mask=has_slot[:, None], other=0.0)
-        s_ptrs += stride_ss
-    delta_gate, delta_up = lora_expand_slots(
-        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-        shrunk_gate, shrunk_up, row_valid, row_slot, lora_b, expert, offs_n, col_valid, N,
-        slot_ranks_ptr, slot_scalings_ptr,
-        GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-    )
+    pair, row_valid, row_slot, has_slot, shrunk_gate, shrunk_up = _expand_block_rows(
+        shrunk_ptr, token_slots_ptr, sorted_ids_ptr, pid_m, numel, top_k, num_splits, stride_ss, stride_sm,
+        GATED=True, LORA_R=LORA_R, BLOCK_M=BLOCK_M)
+    weight = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0)
-        delta_gate *= weight[:, None]
-        delta_up *= weight[:, None]
-    h = _gated_activation(gate + delta_gate, up + delta_up, ACTIVATION, ACT_LIMIT, ACT_ALPHA, ACT_UP_OFFSET)
-    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    c1_rows = c1_ptr + pair.to(tl.int64)[:, None] * stride_c1m
+    h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_hm
+    # The block's columns in BLOCK_N steps: the prologue above (the pairs, their slots, the partial sums)
+    # once for all of them.
+    n_start = pid_n * cols_per_program
+    for n0 in range(n_start, tl.minimum(n_start + cols_per_program, N), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_valid = offs_n < N
+        mask = row_valid[:, None] & col_valid[None, :]
+        gate = tl.load(c1_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(c1_rows + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        delta_gate, delta_up = lora_expand_slots(
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+            shrunk_gate, shrunk_up, row_valid, row_slot, lora_b, expert, offs_n, col_valid, N,
+            slot_ranks_ptr, slot_scalings_ptr,
+            GATED=True, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+        )
+        if MUL_ROUTED_WEIGHT:
+            delta_gate *= weight[:, None]
+            delta_up *= weight[:, None]
+        h = _gated_activation(gate + delta_gate, up + delta_up, ACTIVATION, ACT_LIMIT, ACT_ALPHA,
+                              ACT_UP_OFFSET)
+        tl.store(h_rows + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -233,6 +264,7 @@ def _moe_lora_down_b_kernel(
     num_post_padded_ptr,  # (1,) int32
     # Sizes
     N,
+    cols_per_program,  # a multiple of BLOCK_N
     numel,
     top_k,
     num_splits,
@@ -249,7 +281,7 @@ def _moe_lora_down_b_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, cols_per_program)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -257,33 +289,28 @@ def _moe_lora_down_b_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert < 0:  # a null block: its pairs contribute nothing
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_valid = pair < numel
-    row_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_valid, other=-1)
-    has_slot = row_valid & (row_slot >= 0)
+    pair, row_valid, row_slot, has_slot, shrunk, _ = _expand_block_rows(
+        shrunk_ptr, token_slots_ptr, sorted_ids_ptr, pid_m, numel, top_k, num_splits, stride_ss, stride_sm,
+        GATED=False, LORA_R=LORA_R, BLOCK_M=BLOCK_M)
     if tl.max(has_slot.to(tl.int32), axis=0) == 0:  # no row with an adapter: nothing to add
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = offs_n < N
-    offs_r = tl.arange(0, LORA_R)
-    s_ptrs = shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
-    shrunk = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
-    for _split in range(0, num_splits):
-        shrunk += tl.load(s_ptrs, mask=has_slot[:, None], other=0.0)
-        s_ptrs += stride_ss
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    delta, _ = lora_expand_slots(
-        zeros, zeros, shrunk, shrunk, row_valid, row_slot, lora_b, expert, offs_n, col_valid, N,
-        slot_ranks_ptr, slot_scalings_ptr, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
-    )
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
     if MUL_ROUTED_WEIGHT:
         row_scale *= tl.load(topk_weights_ptr + pair, mask=has_slot, other=0.0)
-    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    mask = has_slot[:, None] & col_valid[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + delta * row_scale[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+    y_rows = y_ptr + pair.to(tl.int64)[:, None] * stride_ym
+    n_start = pid_n * cols_per_program
+    for n0 in range(n_start, tl.minimum(n_start + cols_per_program, N), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_valid = offs_n < N
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        delta, _ = lora_expand_slots(
+            zeros, zeros, shrunk, shrunk, row_valid, row_slot, lora_b, expert, offs_n, col_valid, N,
+            slot_ranks_ptr, slot_scalings_ptr, GATED=False, FP32_IEEE=FP32_IEEE, LORA_R=LORA_R,
+        )
+        mask = has_slot[:, None] & col_valid[None, :]
+        y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_rows + offs_n[None, :], (y + delta * row_scale[:, None]).to(y_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # M changes with every batch: no divisibility specialization (a compile per class otherwise), but M == 1,
@@ -538,12 +565,14 @@ def moe_lora_gate_up_b(
     activation: Any,
     topk_weights: torch.Tensor | None,
     out: torch.Tensor,
+    whole_rows: bool = False,
 ) -> torch.Tensor:
     """``out[p] = act(g) * u`` with ``[g | u] = c1[p] + w s B_gate_up[slot, e_p] sum_s shrunk[p, s]``.
 
     Replaces ``silu_and_mul`` on the staged path; ``topk_weights`` (numel,) is given when GEMM1 applied
-    the routing weight (apply_router_weight_on_input), so the delta gets it too.
-    Grid: (max_padded / block_m * cdiv(N, BLOCK_N),).
+    the routing weight (apply_router_weight_on_input), so the delta gets it too. ``whole_rows``: a program
+    walks all N columns of its block (``plan.expand_whole_rows``) instead of one BLOCK_N tile.
+    Grid: (max_padded / block_m * cdiv(N, cols_per_program),), cols_per_program BLOCK_N or all of N.
     """
     numel, two_n = c1.shape
     n = two_n // 2
@@ -555,11 +584,13 @@ def moe_lora_gate_up_b(
     if numel == 0:
         return out
     block_n = 64
-    grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, block_n),)
+    cols = cdiv(n, block_n) * block_n if whole_rows else block_n
+    grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, cols),)
     launch(_moe_lora_gate_up_b_kernel, grid,
         c1_ptr=c1,
         h_ptr=out,
         N=n,
+        cols_per_program=cols,
         max_padded=sorted_ids.shape[0],
         stride_c1m=c1.stride(0),
         stride_hm=out.stride(0),
@@ -588,14 +619,15 @@ def moe_lora_down_b(
     rank_block: int,
     topk_weights: torch.Tensor | None,
     routed_scaling_factor: float = 1.0,
+    whole_rows: bool = False,
 ) -> torch.Tensor:
     """In place, before the top-k sum: ``y[p] += rsf * w_p * s B_down[slot, e_p] sum_s shrunk[p, s]`` for
     every routed pair p with an adapter, ``y`` GEMM2's per-pair rows (its routed weight and ``rsf``
     applied; ``topk_weights`` (numel,) None when the weight was applied on the input). On an alignment
     whose blocks each hold one adapter's rows (``moe_align.align_by_adapter``) each (adapter, expert)'s B
     is read once a block and its dot covers its own rows only; on the expert blocks it loops the slots
-    present, as ``moe_lora_gate_up_b`` does.
-    Grid: (max_padded / block_m * cdiv(N, BLOCK_N),).
+    present, as ``moe_lora_gate_up_b`` does; ``whole_rows`` as there.
+    Grid: (max_padded / block_m * cdiv(N, cols_per_program),), cols_per_program BLOCK_N or all of N.
     """
     numel, n = y.shape
     down_b = lora_weights(down_b, kind="b")
@@ -605,9 +637,11 @@ def moe_lora_down_b(
     if numel == 0:
         return y
     block_n = 64
-    launch(_moe_lora_down_b_kernel, (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, block_n),),
+    cols = cdiv(n, block_n) * block_n if whole_rows else block_n
+    launch(_moe_lora_down_b_kernel, (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, cols),),
         y_ptr=y,
         N=n,
+        cols_per_program=cols,
         scale=float(routed_scaling_factor),
         stride_ym=y.stride(0),
         **_pair_expand_args(shrunk, down_b, token_slots, slot_ranks, slot_scalings, topk_weights,

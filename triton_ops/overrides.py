@@ -29,6 +29,7 @@ CHOICES: dict[str, tuple[str, ...] | None] = {
     "decode_down_partials": _COUNT,
     "down_prefetch": _SWITCH,
     "even_k": _SWITCH,
+    "expand_whole_rows": _SWITCH,
     "fp8_dependent_decode": _SWITCH,
     "fp8_lora_tiles": ("auto", "bf16", "fp8"),
     "fp8_tile_scale": _SWITCH,

@@ -236,6 +236,17 @@ def lora_by_adapter(num_adapters: int) -> bool:
                                                   default=num_adapters >= BY_ADAPTER_MIN_ADAPTERS)
 
 
+def expand_whole_rows(by_adapter: bool) -> bool:
+    """Whether the staged path's pair expands (``moe_lora_gate_up_b``, ``moe_lora_down_b``) walk all N
+    columns of a block in one program instead of one 64-column tile a program. On (expert, adapter) blocks
+    a block holds a few rows of one adapter, and a one-tile program spends most of its time on the chain
+    of loads before its dot (the pairs, their slot, its table entry, the split partials), repeated by every
+    tile of the block: the two expands ran at about a fifth of their byte floor on an H200
+    (docs/performance.md, 'Many adapters in a batch'). Off unless forced (``expand_whole_rows=1``, on
+    (expert, adapter) blocks only): not yet timed."""
+    return by_adapter and overrides.switch("expand_whole_rows", default=False)
+
+
 def auto_lora_path(rows: int, num_adapters: int, trained_share: float = 1.0) -> str:
     """The LoRA path ``"auto"`` runs on the Triton side for ``rows`` tokens of ``num_adapters`` adapters
     (``launch_adapter_count``'s) that train ``trained_share`` of the layer's experts on average: split,
