@@ -200,7 +200,7 @@ ADAPTER_BLOCK_M = 16
 
 # Past this many adapters in a batch their LoRA launches run on (expert, adapter) blocks, and past
 # AUTO_STAGED_MIN_ADAPTERS with AUTO_STAGED_MIN_ROWS tokens and more "auto" runs the staged path
-# (docs/performance.md, 'Many adapters in a batch'). Powers of two: ``launch_adapter_count`` plans batches
+# (docs/performance.md, 'Adapter memory: the arena'). Powers of two: ``launch_adapter_count`` plans batches
 # of 9 to 16 adapters as 16, and so on, and the rules must decide the same for both.
 BY_ADAPTER_MIN_ADAPTERS = 9
 
@@ -230,8 +230,8 @@ def lora_by_adapter(num_adapters: int) -> bool:
     GEMMs' expert blocks, where a block of a many-adapter batch holds dozens of adapters and each costs a
     dot over all of the block's rows and a dependent load: the prefill shrinks of the split path, every
     LoRA launch of the staged path (its shrinks, the gate/up expand with the activation, the down expand).
-    From ``BY_ADAPTER_MIN_ADAPTERS`` adapters on (at 8 it was even). ``lora_by_adapter=0`` / ``=1`` forces
-    it off / on (on: with two adapters or more) to compare."""
+    From ``BY_ADAPTER_MIN_ADAPTERS`` adapters on (at eight the two were even). ``lora_by_adapter=0`` /
+    ``=1`` forces it off / on (on: with two adapters or more) to compare."""
     return num_adapters >= 2 and overrides.switch("lora_by_adapter",
                                                   default=num_adapters >= BY_ADAPTER_MIN_ADAPTERS)
 
@@ -241,9 +241,8 @@ def expand_whole_rows(by_adapter: bool) -> bool:
     columns of a block in one program instead of one 64-column tile a program. On (expert, adapter) blocks
     a block holds a few rows of one adapter, and a one-tile program spends most of its time on the chain
     of loads before its dot (the pairs, their slot, its table entry, the split partials), repeated by every
-    tile of the block: the two expands ran at about a fifth of their byte floor on an H200
-    (docs/performance.md, 'Many adapters in a batch'). Off unless forced (``expand_whole_rows=1``, on
-    (expert, adapter) blocks only): not yet timed."""
+    tile of the block (docs/performance.md, 'Adapter memory: the arena', where the time goes). Off unless
+    forced (``expand_whole_rows=1``, on (expert, adapter) blocks only): not yet timed."""
     return by_adapter and overrides.switch("expand_whole_rows", default=False)
 
 
