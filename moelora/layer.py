@@ -31,7 +31,11 @@ from moelora.activations import GatedActivation, as_gated_activation
 from moelora.batch_info import MoELoRABatchInfo
 from moelora.pool import MoELoRAMemoryPool
 from moelora.torch_path import moe_lora_forward_torch
+from triton_ops.configs import env_switch
+from triton_ops.fused_experts import MoELoRAInputs, fused_experts
 from triton_ops.hostmath import next_power_of_2
+from triton_ops.launch import LaunchCache, launch_hooks_idle
+from triton_ops.plan import auto_lora_path, auto_path_needs_trained_share
 
 if TYPE_CHECKING:
     from triton_ops.fp8 import BlockFp8Weights
@@ -241,8 +245,6 @@ class FusedMoEWithLoRA(nn.Module):
     def _auto_path(self, rows: int, batch: MoELoRABatchInfo | None) -> str:
         """``triton_ops.plan.auto_lora_path`` for ``rows`` tokens of ``batch`` (host facts only; the trained
         experts are counted only where the rule can turn on them)."""
-        from triton_ops.plan import auto_lora_path, auto_path_needs_trained_share
-
         if batch is None or not batch.has_lora:
             return auto_lora_path(rows, 1)
         num_adapters = self._lora_hints(batch)[1]
@@ -330,8 +332,6 @@ class FusedMoEWithLoRA(nn.Module):
         # adapters train): then the path the capture takes is part of the key.
         lora = None
         if has_lora:
-            from triton_ops.plan import auto_path_needs_trained_share
-
             lora = self._lora_hints(batch)
             if self.path == "auto" and auto_path_needs_trained_share(rows, lora[1]):
                 lora = (*lora, self._auto_path(rows, batch))
@@ -401,9 +401,6 @@ class FusedMoEWithLoRA(nn.Module):
                 apply_router_weight_on_input=self.apply_router_weight_on_input, fp8=self.fp8,
                 w13_bias=self.w13_bias, w2_bias=self.w2_bias,
             )
-        from triton_ops.fused_experts import MoELoRAInputs, fused_experts
-        from triton_ops.launch import LaunchCache
-
         if self.launch_cache is None:
             self.launch_cache = LaunchCache()
         cache = self.launch_cache
@@ -482,13 +479,9 @@ class FusedMoEWithLoRA(nn.Module):
         converts them before asking), every pointer 16-byte aligned as Triton's specialization assumed (a
         misaligned view runs eagerly). ``MOELORA_LAUNCH_TRACE=0`` turns traces off; so does a Triton
         launch hook (it would see the replay's bare pointers)."""
-        from triton_ops.configs import env_switch
-
         cache = self.launch_cache
         if not cache.plan("MOELORA_LAUNCH_TRACE", lambda: env_switch("MOELORA_LAUNCH_TRACE", default=True)):
             return None
-        from triton_ops.launch import launch_hooks_idle
-
         if not launch_hooks_idle():
             return None
         pointer_bits = 0
