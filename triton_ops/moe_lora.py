@@ -517,15 +517,19 @@ def moe_lora_a(
     return out
 
 
-def _pair_expand_args(shrunk: torch.Tensor, lora_b: LoRAWeights, token_slots: torch.Tensor,
-                      slot_ranks: torch.Tensor, slot_scalings: torch.Tensor,
-                      topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                      num_post_padded: torch.Tensor, *, top_k: int, rank_block: int, block_m: int,
-                      block_n: int, fp32: bool) -> dict[str, Any]:
-    """The launch arguments ``moe_lora_gate_up_b`` and ``moe_lora_down_b`` share: a pair's split-K shrink
-    partials, its slot's B, rank and scaling, its routed weight (the partials as a placeholder pointer
-    when there is none) and the alignment's blocks."""
-    return dict(
+def _launch_pair_expand(kernel: Any, shrunk: torch.Tensor, lora_b: LoRAWeights, token_slots: torch.Tensor,
+                        slot_ranks: torch.Tensor, slot_scalings: torch.Tensor,
+                        topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                        num_post_padded: torch.Tensor, *, n: int, whole_rows: bool, top_k: int,
+                        rank_block: int, block_m: int, fp32: bool, **own: Any) -> None:
+    """Launches ``moe_lora_gate_up_b``'s or ``moe_lora_down_b``'s kernel with the arguments they share (a
+    pair's split-K shrink partials, its slot's B, rank and scaling, its routed weight (the partials as a
+    placeholder pointer when there is none), the alignment's blocks, the column tiling) and ``own``."""
+    block_n = 64
+    cols = cdiv(n, block_n) * block_n if whole_rows else block_n
+    launch(kernel, (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, cols),),
+        N=n,
+        cols_per_program=cols,
         shrunk_ptr=shrunk,
         lora_b=lora_b.bundle(),
         token_slots_ptr=token_slots,
@@ -545,6 +549,7 @@ def _pair_expand_args(shrunk: torch.Tensor, lora_b: LoRAWeights, token_slots: to
         LORA_R=rank_block,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        **own,
     )
 
 
@@ -583,23 +588,11 @@ def moe_lora_gate_up_b(
                          f"{tuple(out.shape)} disagree: expected out (numel, N), gate_up_b 2N outputs")
     if numel == 0:
         return out
-    block_n = 64
-    cols = cdiv(n, block_n) * block_n if whole_rows else block_n
-    grid = (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, cols),)
-    launch(_moe_lora_gate_up_b_kernel, grid,
-        c1_ptr=c1,
-        h_ptr=out,
-        N=n,
-        cols_per_program=cols,
-        max_padded=sorted_ids.shape[0],
-        stride_c1m=c1.stride(0),
-        stride_hm=out.stride(0),
-        **activation_args(activation),
-        **_pair_expand_args(shrunk, gate_up_b, token_slots, slot_ranks, slot_scalings, topk_weights,
-                            sorted_ids, expert_ids, num_post_padded, top_k=top_k, rank_block=rank_block,
-                            block_m=block_m,
-                            block_n=block_n, fp32=c1.dtype == torch.float32),
-    )
+    _launch_pair_expand(_moe_lora_gate_up_b_kernel, shrunk, gate_up_b, token_slots, slot_ranks, slot_scalings,
+                        topk_weights, sorted_ids, expert_ids, num_post_padded, n=n, whole_rows=whole_rows,
+                        top_k=top_k, rank_block=rank_block, block_m=block_m, fp32=c1.dtype == torch.float32,
+                        c1_ptr=c1, h_ptr=out, max_padded=sorted_ids.shape[0], stride_c1m=c1.stride(0),
+                        stride_hm=out.stride(0), **activation_args(activation))
     return out
 
 
@@ -636,19 +629,10 @@ def moe_lora_down_b(
                          f"{tuple(y.shape)} with rank block {rank_block}")
     if numel == 0:
         return y
-    block_n = 64
-    cols = cdiv(n, block_n) * block_n if whole_rows else block_n
-    launch(_moe_lora_down_b_kernel, (cdiv(sorted_ids.shape[0], block_m) * cdiv(n, cols),),
-        y_ptr=y,
-        N=n,
-        cols_per_program=cols,
-        scale=float(routed_scaling_factor),
-        stride_ym=y.stride(0),
-        **_pair_expand_args(shrunk, down_b, token_slots, slot_ranks, slot_scalings, topk_weights,
-                            sorted_ids, expert_ids, num_post_padded, top_k=top_k, rank_block=rank_block,
-                            block_m=block_m,
-                            block_n=block_n, fp32=y.dtype == torch.float32),
-    )
+    _launch_pair_expand(_moe_lora_down_b_kernel, shrunk, down_b, token_slots, slot_ranks, slot_scalings,
+                        topk_weights, sorted_ids, expert_ids, num_post_padded, n=n, whole_rows=whole_rows,
+                        top_k=top_k, rank_block=rank_block, block_m=block_m, fp32=y.dtype == torch.float32,
+                        y_ptr=y, scale=float(routed_scaling_factor), stride_ym=y.stride(0))
     return y
 
 
