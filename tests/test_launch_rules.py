@@ -63,3 +63,10 @@ def test_rules_decide_the_same_for_the_planned_count(n):
 
 def test_planned_counts_are_few():
     assert sorted({fm.launch_adapter_count(n) for n in COUNTS}) == [0, 1, 2, 3, 4, 8, 16, 32, 64]
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_trained_share_is_asked_for_exactly_where_it_can_change_the_path(n):
+    for rows in (1, 255, 256, 1023, 1024, 4096):
+        differs = plan.auto_lora_path(rows, n, 0.0) != plan.auto_lora_path(rows, n, 1.0)
+        assert plan.auto_path_needs_trained_share(rows, n) == differs, (rows, n)
